@@ -1,0 +1,29 @@
+//! Wire types of mlx-network and the few helpers every side shares.
+//!
+//! # Layout
+//! - [`v1`]: generated prost/tonic types of package `mlxnet.v1` (client API
+//!   services, node-link frames, the result claim).
+//! - [`ids`]: [`ids::NodeId`] (an ed25519 public key) and [`ids::JobId`].
+//! - [`claim`]: canonical bytes of a result claim and of a job's input, and
+//!   claim signature verification.
+//! - [`auth`]: the node-link handshake transcript bound to the TLS session.
+//! - [`frame`]: length-prefixed prost frames with a hard size cap.
+//!
+//! Nothing here does I/O beyond reading and writing frames on a stream the
+//! caller owns.
+#![forbid(unsafe_code)]
+
+pub mod auth;
+pub mod claim;
+pub mod frame;
+pub mod ids;
+
+/// Generated types of package `mlxnet.v1`.
+#[allow(clippy::all, missing_docs)]
+pub mod v1 {
+    tonic::include_proto!("mlxnet.v1");
+
+    /// Encoded `FileDescriptorSet` of every mlxnet .proto, for gRPC reflection.
+    pub const FILE_DESCRIPTOR_SET: &[u8] =
+        include_bytes!(concat!(env!("OUT_DIR"), "/mlxnet_descriptor.bin"));
+}
