@@ -1,1 +1,21 @@
-//! mlx-node
+//! mlx-node: lends a Mac to mlx-network and runs whole inference jobs.
+//!
+//! # Layout
+//! - [`config`]: the node's layered configuration ([`config::NodeConfig`]).
+//! - [`identity`]: the node's ed25519 key (its id), created on first run.
+//! - [`hardware`]: the hardware profile (Linux `/proc`; macOS `sysctl` and
+//!   `system_profiler -json`, parsed by pure functions).
+//! - [`models`]: model files the node holds, identified by SHA-256.
+//! - [`engine`]: inference on candle-core: Llama-family model code, GGUF and
+//!   safetensors loading, tokenizer, chat template, sampling.
+//! - [`link`]: the QUIC link to the coordinator (pinned certificate, handshake,
+//!   heartbeat, reconnect, one stream per job).
+//! - [`app`]: [`app::Node::build`] / `run_until_stopped`, what `main` calls.
+
+pub mod app;
+pub mod config;
+pub mod engine;
+pub mod hardware;
+pub mod identity;
+pub mod link;
+pub mod models;
