@@ -1,1 +1,403 @@
-//! tests harness
+//! Harness for end-to-end tests and the devnet: real coordinators and real
+//! nodes, in process, on ports the OS chose, each with a fresh data directory.
+//!
+//! # Layout
+//! - [`test_model`]: the real test model (SmolLM2-135M-Instruct Q4_1), fetched
+//!   by `scripts/fetch-test-model.sh`, never from the network at test time.
+//! - [`spawn_coordinator`] / [`TestCoordinator`]: an `Application` built on
+//!   `127.0.0.1:0`, running until stopped or dropped.
+//! - [`spawn_node`] / [`TestNode`]: an `mlx-node` dialing that coordinator.
+//! - [`Client`]: gRPC clients of the coordinator, and [`Client::run_job`],
+//!   which submits and watches a job to its end.
+//!
+//! # Invariants
+//! - Nothing waits by sleeping: readiness is the node's own link status and
+//!   the job's own event stream; every wait has a deadline and fails loudly.
+//! - Tracing stays silent unless `TEST_LOG` is set.
+
+use std::{
+    future::Future,
+    net::SocketAddr,
+    path::{Path, PathBuf},
+    sync::Once,
+    time::Duration,
+};
+
+use anyhow::{anyhow, bail, Context};
+use mlx_node::{
+    app::Node,
+    config::{ModelEntry, NodeConfig},
+    link::LinkStatus,
+};
+use mlxnet_coordinator::{app::Application, config::CoordinatorConfig};
+use mlxnet_proto::{
+    ids::NodeId,
+    v1::{
+        accounts_client::AccountsClient, job_event, job_input,
+        jobs_client::JobsClient, models_client::ModelsClient, network_client::NetworkClient,
+        ChatMessage, ChatMessages, Job, JobInput, JobState, SamplingParams, SubmitJobRequest,
+        WatchJobRequest,
+    },
+};
+use tokio::{sync::oneshot, task::JoinHandle};
+use tonic::transport::Channel;
+
+/// Catalogue id of the test model.
+pub const TEST_MODEL_ID: &str = "smollm2-135m-instruct";
+/// File name of the test model under `models/`.
+pub const TEST_MODEL_FILE: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
+
+/// Longest any single wait in a test may take before it fails.
+pub const DEADLINE: Duration = Duration::from_secs(120);
+
+/// The repository root (the workspace this crate lives in).
+pub fn repo_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .map(Path::to_path_buf)
+        .unwrap_or_else(|| PathBuf::from("."))
+}
+
+/// Path of the real test model; panics with the fix when it is missing.
+pub fn test_model() -> PathBuf {
+    let path = repo_root().join("models").join(TEST_MODEL_FILE);
+    assert!(
+        path.is_file(),
+        "test model missing at {}: run scripts/fetch-test-model.sh",
+        path.display()
+    );
+    path
+}
+
+/// Starts tracing output when `TEST_LOG` is set (e.g. `TEST_LOG=debug`).
+pub fn init_tracing() {
+    static ONCE: Once = Once::new();
+    ONCE.call_once(|| {
+        if let Ok(filter) = std::env::var("TEST_LOG") {
+            let _ = tracing_subscriber::fmt()
+                .with_env_filter(filter)
+                .with_test_writer()
+                .try_init();
+        }
+    });
+}
+
+/// Awaits `fut`, failing with `what` after [`DEADLINE`].
+pub async fn within<T>(what: &str, fut: impl Future<Output = T>) -> anyhow::Result<T> {
+    tokio::time::timeout(DEADLINE, fut)
+        .await
+        .map_err(|_| anyhow!("timed out after {DEADLINE:?} waiting for {what}"))
+}
+
+/// A running coordinator.
+pub struct TestCoordinator {
+    pub grpc_addr: SocketAddr,
+    pub quic_addr: SocketAddr,
+    pub http_addr: SocketAddr,
+    pub fingerprint: String,
+    pub config: CoordinatorConfig,
+    stop: Option<oneshot::Sender<()>>,
+    task: Option<JoinHandle<anyhow::Result<()>>>,
+}
+
+impl TestCoordinator {
+    /// Stops it and waits until its ports and database are released.
+    pub async fn stop(mut self) -> anyhow::Result<CoordinatorConfig> {
+        self.shutdown().await?;
+        Ok(self.config.clone())
+    }
+
+    async fn shutdown(&mut self) -> anyhow::Result<()> {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        if let Some(task) = self.task.take() {
+            within("coordinator shutdown", task).await???;
+        }
+        Ok(())
+    }
+
+    /// gRPC clients connected to it.
+    pub async fn client(&self) -> anyhow::Result<Client> {
+        Client::connect(self.grpc_addr).await
+    }
+
+    /// A node config that dials this coordinator and serves the test model.
+    pub fn node_config(&self, data_dir: &Path, name: &str) -> NodeConfig {
+        let mut config = NodeConfig::new(
+            data_dir.to_path_buf(),
+            self.quic_addr.to_string(),
+            self.fingerprint.clone(),
+        );
+        config.name = name.to_string();
+        config.models = vec![ModelEntry {
+            id: TEST_MODEL_ID.to_string(),
+            path: test_model(),
+        }];
+        config.threads = Some(1);
+        config.reconnect_min_ms = 50;
+        config.reconnect_max_ms = 500;
+        config
+    }
+}
+
+impl Drop for TestCoordinator {
+    fn drop(&mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+    }
+}
+
+/// A coordinator config for tests: everything on `127.0.0.1:0`, data in `dir`.
+pub fn coordinator_config(dir: &Path) -> CoordinatorConfig {
+    CoordinatorConfig::for_data_dir(dir.to_path_buf())
+}
+
+/// Builds and starts a coordinator from `config`.
+pub async fn spawn_coordinator(config: CoordinatorConfig) -> anyhow::Result<TestCoordinator> {
+    init_tracing();
+    let app = Application::build(config.clone())
+        .await
+        .context("building the coordinator")?;
+    let (stop, stopped) = oneshot::channel::<()>();
+    let grpc_addr = app.grpc_addr();
+    let quic_addr = app.quic_addr();
+    let http_addr = app.http_addr();
+    let fingerprint = app.cert_fingerprint();
+    // Later starts on the same data dir reuse the ports this one got, so
+    // nodes that pinned the address find it again after a restart.
+    let mut config = config;
+    config.grpc_addr = grpc_addr;
+    config.quic_addr = quic_addr;
+    config.http_addr = http_addr;
+    let task = tokio::spawn(async move {
+        app.run_until(async move {
+            let _ = stopped.await;
+        })
+        .await
+        .map_err(anyhow::Error::from)
+    });
+    Ok(TestCoordinator {
+        grpc_addr,
+        quic_addr,
+        http_addr,
+        fingerprint,
+        config,
+        stop: Some(stop),
+        task: Some(task),
+    })
+}
+
+/// A running node.
+pub struct TestNode {
+    pub id: NodeId,
+    pub status: tokio::sync::watch::Receiver<LinkStatus>,
+    stop: Option<oneshot::Sender<()>>,
+    task: Option<JoinHandle<anyhow::Result<()>>>,
+}
+
+impl TestNode {
+    /// Waits until the node is registered with the coordinator.
+    pub async fn registered(&mut self) -> anyhow::Result<()> {
+        within(
+            "node registration",
+            self.status
+                .wait_for(|s| matches!(s, LinkStatus::Registered { .. })),
+        )
+        .await?
+        .map_err(|_| anyhow!("node stopped before registering"))?;
+        Ok(())
+    }
+
+    /// Waits until the node has lost its link (e.g. the coordinator stopped).
+    pub async fn disconnected(&mut self) -> anyhow::Result<()> {
+        within(
+            "node link loss",
+            self.status
+                .wait_for(|s| !matches!(s, LinkStatus::Registered { .. })),
+        )
+        .await?
+        .map_err(|_| anyhow!("node stopped"))?;
+        Ok(())
+    }
+
+    /// Stops the node and waits for it to end.
+    pub async fn stop(mut self) -> anyhow::Result<()> {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        if let Some(task) = self.task.take() {
+            within("node shutdown", task).await???;
+        }
+        Ok(())
+    }
+}
+
+impl Drop for TestNode {
+    fn drop(&mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+    }
+}
+
+/// Builds and starts a node from `config`.
+pub async fn spawn_node(config: NodeConfig) -> anyhow::Result<TestNode> {
+    init_tracing();
+    let node = Node::build(config).await.context("building the node")?;
+    let id = node.node_id();
+    let status = node.link_status();
+    let (stop, stopped) = oneshot::channel::<()>();
+    let task = tokio::spawn(async move {
+        node.run_until(async move {
+            let _ = stopped.await;
+        })
+        .await
+        .map_err(anyhow::Error::from)
+    });
+    Ok(TestNode {
+        id,
+        status,
+        stop: Some(stop),
+        task: Some(task),
+    })
+}
+
+/// gRPC clients of one coordinator.
+#[derive(Clone)]
+pub struct Client {
+    pub jobs: JobsClient<Channel>,
+    pub models: ModelsClient<Channel>,
+    pub network: NetworkClient<Channel>,
+    pub accounts: AccountsClient<Channel>,
+}
+
+/// What a client saw of one job, from submit to its end.
+#[derive(Debug)]
+pub struct JobRun {
+    pub job_id: String,
+    /// Text of the token events, concatenated in order.
+    pub streamed_text: String,
+    /// Token ids of the token events, concatenated in order.
+    pub streamed_ids: Vec<u32>,
+    /// Node ids of the assigned events, in order.
+    pub assigned_to: Vec<String>,
+    /// The job as the terminal event carried it (or as `Get` returned it).
+    pub job: Job,
+}
+
+impl Client {
+    pub async fn connect(addr: SocketAddr) -> anyhow::Result<Self> {
+        let channel = Channel::from_shared(format!("http://{addr}"))?
+            .connect()
+            .await
+            .with_context(|| format!("connecting to gRPC at {addr}"))?;
+        Ok(Self {
+            jobs: JobsClient::new(channel.clone()),
+            models: ModelsClient::new(channel.clone()),
+            network: NetworkClient::new(channel.clone()),
+            accounts: AccountsClient::new(channel),
+        })
+    }
+
+    /// Submits `request` and follows its events until the job ends.
+    pub async fn run_job(&mut self, request: SubmitJobRequest) -> anyhow::Result<JobRun> {
+        let job = self.jobs.submit(request).await?.into_inner();
+        self.follow(job.id).await
+    }
+
+    /// Follows a submitted job's events until it ends.
+    pub async fn follow(&mut self, job_id: String) -> anyhow::Result<JobRun> {
+        let mut stream = self
+            .jobs
+            .watch(WatchJobRequest {
+                job_id: job_id.clone(),
+            })
+            .await?
+            .into_inner();
+        let mut run = JobRun {
+            job_id: job_id.clone(),
+            streamed_text: String::new(),
+            streamed_ids: Vec::new(),
+            assigned_to: Vec::new(),
+            job: Job::default(),
+        };
+        let end = within("the job's end", async {
+            while let Some(event) = stream.message().await? {
+                match event.event {
+                    Some(job_event::Event::Tokens(t)) => {
+                        if t.index as usize != run.streamed_ids.len() {
+                            bail!(
+                                "token event at index {} after {} tokens",
+                                t.index,
+                                run.streamed_ids.len()
+                            );
+                        }
+                        run.streamed_text.push_str(&t.text);
+                        run.streamed_ids.extend(t.token_ids);
+                    }
+                    Some(job_event::Event::Assigned(a)) => run.assigned_to.push(a.node_id),
+                    Some(job_event::Event::Completed(c)) => {
+                        return Ok(c.job);
+                    }
+                    Some(job_event::Event::Failed(_)) | Some(job_event::Event::Cancelled(_)) => {
+                        return Ok(None);
+                    }
+                    Some(job_event::Event::Queued(_)) | None => {}
+                }
+            }
+            Ok(None)
+        })
+        .await??;
+        run.job = match end {
+            Some(job) => job,
+            None => self
+                .jobs
+                .get(mlxnet_proto::v1::GetJobRequest { job_id })
+                .await?
+                .into_inner(),
+        };
+        Ok(run)
+    }
+}
+
+/// A chat job for the test model: one user message, greedy.
+pub fn chat_job(question: &str, max_tokens: u32) -> SubmitJobRequest {
+    SubmitJobRequest {
+        model: TEST_MODEL_ID.to_string(),
+        input: Some(JobInput {
+            kind: Some(job_input::Kind::Chat(ChatMessages {
+                messages: vec![ChatMessage {
+                    role: "user".into(),
+                    content: question.into(),
+                }],
+            })),
+        }),
+        sampling: Some(SamplingParams {
+            max_tokens,
+            ..Default::default()
+        }),
+        max_price_micro_mlx: 0,
+    }
+}
+
+/// A raw-text job for the test model, greedy.
+pub fn prompt_job(prompt: &str, max_tokens: u32) -> SubmitJobRequest {
+    SubmitJobRequest {
+        model: TEST_MODEL_ID.to_string(),
+        input: Some(JobInput {
+            kind: Some(job_input::Kind::Prompt(prompt.into())),
+        }),
+        sampling: Some(SamplingParams {
+            max_tokens,
+            ..Default::default()
+        }),
+        max_price_micro_mlx: 0,
+    }
+}
+
+/// The state of `job` as the enum.
+pub fn state(job: &Job) -> JobState {
+    JobState::try_from(job.state).unwrap_or(JobState::Unspecified)
+}

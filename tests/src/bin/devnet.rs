@@ -1,0 +1,146 @@
+//! `devnet`: a whole mlx-network on this machine, for trying it out.
+//!
+//! Fetches the test model if it is absent (through the project's own script),
+//! starts a coordinator on the embedded SQLite default and one node serving
+//! the model, prints their addresses, runs a sample chat job and prints its
+//! streamed answer and verified claim. Then it keeps running, so `mlxnet`
+//! and other nodes can use it, until Ctrl-C (or exits at once with
+//! `--exit-after-sample`).
+
+use std::{io::Write, net::SocketAddr, path::PathBuf, process::Command};
+
+use anyhow::{bail, Context};
+use clap::Parser;
+use mlxnet_proto::{claim, v1::job_event, v1::WatchJobRequest};
+use mlxnet_tests::{chat_job, coordinator_config, repo_root, spawn_coordinator, spawn_node};
+
+#[derive(Parser)]
+#[command(about = "Run a local mlx-network: coordinator, one node, a sample job")]
+struct Args {
+    /// Where the coordinator's database and certificate and the node's key live.
+    #[arg(long, default_value = ".devnet")]
+    data_dir: PathBuf,
+    /// gRPC address for clients (`mlxnet --coordinator http://ADDR`).
+    #[arg(long, default_value = "127.0.0.1:7070")]
+    grpc_addr: SocketAddr,
+    /// QUIC address nodes dial (UDP).
+    #[arg(long, default_value = "127.0.0.1:7071")]
+    quic_addr: SocketAddr,
+    /// HTTP address (health, metrics, World page).
+    #[arg(long, default_value = "127.0.0.1:7080")]
+    http_addr: SocketAddr,
+    /// Let the OS pick every port (for tests and busy machines).
+    #[arg(long)]
+    ephemeral_ports: bool,
+    /// The sample question.
+    #[arg(long, default_value = "What is the capital of France?")]
+    question: String,
+    /// Stop once the sample job has been shown.
+    #[arg(long)]
+    exit_after_sample: bool,
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let args = Args::parse();
+    if std::env::var_os("RUST_LOG").is_some() {
+        tracing_subscriber::fmt()
+            .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+            .init();
+    }
+    ensure_test_model()?;
+
+    let coord_dir = args.data_dir.join("coordinator");
+    std::fs::create_dir_all(&coord_dir)
+        .with_context(|| format!("creating {}", coord_dir.display()))?;
+    let mut config = coordinator_config(&coord_dir);
+    if !args.ephemeral_ports {
+        config.grpc_addr = args.grpc_addr;
+        config.quic_addr = args.quic_addr;
+        config.http_addr = args.http_addr;
+    }
+    let coordinator = spawn_coordinator(config).await?;
+    println!("coordinator");
+    println!("  grpc   http://{}", coordinator.grpc_addr);
+    println!("  quic   {}", coordinator.quic_addr);
+    println!("  http   http://{}", coordinator.http_addr);
+    println!("  certificate sha256 {}", coordinator.fingerprint);
+
+    let node_dir = args.data_dir.join("node");
+    let mut node = spawn_node(coordinator.node_config(&node_dir, "devnet-node")).await?;
+    node.registered().await?;
+    println!("node {} registered", node.id);
+
+    let mut client = coordinator.client().await?;
+    let request = chat_job(&args.question, 64);
+    let sent_input = request.input.clone().unwrap_or_default();
+    let job = client.jobs.submit(request).await?.into_inner();
+    println!("\njob {} ({})", job.id, job.model);
+    println!("> {}", args.question);
+    let mut events = client
+        .jobs
+        .watch(WatchJobRequest {
+            job_id: job.id.clone(),
+        })
+        .await?
+        .into_inner();
+    let mut done = None;
+    while let Some(event) = events.message().await? {
+        match event.event {
+            Some(job_event::Event::Tokens(t)) => {
+                print!("{}", t.text);
+                std::io::stdout().flush()?;
+            }
+            Some(job_event::Event::Completed(c)) => {
+                done = c.job;
+                break;
+            }
+            Some(job_event::Event::Failed(f)) => bail!("job failed: {}", f.reason),
+            Some(job_event::Event::Cancelled(_)) => bail!("job cancelled"),
+            _ => {}
+        }
+    }
+    let job = done.context("the job's stream ended without a result")?;
+    let signed = job.result.context("completed job carries no signed claim")?;
+    let signer = claim::verify(&signed).context("the result's signature does not verify")?;
+    let c = signed.claim.unwrap_or_default();
+    if c.prompt_sha256 != claim::input_digest(&sent_input) {
+        bail!("the claim is about another prompt");
+    }
+    println!("\n");
+    println!(
+        "completed: {} tokens in, {} out; prefill {:.0} ms, decode {:.0} ms",
+        c.prompt_tokens,
+        c.completion_tokens,
+        c.prefill_micros as f64 / 1e3,
+        c.decode_micros as f64 / 1e3
+    );
+    println!("verified: signed by {signer}");
+
+    if args.exit_after_sample {
+        node.stop().await?;
+        coordinator.stop().await?;
+        return Ok(());
+    }
+    println!(
+        "\nthe network keeps running; try:\n  cargo run --bin mlxnet -- --coordinator http://{} submit --model smollm2-135m-instruct \"Tell me about Macs\"\nCtrl-C stops it.",
+        coordinator.grpc_addr
+    );
+    tokio::signal::ctrl_c().await?;
+    node.stop().await?;
+    coordinator.stop().await?;
+    Ok(())
+}
+
+/// Runs `scripts/fetch-test-model.sh` (idempotent) so a fresh clone works.
+fn ensure_test_model() -> anyhow::Result<()> {
+    let script = repo_root().join("scripts/fetch-test-model.sh");
+    let status = Command::new("bash")
+        .arg(&script)
+        .status()
+        .with_context(|| format!("running {}", script.display()))?;
+    if !status.success() {
+        bail!("{} failed ({status})", script.display());
+    }
+    Ok(())
+}

@@ -1,0 +1,9 @@
+//! End-to-end tests: real coordinators, real nodes running the real SmolLM2
+//! model, real QUIC and gRPC on ports the OS chose, a fresh database each.
+//! One binary; the harness is the `mlxnet_tests` library.
+
+mod auth;
+mod devnet;
+mod jobs;
+mod restart;
+mod validation;

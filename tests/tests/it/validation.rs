@@ -1,0 +1,75 @@
+//! Bad client input gets a clear gRPC status and creates no job.
+
+use mlxnet_proto::v1::{job_input, JobInput, ListJobsRequest, SamplingParams};
+use mlxnet_tests::{chat_job, coordinator_config, prompt_job, spawn_coordinator};
+use tonic::Code;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_requests_are_refused_and_create_nothing() -> anyhow::Result<()> {
+    let dir = tempfile::tempdir()?;
+    let coord = spawn_coordinator(coordinator_config(dir.path())).await?;
+    let mut client = coord.client().await?;
+
+    let mut unknown = chat_job("hi", 8);
+    unknown.model = "gpt-17".into();
+    let mut empty = prompt_job("", 8);
+    empty.input = Some(JobInput {
+        kind: Some(job_input::Kind::Prompt(String::new())),
+    });
+    let mut no_input = chat_job("hi", 8);
+    no_input.input = None;
+    let mut too_many = chat_job("hi", 8);
+    too_many.sampling = Some(SamplingParams {
+        max_tokens: 10_000_000,
+        ..Default::default()
+    });
+    let mut bad_temp = chat_job("hi", 8);
+    bad_temp.sampling = Some(SamplingParams {
+        temperature: -1.0,
+        max_tokens: 8,
+        ..Default::default()
+    });
+    let huge = prompt_job(&"a".repeat(8 << 20), 8);
+
+    let cases = [
+        ("unknown model", unknown, vec![Code::NotFound], "gpt-17"),
+        ("empty prompt", empty, vec![Code::InvalidArgument], "empty"),
+        ("no input", no_input, vec![Code::InvalidArgument], ""),
+        ("max_tokens", too_many, vec![Code::InvalidArgument], "max_tokens"),
+        ("temperature", bad_temp, vec![Code::InvalidArgument], "temperature"),
+        (
+            "oversized request",
+            huge,
+            vec![Code::ResourceExhausted, Code::OutOfRange, Code::InvalidArgument],
+            "",
+        ),
+    ];
+    for (what, request, codes, mentions) in cases {
+        let status = client
+            .jobs
+            .submit(request)
+            .await
+            .expect_err(&format!("{what} was accepted"));
+        assert!(
+            codes.contains(&status.code()),
+            "{what}: got {:?}: {}",
+            status.code(),
+            status.message()
+        );
+        assert!(!status.message().is_empty(), "{what}: empty message");
+        assert!(
+            status.message().to_lowercase().contains(mentions),
+            "{what}: message {:?} does not mention {mentions:?}",
+            status.message()
+        );
+    }
+
+    let jobs = client
+        .jobs
+        .list(ListJobsRequest { limit: 100 })
+        .await?
+        .into_inner()
+        .jobs;
+    assert!(jobs.is_empty(), "refused requests created jobs: {jobs:?}");
+    Ok(())
+}
