@@ -1,0 +1,584 @@
+//! Inference engine: runs one whole generation of a Llama-family model on candle-core.
+//!
+//! The node agent loads an [`Engine`] per model file and calls
+//! [`Engine::generate`] once per job (on a blocking thread). Everything a
+//! generation needs comes from the model file itself: weights, tokenizer,
+//! chat template, special tokens.
+//!
+//! # Layout
+//! - `gguf`: a bounds-checked GGUF reader over a memory map (metadata and tensor
+//!   directory); candle never sees bytes we have not validated.
+//! - `config`: the model hyper-parameters, read from GGUF metadata or `config.json`.
+//! - `weights`: named tensors from GGUF or safetensors, under GGUF names.
+//! - `linear`: the one type through which every weight matmul goes (the place
+//!   where faster kernels are swapped in).
+//! - `model`: the Llama-family transformer (Llama 2/3, SmolLM2, Mistral, Qwen2,
+//!   Qwen3) with a preallocated KV cache; layers are separate modules so a later
+//!   pod can shard heads and feed-forward columns.
+//! - `tokenizer`: a `tokenizers::Tokenizer` built from GGUF metadata or
+//!   `tokenizer.json`, plus the incremental detokenizer used for streaming.
+//! - `template`: the model's chat template, rendered with minijinja.
+//! - `sampler`: greedy / temperature / top-k / top-p / min-p / repetition
+//!   penalty with a seeded generator; `stop`: stop strings.
+//! - [`cli`]: `mlx-node generate` and `mlx-node bench`.
+//!
+//! # Invariants
+//! - A [`Generation`]'s `text` equals the concatenation of the texts of the
+//!   [`TokenChunk`]s passed to the callback, and never contains a stop string.
+//! - The KV cache is reset at the start of every [`Engine::generate`] call, so
+//!   one generation never sees another's context.
+//! - The same request with the same seed gives the same output.
+//!
+//! # Failure
+//! Every failure is an [`EngineError`] naming what is wrong (which file, which
+//! tensor, which key); malformed model files are rejected before their bytes
+//! reach candle, so they never panic. Client mistakes (empty or too long
+//! prompt, a chat the template refuses) are told apart by
+//! [`EngineError::is_client_error`].
+
+use std::ops::ControlFlow;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+pub mod cli;
+mod config;
+mod gguf;
+mod linear;
+mod model;
+mod ops;
+mod sampler;
+mod template;
+mod tokenizer;
+mod weights;
+
+#[cfg(test)]
+mod tests;
+#[cfg(test)]
+mod testutil;
+
+use model::Model;
+use sampler::{Sampler, StopBuffer, StopCheck};
+use template::ChatTemplate;
+use tokenizer::{Detokenizer, Tokenizer};
+
+/// Prompt tokens processed per forward pass during prefill (bounds the
+/// memory of one pass on long prompts).
+const PREFILL_CHUNK: usize = 256;
+
+/// A loaded model, ready to generate. `Send`, so it can be moved into a
+/// blocking task; not `Sync` (one generation at a time).
+pub struct Engine {
+    info: ModelInfo,
+    model: Model,
+    tokenizer: Tokenizer,
+    /// The compiled chat template, or why there is none.
+    template: Result<ChatTemplate, String>,
+}
+
+impl std::fmt::Debug for Engine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Engine").field("info", &self.info).finish()
+    }
+}
+
+/// What a loaded model is, for the node's hardware/model report and limits.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ModelInfo {
+    /// `general.architecture` (GGUF) or `model_type` (config.json): "llama", "qwen2", "qwen3", ...
+    pub architecture: String,
+    /// Total number of weights.
+    pub parameters: u64,
+    /// The longest sequence (prompt + generated) the model accepts.
+    pub context_length: usize,
+    pub layers: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    pub vocab_size: usize,
+}
+
+/// What to generate from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PromptInput {
+    /// Raw text, tokenized as is (with the model's BOS token if it wants one).
+    Text(String),
+    /// Chat messages, rendered through the model's chat template with a generation prompt.
+    Chat(Vec<ChatTurn>),
+}
+
+/// One chat message.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ChatTurn {
+    /// "system", "user" or "assistant" (passed to the template as is).
+    pub role: String,
+    pub content: String,
+}
+
+/// One generation job.
+#[derive(Debug, Clone, PartialEq)]
+pub struct GenerateRequest {
+    pub input: PromptInput,
+    pub sampling: Sampling,
+}
+
+/// How to pick tokens and when to stop.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Sampling {
+    /// 0 => greedy.
+    pub temperature: f32,
+    /// 0 => off.
+    pub top_k: usize,
+    /// >= 1.0 or 0 => off.
+    pub top_p: f32,
+    /// 0 => off.
+    pub min_p: f32,
+    /// 1.0 (or 0) => off.
+    pub repetition_penalty: f32,
+    pub seed: u64,
+    pub max_tokens: usize,
+    /// Generation ends when the output contains one of these; the stop string
+    /// itself is not part of the output.
+    pub stop: Vec<String>,
+}
+
+impl Default for Sampling {
+    fn default() -> Self {
+        Sampling {
+            temperature: 0.0,
+            top_k: 0,
+            top_p: 1.0,
+            min_p: 0.0,
+            repetition_penalty: 1.0,
+            seed: 0,
+            max_tokens: 128,
+            stop: Vec::new(),
+        }
+    }
+}
+
+/// One generated token, as streamed to the callback.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TokenChunk {
+    /// 0-based index of this generated token.
+    pub index: usize,
+    pub token_id: u32,
+    /// Newly decodable text: valid UTF-8, may be empty (an incomplete
+    /// character, or text that might start a stop string, is held back).
+    pub text: String,
+}
+
+/// The result of one generation.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Generation {
+    pub prompt_tokens: usize,
+    /// Generated ids, EOS excluded.
+    pub output_token_ids: Vec<u32>,
+    /// Decoded output, stop string excluded; equals the concatenation of all chunk texts.
+    pub text: String,
+    pub finish: FinishReason,
+    /// Time spent on the prompt (up to the first sampled token).
+    pub prefill: Duration,
+    /// Time spent generating the rest.
+    pub decode: Duration,
+}
+
+/// Why a generation ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FinishReason {
+    /// The model emitted an end-of-sequence (or end-of-turn) token.
+    Eos,
+    /// `max_tokens` or the context length was reached.
+    Length,
+    /// A stop string was produced.
+    Stop,
+    /// The callback returned `ControlFlow::Break`.
+    Cancelled,
+}
+
+impl FinishReason {
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            FinishReason::Eos => "eos",
+            FinishReason::Length => "length",
+            FinishReason::Stop => "stop",
+            FinishReason::Cancelled => "cancelled",
+        }
+    }
+}
+
+/// Why loading a model or generating failed.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum EngineError {
+    #[error("cannot read {path}: {source}")]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("invalid gguf file: {0}")]
+    Gguf(String),
+    #[error("invalid safetensors model: {0}")]
+    Safetensors(String),
+    #[error("invalid model config: {0}")]
+    Config(String),
+    #[error("missing tensor {name}")]
+    MissingTensor { name: String },
+    #[error("tensor {name} has shape {actual:?}, expected {expected:?}")]
+    TensorShape {
+        name: String,
+        actual: Vec<usize>,
+        expected: Vec<usize>,
+    },
+    #[error("unsupported tensor type for {name}: {dtype}")]
+    UnsupportedTensorType { name: String, dtype: String },
+    #[error("unsupported model architecture {0:?} (supported: llama, mistral, qwen2, qwen3)")]
+    UnsupportedArchitecture(String),
+    #[error("tokenizer: {0}")]
+    Tokenizer(String),
+    #[error("chat template: {0}")]
+    Template(String),
+    #[error("prompt has {tokens} tokens, the model accepts at most {max}")]
+    PromptTooLong { tokens: usize, max: usize },
+    #[error("empty prompt")]
+    EmptyPrompt,
+    #[error("invalid sampling parameters: {0}")]
+    InvalidSampling(String),
+    #[error("tensor computation failed: {0}")]
+    Candle(#[from] candle_core::Error),
+}
+
+impl EngineError {
+    /// True when the request, not the node or the model, is at fault.
+    pub fn is_client_error(&self) -> bool {
+        matches!(
+            self,
+            EngineError::PromptTooLong { .. }
+                | EngineError::EmptyPrompt
+                | EngineError::Template(_)
+                | EngineError::InvalidSampling(_)
+        )
+    }
+}
+
+impl Engine {
+    /// Loads a GGUF file, or a safetensors model (a directory holding
+    /// `config.json`, `tokenizer.json` and `*.safetensors`, or one
+    /// `.safetensors` file next to them).
+    pub fn load(path: &Path) -> Result<Engine, EngineError> {
+        let meta = std::fs::metadata(path).map_err(|source| EngineError::Io {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        let is_safetensors =
+            meta.is_dir() || path.extension().and_then(|e| e.to_str()) == Some("safetensors");
+        let (model, tokenizer, template_source) = if is_safetensors {
+            load_safetensors(path)?
+        } else {
+            load_gguf(path)?
+        };
+        if tokenizer.vocab_size() > model.cfg.vocab_size {
+            return Err(EngineError::Tokenizer(format!(
+                "the tokenizer has {} tokens, the model's embedding only {}",
+                tokenizer.vocab_size(),
+                model.cfg.vocab_size
+            )));
+        }
+        let template = match template_source {
+            Some(src) => ChatTemplate::new(&src).map_err(|e| e.to_string()),
+            None => Err("the model file has no chat template".to_string()),
+        };
+        let cfg = &model.cfg;
+        let info = ModelInfo {
+            architecture: cfg.architecture_name.clone(),
+            parameters: model.parameters(),
+            context_length: cfg.context_length,
+            layers: cfg.layers,
+            kv_heads: cfg.kv_heads,
+            head_dim: cfg.head_dim,
+            vocab_size: cfg.vocab_size,
+        };
+        Ok(Engine {
+            info,
+            model,
+            tokenizer,
+            template,
+        })
+    }
+
+    pub fn info(&self) -> &ModelInfo {
+        &self.info
+    }
+
+    /// The prompt's token ids as [`Engine::generate`] would feed them
+    /// (chat template applied, BOS added when the model wants it).
+    pub fn prompt_tokens(&self, input: &PromptInput) -> Result<Vec<u32>, EngineError> {
+        let text = match input {
+            PromptInput::Text(t) => {
+                if t.is_empty() {
+                    return Err(EngineError::EmptyPrompt);
+                }
+                t.clone()
+            }
+            PromptInput::Chat(turns) => {
+                if turns.is_empty() {
+                    return Err(EngineError::EmptyPrompt);
+                }
+                let template = self
+                    .template
+                    .as_ref()
+                    .map_err(|e| EngineError::Template(e.clone()))?;
+                template.render(turns, &self.tokenizer.bos_text, &self.tokenizer.eos_text)?
+            }
+        };
+        let ids = self.tokenizer.encode_prompt(&text)?;
+        if ids.is_empty() {
+            return Err(EngineError::EmptyPrompt);
+        }
+        Ok(ids)
+    }
+
+    /// Tokenizes `text` as is (special tokens recognised, no BOS).
+    pub fn tokenize(&self, text: &str) -> Result<Vec<u32>, EngineError> {
+        self.tokenizer.encode(text)
+    }
+
+    /// Decodes ids to text.
+    pub fn detokenize(&self, ids: &[u32]) -> String {
+        self.tokenizer.decode(ids)
+    }
+
+    /// Runs one generation; see the module invariants.
+    ///
+    /// Text held back at the end (a partial stop string, an unfinished
+    /// character) is delivered when the generation ends: with the last
+    /// token's chunk, or, when the model ends with EOS, in one more chunk
+    /// carrying the EOS id (its `index` equals the number of output tokens).
+    pub fn generate(
+        &mut self,
+        request: &GenerateRequest,
+        on_token: &mut dyn FnMut(&TokenChunk) -> ControlFlow<()>,
+    ) -> Result<Generation, EngineError> {
+        let s = &request.sampling;
+        sampler::validate(s)?;
+        let prompt = self.prompt_tokens(&request.input)?;
+        let ctx = self.model.cfg.context_length;
+        if prompt.len() >= ctx {
+            return Err(EngineError::PromptTooLong {
+                tokens: prompt.len(),
+                max: ctx - 1,
+            });
+        }
+        let max_new = s.max_tokens.min(ctx - prompt.len());
+        let start = Instant::now();
+        let mut generation = Generation {
+            prompt_tokens: prompt.len(),
+            output_token_ids: Vec::new(),
+            text: String::new(),
+            finish: FinishReason::Length,
+            prefill: Duration::ZERO,
+            decode: Duration::ZERO,
+        };
+        if max_new == 0 {
+            return Ok(generation);
+        }
+        self.model.reset(prompt.len() + max_new);
+        let mut logits = Vec::new();
+        for chunk in prompt.chunks(PREFILL_CHUNK) {
+            logits = self.model.forward(chunk)?;
+        }
+        let mut sampler = Sampler::new(s);
+        let mut detok = Detokenizer::default();
+        let mut stop = StopBuffer::new(&s.stop);
+        let mut history = prompt;
+        let mut decode_start = None;
+        loop {
+            let token = sampler.sample(&mut logits, &history);
+            if decode_start.is_none() {
+                generation.prefill = start.elapsed();
+                decode_start = Some(Instant::now());
+            }
+            let index = generation.output_token_ids.len();
+            if self.tokenizer.eog.contains(&token) {
+                generation.finish = FinishReason::Eos;
+                let (StopCheck::Stopped(mut text) | StopCheck::Emit(mut text)) =
+                    stop.push(&detok.finish());
+                text.push_str(&stop.finish());
+                if !text.is_empty() {
+                    generation.text.push_str(&text);
+                    let chunk = TokenChunk {
+                        index,
+                        token_id: token,
+                        text,
+                    };
+                    if on_token(&chunk).is_break() {
+                        generation.finish = FinishReason::Cancelled;
+                    }
+                }
+                break;
+            }
+            generation.output_token_ids.push(token);
+            history.push(token);
+            let last = generation.output_token_ids.len() == max_new;
+            let mut piece = detok.push(self.tokenizer.token_bytes(token));
+            if last {
+                piece.push_str(&detok.finish());
+            }
+            let (mut text, stopped) = match stop.push(&piece) {
+                StopCheck::Emit(t) => (t, false),
+                StopCheck::Stopped(t) => (t, true),
+            };
+            if last && !stopped {
+                text.push_str(&stop.finish());
+            }
+            generation.text.push_str(&text);
+            let chunk = TokenChunk {
+                index,
+                token_id: token,
+                text,
+            };
+            let flow = on_token(&chunk);
+            if stopped {
+                generation.finish = FinishReason::Stop;
+                break;
+            }
+            if flow.is_break() {
+                generation.finish = FinishReason::Cancelled;
+                break;
+            }
+            if last {
+                generation.finish = FinishReason::Length;
+                break;
+            }
+            logits = self.model.forward(&[token])?;
+        }
+        if let Some(d) = decode_start {
+            generation.decode = d.elapsed();
+        }
+        Ok(generation)
+    }
+}
+
+type Loaded = (Model, Tokenizer, Option<String>);
+
+fn load_gguf(path: &Path) -> Result<Loaded, EngineError> {
+    let file = gguf::GgufFile::open(path)?;
+    let tokenizer = Tokenizer::from_gguf(&file.metadata)?;
+    // Without `<arch>.vocab_size`, the embedding's rows are the vocabulary.
+    let vocab = file
+        .tensors
+        .get("token_embd.weight")
+        .and_then(|e| e.shape.first().copied())
+        .unwrap_or(tokenizer.vocab_size());
+    let cfg = config::ModelConfig::from_gguf(&file.metadata, Some(vocab))?;
+    let model = Model::load(cfg, &weights::WeightSource::Gguf(&file))?;
+    let template = file
+        .get("tokenizer.chat_template")
+        .and_then(gguf::MetaValue::as_str)
+        .map(str::to_string);
+    Ok((model, tokenizer, template))
+}
+
+fn read_file(path: &Path) -> Result<Vec<u8>, EngineError> {
+    std::fs::read(path).map_err(|source| EngineError::Io {
+        path: path.to_path_buf(),
+        source,
+    })
+}
+
+/// `eos_token_id` of a config file: a number or a list of numbers.
+fn eos_ids(v: &serde_json::Value) -> Vec<u32> {
+    match v.get("eos_token_id") {
+        Some(serde_json::Value::Number(n)) => n
+            .as_u64()
+            .and_then(|n| u32::try_from(n).ok())
+            .into_iter()
+            .collect(),
+        Some(serde_json::Value::Array(a)) => a
+            .iter()
+            .filter_map(|n| n.as_u64().and_then(|n| u32::try_from(n).ok()))
+            .collect(),
+        _ => Vec::new(),
+    }
+}
+
+fn load_safetensors(path: &Path) -> Result<Loaded, EngineError> {
+    let (dir, files) = if path.is_dir() {
+        let mut files = Vec::new();
+        let entries = std::fs::read_dir(path).map_err(|source| EngineError::Io {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        for entry in entries {
+            let entry = entry.map_err(|source| EngineError::Io {
+                path: path.to_path_buf(),
+                source,
+            })?;
+            let p = entry.path();
+            if p.extension().and_then(|e| e.to_str()) == Some("safetensors") {
+                files.push(p);
+            }
+        }
+        files.sort();
+        if files.is_empty() {
+            return Err(EngineError::Safetensors(format!(
+                "no .safetensors file in {}",
+                path.display()
+            )));
+        }
+        (path.to_path_buf(), files)
+    } else {
+        let dir = path
+            .parent()
+            .map(Path::to_path_buf)
+            .unwrap_or_else(|| PathBuf::from("."));
+        (dir, vec![path.to_path_buf()])
+    };
+    let config_text = String::from_utf8(read_file(&dir.join("config.json"))?)
+        .map_err(|_| EngineError::Config("config.json is not UTF-8".into()))?;
+    let cfg = config::ModelConfig::from_json(&config_text)?;
+    let config_json: serde_json::Value = serde_json::from_str(&config_text)
+        .map_err(|e| EngineError::Config(format!("config.json: {e}")))?;
+    let tok_config: Option<serde_json::Value> =
+        match std::fs::read(dir.join("tokenizer_config.json")) {
+            Ok(b) => Some(
+                serde_json::from_slice(&b)
+                    .map_err(|e| EngineError::Tokenizer(format!("tokenizer_config.json: {e}")))?,
+            ),
+            Err(_) => None,
+        };
+    let mut extra_eos = eos_ids(&config_json);
+    if let Ok(b) = std::fs::read(dir.join("generation_config.json")) {
+        if let Ok(v) = serde_json::from_slice::<serde_json::Value>(&b) {
+            extra_eos.extend(eos_ids(&v));
+        }
+    }
+    let tokenizer = Tokenizer::from_json(
+        &read_file(&dir.join("tokenizer.json"))?,
+        tok_config.as_ref(),
+        &extra_eos,
+    )?;
+    let template = tok_config
+        .as_ref()
+        .and_then(|c| match c.get("chat_template")? {
+            serde_json::Value::String(s) => Some(s.clone()),
+            serde_json::Value::Array(list) => list
+                .iter()
+                .find(|t| t.get("name").and_then(|n| n.as_str()) == Some("default"))
+                .or_else(|| list.first())
+                .and_then(|t| t.get("template")?.as_str().map(str::to_string)),
+            _ => None,
+        });
+    let maps = files
+        .iter()
+        .map(|f| gguf::map_file(f))
+        .collect::<Result<Vec<_>, _>>()?;
+    let mut views = Vec::with_capacity(maps.len());
+    for (map, file) in maps.iter().zip(&files) {
+        views.push(
+            candle_core::safetensors::SliceSafetensors::new(&map[..])
+                .map_err(|e| EngineError::Safetensors(format!("{}: {e}", file.display())))?,
+        );
+    }
+    let model = Model::load(cfg, &weights::WeightSource::Safetensors(views))?;
+    Ok((model, tokenizer, template))
+}

@@ -1,0 +1,251 @@
+//! `mlx-node generate` and `mlx-node bench`: one-shot tools over [`Engine`].
+//!
+//! `generate` streams the model's output to stdout as it is produced;
+//! `bench` measures prefill and decode speed and prints one JSON object.
+//!
+//! # Threads
+//! candle sizes its CPU thread pools once, from `RAYON_NUM_THREADS` /
+//! `CANDLE_NUM_THREADS`, the first time it computes anything. `--threads`
+//! therefore sets those variables and builds rayon's global pool before any
+//! model is loaded; it must be handled at the very start of the process.
+//!
+//! # Failure
+//! Errors are returned as `anyhow` errors with context; `main` prints them.
+
+use std::io::Write;
+use std::ops::ControlFlow;
+use std::path::PathBuf;
+use std::time::Instant;
+
+use anyhow::Context;
+
+use super::{ChatTurn, Engine, GenerateRequest, PromptInput, Sampling};
+
+/// Arguments of `mlx-node generate`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct GenerateArgs {
+    /// Model file (GGUF) or safetensors model directory.
+    #[arg(long)]
+    pub model: PathBuf,
+    /// Treat the prompt as one user message and apply the model's chat template.
+    #[arg(long)]
+    pub chat: bool,
+    /// Optional system message (with --chat).
+    #[arg(long)]
+    pub system: Option<String>,
+    /// Sampling temperature; 0 means greedy.
+    #[arg(long, default_value_t = 0.0)]
+    pub temperature: f32,
+    /// Keep only the k most likely tokens; 0 means off.
+    #[arg(long, default_value_t = 0)]
+    pub top_k: usize,
+    /// Nucleus sampling threshold; 1 means off.
+    #[arg(long, default_value_t = 1.0)]
+    pub top_p: f32,
+    /// Drop tokens less likely than min_p times the most likely one; 0 means off.
+    #[arg(long, default_value_t = 0.0)]
+    pub min_p: f32,
+    /// Repetition penalty; 1 means off.
+    #[arg(long, default_value_t = 1.0)]
+    pub repetition_penalty: f32,
+    /// Seed of the sampler.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Most tokens to generate.
+    #[arg(long, default_value_t = 128)]
+    pub max_tokens: usize,
+    /// Stop strings (repeatable).
+    #[arg(long)]
+    pub stop: Vec<String>,
+    /// CPU threads (default: candle's choice, the physical core count).
+    #[arg(long)]
+    pub threads: Option<usize>,
+    /// The prompt.
+    pub prompt: String,
+}
+
+/// Arguments of `mlx-node bench`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct BenchArgs {
+    /// Model file (GGUF) or safetensors model directory.
+    #[arg(long)]
+    pub model: PathBuf,
+    /// CPU threads (default: candle's choice, the physical core count).
+    #[arg(long)]
+    pub threads: Option<usize>,
+    /// Length of the prompt processed in the prefill measurement.
+    #[arg(long, default_value_t = 128)]
+    pub prompt_tokens: usize,
+    /// Tokens generated in the decode measurement.
+    #[arg(long, default_value_t = 128)]
+    pub gen_tokens: usize,
+    /// Measured runs (the median is reported).
+    #[arg(long, default_value_t = 3)]
+    pub runs: usize,
+}
+
+/// Sets candle's CPU thread count. Must run before candle computes anything.
+pub fn set_threads(threads: Option<usize>) -> anyhow::Result<()> {
+    let Some(n) = threads else { return Ok(()) };
+    anyhow::ensure!(n > 0, "--threads must be at least 1");
+    // candle reads these once, lazily; setting them before the first tensor
+    // operation is what makes the count take effect.
+    std::env::set_var("RAYON_NUM_THREADS", n.to_string());
+    std::env::set_var("CANDLE_NUM_THREADS", n.to_string());
+    // Fails only if the global pool was already built (by an earlier call);
+    // then the first setting stays in force.
+    let _ = rayon::ThreadPoolBuilder::new()
+        .num_threads(n)
+        .build_global();
+    Ok(())
+}
+
+/// Runs `mlx-node generate`: streams the output to stdout.
+pub fn generate(args: GenerateArgs) -> anyhow::Result<()> {
+    set_threads(args.threads)?;
+    let mut engine = Engine::load(&args.model)
+        .with_context(|| format!("loading model {}", args.model.display()))?;
+    let input = if args.chat {
+        let mut turns = Vec::new();
+        if let Some(system) = &args.system {
+            turns.push(ChatTurn {
+                role: "system".to_string(),
+                content: system.clone(),
+            });
+        }
+        turns.push(ChatTurn {
+            role: "user".to_string(),
+            content: args.prompt.clone(),
+        });
+        PromptInput::Chat(turns)
+    } else {
+        PromptInput::Text(args.prompt.clone())
+    };
+    let request = GenerateRequest {
+        input,
+        sampling: Sampling {
+            temperature: args.temperature,
+            top_k: args.top_k,
+            top_p: args.top_p,
+            min_p: args.min_p,
+            repetition_penalty: args.repetition_penalty,
+            seed: args.seed,
+            max_tokens: args.max_tokens,
+            stop: args.stop.clone(),
+        },
+    };
+    let stdout = std::io::stdout();
+    let mut out = stdout.lock();
+    let mut write_error = None;
+    let generation = engine
+        .generate(&request, &mut |chunk| {
+            if let Err(e) = out
+                .write_all(chunk.text.as_bytes())
+                .and_then(|()| out.flush())
+            {
+                write_error = Some(e);
+                return ControlFlow::Break(());
+            }
+            ControlFlow::Continue(())
+        })
+        .context("generating")?;
+    if let Some(e) = write_error {
+        return Err(e).context("writing to stdout");
+    }
+    writeln!(out)?;
+    let decoded = generation.output_token_ids.len();
+    eprintln!(
+        "[{} prompt tokens, {} generated, finish {}, prefill {:.1} ms, decode {:.1} tok/s]",
+        generation.prompt_tokens,
+        decoded,
+        generation.finish.as_str(),
+        generation.prefill.as_secs_f64() * 1e3,
+        if generation.decode.is_zero() {
+            0.0
+        } else {
+            decoded.saturating_sub(1) as f64 / generation.decode.as_secs_f64()
+        }
+    );
+    Ok(())
+}
+
+/// Runs `mlx-node bench`: prints `{"prefill_tok_s": .., "decode_tok_s": .., ...}`.
+///
+/// Prefill is one forward pass over a `prompt_tokens`-long prompt; decode is
+/// `gen_tokens` single-token passes with greedy sampling (EOS ignored, so the
+/// count is exact). After a warm-up, each is run `runs` times and the median
+/// speed reported.
+pub fn bench(args: BenchArgs) -> anyhow::Result<()> {
+    set_threads(args.threads)?;
+    anyhow::ensure!(args.prompt_tokens > 0, "--prompt-tokens must be at least 1");
+    anyhow::ensure!(args.runs > 0, "--runs must be at least 1");
+    let load_start = Instant::now();
+    let mut engine = Engine::load(&args.model)
+        .with_context(|| format!("loading model {}", args.model.display()))?;
+    let load_s = load_start.elapsed().as_secs_f64();
+    let ctx = engine.info.context_length;
+    anyhow::ensure!(
+        args.prompt_tokens + args.gen_tokens <= ctx,
+        "--prompt-tokens + --gen-tokens must fit the context length {ctx}"
+    );
+    let prompt = bench_prompt(&engine, args.prompt_tokens)?;
+    // Warm-up: first-touch of weights, candle's lazily packed kernels.
+    run_once(&mut engine, &prompt[..prompt.len().min(16)], 4)?;
+    let mut prefill = Vec::new();
+    let mut decode = Vec::new();
+    for _ in 0..args.runs {
+        let (p, d) = run_once(&mut engine, &prompt, args.gen_tokens)?;
+        prefill.push(args.prompt_tokens as f64 / p);
+        if args.gen_tokens > 0 {
+            decode.push(args.gen_tokens as f64 / d);
+        }
+    }
+    let median = |v: &mut Vec<f64>| -> f64 {
+        if v.is_empty() {
+            return 0.0;
+        }
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    let out = serde_json::json!({
+        "model": args.model.display().to_string(),
+        "architecture": engine.info.architecture,
+        "parameters": engine.info.parameters,
+        "threads": candle_core::utils::get_num_threads(),
+        "prompt_tokens": args.prompt_tokens,
+        "gen_tokens": args.gen_tokens,
+        "runs": args.runs,
+        "load_s": load_s,
+        "prefill_tok_s": median(&mut prefill),
+        "decode_tok_s": median(&mut decode),
+    });
+    println!("{out}");
+    Ok(())
+}
+
+/// A prompt of exactly `n` tokens (English text, repeated as needed).
+fn bench_prompt(engine: &Engine, n: usize) -> anyhow::Result<Vec<u32>> {
+    const TEXT: &str =
+        "The quick brown fox jumps over the lazy dog. Sphinx of black quartz, judge my vow. \
+        In the beginning the universe was created; this has made a lot of people very angry and \
+        been widely regarded as a bad move. ";
+    let piece = engine
+        .tokenize(TEXT)
+        .context("tokenizing the bench prompt")?;
+    anyhow::ensure!(!piece.is_empty(), "the bench prompt tokenizes to nothing");
+    Ok(piece.iter().copied().cycle().take(n).collect())
+}
+
+/// One prefill + decode; returns (prefill seconds, decode seconds).
+fn run_once(engine: &mut Engine, prompt: &[u32], gen: usize) -> anyhow::Result<(f64, f64)> {
+    engine.model.reset(prompt.len() + gen);
+    let start = Instant::now();
+    let mut logits = engine.model.forward(prompt)?;
+    let prefill = start.elapsed().as_secs_f64();
+    let start = Instant::now();
+    for _ in 0..gen {
+        let token = super::sampler::argmax(&logits);
+        logits = engine.model.forward(&[token])?;
+    }
+    Ok((prefill, start.elapsed().as_secs_f64()))
+}

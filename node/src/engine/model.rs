@@ -1,0 +1,256 @@
+//! The Llama-family decoder: Llama 2/3, SmolLM2, Mistral, Qwen2 (q/k/v bias),
+//! Qwen3 (per-head q/k RMS norm).
+//!
+//! Architecture (as in Hugging Face's `modeling_llama.py` and llama.cpp's
+//! `llm_build_llama`): token embedding, then per layer
+//! `x += o(attn(rope(q(norm(x))), rope(k(norm(x))), v(norm(x))))` and
+//! `x += down(silu(gate(norm(x))) * up(norm(x)))`, then a final norm and the
+//! output projection (tied to the embedding when the file has none).
+//!
+//! Attention and feed-forward are separate modules ([`Attention`], [`Mlp`])
+//! whose weights are whole matrices today; a pod shards a layer by giving each
+//! rank a range of heads and of feed-forward columns of the same modules.
+//!
+//! # Invariants
+//! - The KV cache holds `capacity` positions per layer, allocated once per
+//!   generation ([`Model::reset`]); tokens are written in place, never
+//!   concatenated. `pos` counts the positions filled.
+//! - [`Model::forward`] is only called with `pos + tokens <= capacity` and
+//!   token ids `< vocab_size` (the engine checks both).
+
+use super::config::{ModelConfig, RopeScaling};
+use super::linear::Linear;
+use super::ops::{self, AttnShape, LayerCache, Rope};
+use super::weights::{Embedding, WeightSource};
+use super::EngineError;
+
+/// One layer's attention: projections, optional q/k norms, its KV cache.
+#[derive(Debug, Clone)]
+pub struct Attention {
+    q: Linear,
+    k: Linear,
+    v: Linear,
+    o: Linear,
+    q_norm: Option<Vec<f32>>,
+    k_norm: Option<Vec<f32>>,
+}
+
+/// One layer's SwiGLU feed-forward.
+#[derive(Debug, Clone)]
+pub struct Mlp {
+    gate: Linear,
+    up: Linear,
+    down: Linear,
+}
+
+/// One transformer block.
+#[derive(Debug, Clone)]
+pub struct Block {
+    attn_norm: Vec<f32>,
+    attn: Attention,
+    ffn_norm: Vec<f32>,
+    mlp: Mlp,
+}
+
+/// The whole model with its KV cache.
+#[derive(Debug, Clone)]
+pub struct Model {
+    pub cfg: ModelConfig,
+    embed: Embedding,
+    blocks: Vec<Block>,
+    norm: Vec<f32>,
+    lm_head: Linear,
+    /// The output projection is the embedding table.
+    tied: bool,
+    rope: Rope,
+    cache: Vec<LayerCache>,
+    capacity: usize,
+    pos: usize,
+    /// Scratch for the cos/sin of one position.
+    cs: Vec<(f32, f32)>,
+}
+
+impl Model {
+    /// Loads every weight, checking each shape against `cfg`.
+    pub fn load(cfg: ModelConfig, w: &WeightSource<'_>) -> Result<Model, EngineError> {
+        let h = cfg.hidden_size;
+        let hd = cfg.head_dim;
+        let q_out = cfg.heads * hd;
+        let kv_out = cfg.kv_heads * hd;
+        let ff = cfg.intermediate_size;
+        let embed = w.embedding("token_embd", cfg.vocab_size, h)?;
+        let mut blocks = Vec::with_capacity(cfg.layers);
+        for i in 0..cfg.layers {
+            let p = |s: &str| format!("blk.{i}.{s}");
+            let (q_norm, k_norm) = if cfg.qk_norm {
+                (
+                    Some(w.vector(&p("attn_q_norm"), "weight", hd)?),
+                    Some(w.vector(&p("attn_k_norm"), "weight", hd)?),
+                )
+            } else {
+                (None, None)
+            };
+            blocks.push(Block {
+                attn_norm: w.vector(&p("attn_norm"), "weight", h)?,
+                attn: Attention {
+                    q: w.linear(&p("attn_q"), q_out, h, cfg.qkv_bias)?,
+                    k: w.linear(&p("attn_k"), kv_out, h, cfg.qkv_bias)?,
+                    v: w.linear(&p("attn_v"), kv_out, h, cfg.qkv_bias)?,
+                    o: w.linear(&p("attn_output"), h, q_out, false)?,
+                    q_norm,
+                    k_norm,
+                },
+                ffn_norm: w.vector(&p("ffn_norm"), "weight", h)?,
+                mlp: Mlp {
+                    gate: w.linear(&p("ffn_gate"), ff, h, false)?,
+                    up: w.linear(&p("ffn_up"), ff, h, false)?,
+                    down: w.linear(&p("ffn_down"), h, ff, false)?,
+                },
+            });
+        }
+        let norm = w.vector("output_norm", "weight", h)?;
+        // Tied embeddings: no output matrix, the embedding table is reused.
+        let tied = !w.has("output");
+        let lm_head = if !tied {
+            w.linear("output", cfg.vocab_size, h, false)?
+        } else {
+            w.linear("token_embd", cfg.vocab_size, h, false)?
+        };
+        let rope_factors = match &cfg.rope_scaling {
+            RopeScaling::FreqFactors(f) => Some(f.clone()),
+            _ => w.optional_vector("rope_freqs.weight", cfg.rope_dims / 2)?,
+        };
+        let freq_scale = match cfg.rope_scaling {
+            RopeScaling::Linear { factor } => 1.0 / factor,
+            _ => 1.0,
+        };
+        let rope = Rope::new(
+            cfg.rope_dims,
+            cfg.rope_theta,
+            freq_scale,
+            rope_factors,
+            cfg.rope_interleaved,
+        );
+        Ok(Model {
+            cfg,
+            embed,
+            blocks,
+            norm,
+            lm_head,
+            tied,
+            rope,
+            cache: Vec::new(),
+            capacity: 0,
+            pos: 0,
+            cs: Vec::new(),
+        })
+    }
+
+    /// Total number of weights.
+    pub fn parameters(&self) -> u64 {
+        let lin = |l: &Linear| (l.out_features() * l.in_features()) as u64;
+        let h = self.cfg.hidden_size as u64;
+        let mut n = (self.embed.rows() as u64) * h + h;
+        for b in &self.blocks {
+            n += 2 * h;
+            n += lin(&b.attn.q) + lin(&b.attn.k) + lin(&b.attn.v) + lin(&b.attn.o);
+            n += lin(&b.mlp.gate) + lin(&b.mlp.up) + lin(&b.mlp.down);
+            n += [&b.attn.q_norm, &b.attn.k_norm]
+                .iter()
+                .filter_map(|v| v.as_ref())
+                .map(|v| v.len() as u64)
+                .sum::<u64>();
+        }
+        if !self.tied() {
+            n += lin(&self.lm_head);
+        }
+        n
+    }
+
+    fn tied(&self) -> bool {
+        self.tied
+    }
+
+    fn shape(&self) -> AttnShape {
+        AttnShape {
+            heads: self.cfg.heads,
+            kv_heads: self.cfg.kv_heads,
+            head_dim: self.cfg.head_dim,
+            capacity: self.capacity,
+        }
+    }
+
+    /// Empties the cache and makes room for `capacity` positions (reusing the
+    /// previous allocation when it is large enough).
+    pub fn reset(&mut self, capacity: usize) {
+        self.pos = 0;
+        if capacity > self.capacity || self.cache.len() != self.cfg.layers {
+            self.capacity = capacity;
+            let shape = self.shape();
+            self.cache = (0..self.cfg.layers)
+                .map(|_| LayerCache::new(shape))
+                .collect();
+        }
+    }
+
+    /// Runs `tokens` at the next positions, fills the cache and returns the
+    /// logits of the last one.
+    pub fn forward(&mut self, tokens: &[u32]) -> Result<Vec<f32>, EngineError> {
+        let s = tokens.len();
+        let h = self.cfg.hidden_size;
+        let hd = self.cfg.head_dim;
+        let eps = self.cfg.rms_eps;
+        let pos = self.pos;
+        let shape = self.shape();
+        let mut x = self.embed.lookup(tokens)?;
+        for (block, cache) in self.blocks.iter().zip(self.cache.iter_mut()) {
+            // Attention.
+            let mut hn = x.clone();
+            ops::rms_norm(&mut hn, &block.attn_norm, eps);
+            let hn = ops::from_vec(hn, s, h)?;
+            let a = &block.attn;
+            let mut q = ops::to_vec(&a.q.forward(&hn)?)?;
+            let mut k = ops::to_vec(&a.k.forward(&hn)?)?;
+            let v = ops::to_vec(&a.v.forward(&hn)?)?;
+            if let Some(w) = &a.q_norm {
+                ops::rms_norm(&mut q, w, eps);
+            }
+            if let Some(w) = &a.k_norm {
+                ops::rms_norm(&mut k, w, eps);
+            }
+            for t in 0..s {
+                self.rope.cos_sin(pos + t, &mut self.cs);
+                for head in q[t * shape.heads * hd..(t + 1) * shape.heads * hd].chunks_exact_mut(hd)
+                {
+                    self.rope.apply(head, &self.cs);
+                }
+                for head in
+                    k[t * shape.kv_heads * hd..(t + 1) * shape.kv_heads * hd].chunks_exact_mut(hd)
+                {
+                    self.rope.apply(head, &self.cs);
+                }
+            }
+            cache.store(shape, pos, &k, &v);
+            let att = ops::attention(&q, cache, shape, pos);
+            let att = ops::from_vec(att, s, shape.heads * hd)?;
+            let o = ops::to_vec(&a.o.forward(&att)?)?;
+            ops::add_assign(&mut x, &o);
+
+            // Feed-forward.
+            let mut hn = x.clone();
+            ops::rms_norm(&mut hn, &block.ffn_norm, eps);
+            let hn = ops::from_vec(hn, s, h)?;
+            let mut g = ops::to_vec(&block.mlp.gate.forward(&hn)?)?;
+            let u = ops::to_vec(&block.mlp.up.forward(&hn)?)?;
+            ops::swiglu(&mut g, &u);
+            let g = ops::from_vec(g, s, self.cfg.intermediate_size)?;
+            let d = ops::to_vec(&block.mlp.down.forward(&g)?)?;
+            ops::add_assign(&mut x, &d);
+        }
+        self.pos += s;
+        let mut last = x[(s - 1) * h..].to_vec();
+        ops::rms_norm(&mut last, &self.norm, eps);
+        let last = ops::from_vec(last, 1, h)?;
+        Ok(ops::to_vec(&self.lm_head.forward(&last)?)?)
+    }
+}

@@ -1,0 +1,224 @@
+//! The small per-token operations of the transformer, on f32 slices: RMS norm,
+//! rotary embedding, SwiGLU and causal attention over the KV cache.
+//!
+//! These run between the weight matmuls ([`super::linear::Linear`]) and are
+//! written as plain loops over contiguous rows, because on CPU a chain of
+//! candle ops (each allocating and dispatching) costs more than the math for
+//! the tiny tensors of single-token decoding.
+//!
+//! # Invariants
+//! - Every function checks slice lengths against the dimensions it is given
+//!   through the types of its callers; callers pass consistent shapes (the
+//!   model config is validated), so the indexing below cannot go out of bounds.
+//! - Arithmetic mirrors llama.cpp's CPU path (f32 accumulation, the same RoPE
+//!   angle recurrence) so greedy decoding gives the same tokens.
+
+use candle_core::{Device, Tensor};
+use rayon::prelude::*;
+
+/// Copies a tensor's values out as f32 (contiguous, row-major).
+pub fn to_vec(t: &Tensor) -> candle_core::Result<Vec<f32>> {
+    t.flatten_all()?.to_vec1::<f32>()
+}
+
+/// Builds a `[rows, cols]` f32 tensor from a vector.
+pub fn from_vec(v: Vec<f32>, rows: usize, cols: usize) -> candle_core::Result<Tensor> {
+    Tensor::from_vec(v, (rows, cols), &Device::Cpu)
+}
+
+/// In place: each row of `x` (length `w.len()`) ← row / rms(row) · w.
+pub fn rms_norm(x: &mut [f32], w: &[f32], eps: f32) {
+    let n = w.len();
+    for row in x.chunks_exact_mut(n) {
+        let mut sum = 0.0f32;
+        for v in row.iter() {
+            sum += v * v;
+        }
+        let scale = 1.0 / (sum / n as f32 + eps).sqrt();
+        for (v, wi) in row.iter_mut().zip(w) {
+            *v = *v * scale * wi;
+        }
+    }
+}
+
+/// Rotary embedding tables: the inverse frequencies of each rotated pair.
+#[derive(Debug, Clone)]
+pub struct Rope {
+    /// cos/sin for one position: `rope_dims / 2` pairs.
+    theta_scale: f32,
+    freq_scale: f32,
+    factors: Option<Vec<f32>>,
+    pub dims: usize,
+    pub interleaved: bool,
+}
+
+impl Rope {
+    pub fn new(
+        dims: usize,
+        base: f32,
+        freq_scale: f32,
+        factors: Option<Vec<f32>>,
+        interleaved: bool,
+    ) -> Self {
+        Rope {
+            theta_scale: base.powf(-2.0 / dims as f32),
+            freq_scale,
+            factors,
+            dims,
+            interleaved,
+        }
+    }
+
+    /// cos and sin of every pair at position `pos`, as llama.cpp computes them.
+    pub fn cos_sin(&self, pos: usize, out: &mut Vec<(f32, f32)>) {
+        out.clear();
+        let mut theta = pos as f32;
+        for i in 0..self.dims / 2 {
+            let ff = self.factors.as_ref().map_or(1.0, |f| f[i]);
+            let t = self.freq_scale * (theta / ff);
+            out.push((t.cos(), t.sin()));
+            theta *= self.theta_scale;
+        }
+    }
+
+    /// In place on one head vector (length >= dims).
+    pub fn apply(&self, head: &mut [f32], cs: &[(f32, f32)]) {
+        let half = self.dims / 2;
+        if self.interleaved {
+            for (i, &(c, s)) in cs.iter().enumerate() {
+                let x0 = head[2 * i];
+                let x1 = head[2 * i + 1];
+                head[2 * i] = x0 * c - x1 * s;
+                head[2 * i + 1] = x0 * s + x1 * c;
+            }
+        } else {
+            for (i, &(c, s)) in cs.iter().enumerate() {
+                let x0 = head[i];
+                let x1 = head[i + half];
+                head[i] = x0 * c - x1 * s;
+                head[i + half] = x0 * s + x1 * c;
+            }
+        }
+    }
+}
+
+/// In place: `gate[i] ← silu(gate[i]) · up[i]`.
+pub fn swiglu(gate: &mut [f32], up: &[f32]) {
+    for (g, u) in gate.iter_mut().zip(up) {
+        let x = *g;
+        *g = x / (1.0 + (-x).exp()) * u;
+    }
+}
+
+/// In place: `x[i] += y[i]`.
+pub fn add_assign(x: &mut [f32], y: &[f32]) {
+    for (a, b) in x.iter_mut().zip(y) {
+        *a += b;
+    }
+}
+
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    // Eight independent accumulators let the compiler vectorise the loop.
+    let mut acc = [0.0f32; 8];
+    let chunks = a.len() / 8;
+    for c in 0..chunks {
+        let (x, y) = (&a[c * 8..c * 8 + 8], &b[c * 8..c * 8 + 8]);
+        for j in 0..8 {
+            acc[j] += x[j] * y[j];
+        }
+    }
+    let mut sum: f32 = acc.iter().sum();
+    for j in chunks * 8..a.len() {
+        sum += a[j] * b[j];
+    }
+    sum
+}
+
+/// One layer's keys and values: `[kv_heads][capacity][head_dim]` each.
+#[derive(Debug, Clone)]
+pub struct LayerCache {
+    pub k: Vec<f32>,
+    pub v: Vec<f32>,
+}
+
+/// Shapes of one attention computation.
+#[derive(Debug, Clone, Copy)]
+pub struct AttnShape {
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    /// Positions the cache can hold.
+    pub capacity: usize,
+}
+
+impl LayerCache {
+    pub fn new(shape: AttnShape) -> Self {
+        let n = shape.kv_heads * shape.capacity * shape.head_dim;
+        LayerCache {
+            k: vec![0.0; n],
+            v: vec![0.0; n],
+        }
+    }
+
+    /// Writes the keys/values of `s` new tokens (`[s][kv_heads][head_dim]`)
+    /// at positions `pos..pos + s`.
+    pub fn store(&mut self, shape: AttnShape, pos: usize, k: &[f32], v: &[f32]) {
+        let hd = shape.head_dim;
+        let s = k.len() / (shape.kv_heads * hd);
+        for t in 0..s {
+            for h in 0..shape.kv_heads {
+                let src = (t * shape.kv_heads + h) * hd;
+                let dst = (h * shape.capacity + pos + t) * hd;
+                self.k[dst..dst + hd].copy_from_slice(&k[src..src + hd]);
+                self.v[dst..dst + hd].copy_from_slice(&v[src..src + hd]);
+            }
+        }
+    }
+}
+
+/// Causal attention of `s` queries at positions `pos..pos + s`
+/// (`q`: `[s][heads][head_dim]`) over the cache, whose first `pos + s`
+/// positions are filled. Returns `[s][heads][head_dim]`.
+pub fn attention(q: &[f32], cache: &LayerCache, shape: AttnShape, pos: usize) -> Vec<f32> {
+    let hd = shape.head_dim;
+    let group = shape.heads / shape.kv_heads;
+    let s = q.len() / (shape.heads * hd);
+    let scale = 1.0 / (hd as f32).sqrt();
+    let mut out = vec![0.0f32; q.len()];
+    let work = |(idx, o): (usize, &mut [f32])| {
+        let t = idx / shape.heads;
+        let h = idx % shape.heads;
+        let kvh = h / group;
+        let len = pos + t + 1;
+        let qv = &q[idx * hd..(idx + 1) * hd];
+        let base = kvh * shape.capacity * hd;
+        let mut scores = Vec::with_capacity(len);
+        let mut max = f32::NEG_INFINITY;
+        for j in 0..len {
+            let kv = &cache.k[base + j * hd..base + (j + 1) * hd];
+            let sc = dot(qv, kv) * scale;
+            max = max.max(sc);
+            scores.push(sc);
+        }
+        let mut sum = 0.0f32;
+        for sc in scores.iter_mut() {
+            *sc = (*sc - max).exp();
+            sum += *sc;
+        }
+        let inv = 1.0 / sum;
+        for (j, p) in scores.iter().enumerate() {
+            let w = p * inv;
+            let vv = &cache.v[base + j * hd..base + (j + 1) * hd];
+            for (oi, vi) in o.iter_mut().zip(vv) {
+                *oi += w * vi;
+            }
+        }
+    };
+    // Parallel over (token, head) pairs; a single short row is not worth a fork.
+    if s * shape.heads > 1 && pos + s > 64 {
+        out.par_chunks_mut(hd).enumerate().for_each(work);
+    } else {
+        out.chunks_mut(hd).enumerate().for_each(work);
+    }
+    out
+}

@@ -1,0 +1,720 @@
+//! Engine tests: random-weight files for every architecture and tensor type,
+//! corrupt files, the generation contract, and the real SmolLM2 model checked
+//! against llama.cpp's recorded token ids.
+
+use std::ops::ControlFlow;
+use std::path::{Path, PathBuf};
+use std::sync::{Mutex, OnceLock};
+
+use candle_core::quantized::GgmlDType;
+use candle_core::DType;
+
+use super::testutil::{self, GgufTweaks, TinySpec};
+use super::*;
+
+fn greedy(max_tokens: usize) -> Sampling {
+    Sampling {
+        max_tokens,
+        ..Sampling::default()
+    }
+}
+
+fn text(prompt: &str, sampling: Sampling) -> GenerateRequest {
+    GenerateRequest {
+        input: PromptInput::Text(prompt.to_string()),
+        sampling,
+    }
+}
+
+fn chat(question: &str, sampling: Sampling) -> GenerateRequest {
+    GenerateRequest {
+        input: PromptInput::Chat(vec![ChatTurn {
+            role: "user".into(),
+            content: question.into(),
+        }]),
+        sampling,
+    }
+}
+
+/// Runs a generation, collecting the chunks.
+fn run(engine: &mut Engine, req: &GenerateRequest) -> (Generation, Vec<TokenChunk>) {
+    let mut chunks = Vec::new();
+    let g = engine
+        .generate(req, &mut |c| {
+            chunks.push(c.clone());
+            ControlFlow::Continue(())
+        })
+        .unwrap();
+    (g, chunks)
+}
+
+fn tiny_gguf(dir: &Path, spec: &TinySpec, dtype: GgmlDType) -> PathBuf {
+    let path = dir.join(format!("{}-{dtype:?}.gguf", spec.arch));
+    testutil::write_gguf(&path, spec, dtype, &GgufTweaks::default());
+    path
+}
+
+fn load_err(path: &Path) -> EngineError {
+    match Engine::load(path) {
+        Ok(_) => panic!("{} loaded but should not have", path.display()),
+        Err(e) => e,
+    }
+}
+
+// ---------------------------------------------------------------- loading
+
+#[test]
+fn gguf_loads_every_architecture() {
+    let dir = tempfile::tempdir().unwrap();
+    for arch in ["llama", "mistral", "qwen2", "qwen3"] {
+        let spec = TinySpec::new(arch);
+        let path = tiny_gguf(dir.path(), &spec, GgmlDType::Q8_0);
+        let mut engine = Engine::load(&path).unwrap();
+        let info = engine.info().clone();
+        let expected_arch = if arch == "mistral" { "llama" } else { arch };
+        assert_eq!(info.architecture, expected_arch);
+        assert_eq!(info.layers, spec.layers);
+        assert_eq!(info.kv_heads, spec.kv_heads);
+        assert_eq!(info.head_dim, spec.head_dim);
+        assert_eq!(info.vocab_size, testutil::tiny_vocab().len());
+        assert_eq!(info.context_length, spec.context);
+        let (g, _) = run(&mut engine, &text("hello world", greedy(5)));
+        assert_eq!(
+            g.prompt_tokens,
+            engine.tokenize("hello world").unwrap().len()
+        );
+        assert!(g.output_token_ids.len() <= 5, "{arch}: {g:?}");
+        let (again, _) = run(&mut engine, &text("hello world", greedy(5)));
+        assert_eq!(
+            g.output_token_ids, again.output_token_ids,
+            "{arch}: greedy is deterministic"
+        );
+    }
+}
+
+#[test]
+fn gguf_loads_every_tensor_type() {
+    let dir = tempfile::tempdir().unwrap();
+    let spec = TinySpec::new("llama");
+    let f32_path = tiny_gguf(dir.path(), &spec, GgmlDType::F32);
+    let mut reference = Engine::load(&f32_path).unwrap();
+    let prompt = reference
+        .prompt_tokens(&PromptInput::Text("hello world".into()))
+        .unwrap();
+    reference.model.reset(prompt.len());
+    let want = reference.model.forward(&prompt).unwrap();
+    for dtype in [
+        GgmlDType::F16,
+        GgmlDType::BF16,
+        GgmlDType::Q4_0,
+        GgmlDType::Q4_1,
+        GgmlDType::Q5_0,
+        GgmlDType::Q5_1,
+        GgmlDType::Q8_0,
+        GgmlDType::Q2K,
+        GgmlDType::Q3K,
+        GgmlDType::Q4K,
+        GgmlDType::Q5K,
+        GgmlDType::Q6K,
+    ] {
+        let path = tiny_gguf(dir.path(), &spec, dtype);
+        let mut engine = Engine::load(&path).unwrap_or_else(|e| panic!("{dtype:?}: {e}"));
+        engine.model.reset(prompt.len());
+        let got = engine.model.forward(&prompt).unwrap();
+        assert_eq!(got.len(), want.len());
+        // Quantization noise only: the logits stay close to the f32 model's.
+        let err: f32 = got
+            .iter()
+            .zip(&want)
+            .map(|(a, b)| (a - b).abs())
+            .sum::<f32>()
+            / want.len() as f32;
+        let scale: f32 = want.iter().map(|a| a.abs()).sum::<f32>() / want.len() as f32;
+        let tolerance = match dtype {
+            GgmlDType::Q2K | GgmlDType::Q3K => 0.6,
+            GgmlDType::Q4_0 | GgmlDType::Q4_1 | GgmlDType::Q4K => 0.3,
+            _ => 0.1,
+        };
+        assert!(
+            err < tolerance * scale,
+            "{dtype:?}: mean error {err} vs mean logit {scale}"
+        );
+    }
+}
+
+#[test]
+fn safetensors_and_gguf_compute_the_same_model() {
+    let dir = tempfile::tempdir().unwrap();
+    for arch in ["llama", "mistral", "qwen2", "qwen3"] {
+        let spec = TinySpec::new(arch);
+        let gguf = tiny_gguf(dir.path(), &spec, GgmlDType::F32);
+        let st_dir = dir.path().join(format!("{arch}-st"));
+        testutil::write_safetensors(&st_dir, &spec, DType::F32, None);
+        let mut a = Engine::load(&gguf).unwrap();
+        let mut b = Engine::load(&st_dir).unwrap();
+        assert_eq!(b.info().architecture, arch);
+        let pa = a
+            .prompt_tokens(&PromptInput::Text("hello world, hello".into()))
+            .unwrap();
+        let pb = b
+            .prompt_tokens(&PromptInput::Text("hello world, hello".into()))
+            .unwrap();
+        assert_eq!(pa, pb, "{arch}: both tokenizers agree");
+        a.model.reset(pa.len());
+        b.model.reset(pb.len());
+        let la = a.model.forward(&pa).unwrap();
+        let lb = b.model.forward(&pb).unwrap();
+        let max = la
+            .iter()
+            .zip(&lb)
+            .map(|(x, y)| (x - y).abs())
+            .fold(0.0f32, f32::max);
+        assert!(
+            max < 1e-3,
+            "{arch}: gguf and safetensors logits differ by {max}"
+        );
+        // And the single .safetensors file path works too.
+        assert!(Engine::load(&st_dir.join("model.safetensors")).is_ok());
+    }
+}
+
+#[test]
+fn safetensors_loads_half_precision() {
+    let dir = tempfile::tempdir().unwrap();
+    for (dtype, name) in [(DType::F16, "f16"), (DType::BF16, "bf16")] {
+        let spec = TinySpec::new("qwen2");
+        let st_dir = dir.path().join(name);
+        testutil::write_safetensors(&st_dir, &spec, dtype, None);
+        let mut engine = Engine::load(&st_dir).unwrap_or_else(|e| panic!("{name}: {e}"));
+        let (g, chunks) = run(&mut engine, &chat("hi", greedy(4)));
+        assert_eq!(
+            g.text,
+            chunks.iter().map(|c| c.text.as_str()).collect::<String>()
+        );
+    }
+}
+
+#[test]
+fn tied_embeddings_load_without_an_output_matrix() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut spec = TinySpec::new("llama");
+    spec.tied = true;
+    let tied = tiny_gguf(dir.path(), &spec, GgmlDType::Q8_0);
+    spec.tied = false;
+    let untied_dir = dir.path().join("untied");
+    std::fs::create_dir_all(&untied_dir).unwrap();
+    let untied = tiny_gguf(&untied_dir, &spec, GgmlDType::Q8_0);
+    let t = Engine::load(&tied).unwrap();
+    let u = Engine::load(&untied).unwrap();
+    let vocab_x_hidden = (testutil::tiny_vocab().len() * spec.hidden) as u64;
+    assert_eq!(u.info().parameters - t.info().parameters, vocab_x_hidden);
+}
+
+// ---------------------------------------------------------------- corrupt files
+
+#[test]
+fn truncated_gguf_is_reported_as_truncated() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = tiny_gguf(dir.path(), &TinySpec::new("llama"), GgmlDType::Q4_0);
+    let bytes = std::fs::read(&path).unwrap();
+    for cut in [bytes.len() - 100, bytes.len() / 2, 2000, 30] {
+        std::fs::write(&path, &bytes[..cut]).unwrap();
+        let e = load_err(&path);
+        assert!(matches!(e, EngineError::Gguf(_)), "{e}");
+        assert!(e.to_string().contains("truncated"), "cut at {cut}: {e}");
+    }
+}
+
+#[test]
+fn bad_magic_empty_and_missing_files_are_named() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = tiny_gguf(dir.path(), &TinySpec::new("llama"), GgmlDType::Q4_0);
+    let mut bytes = std::fs::read(&path).unwrap();
+    bytes[..4].copy_from_slice(b"GGML");
+    std::fs::write(&path, &bytes).unwrap();
+    let e = load_err(&path);
+    assert!(e.to_string().contains("bad magic"), "{e}");
+
+    std::fs::write(&path, b"").unwrap();
+    let e = load_err(&path);
+    assert!(e.to_string().contains("not a gguf file"), "{e}");
+
+    let missing = dir.path().join("nope.gguf");
+    let e = load_err(&missing);
+    assert!(matches!(e, EngineError::Io { .. }), "{e}");
+    assert!(e.to_string().contains("nope.gguf"), "{e}");
+}
+
+#[test]
+fn absurd_lengths_in_the_header_are_rejected_without_allocating() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = tiny_gguf(dir.path(), &TinySpec::new("llama"), GgmlDType::Q4_0);
+    let mut bytes = std::fs::read(&path).unwrap();
+    // The first metadata key's length (bytes 24..32) claims an exabyte.
+    bytes[24..32].copy_from_slice(&(1u64 << 60).to_le_bytes());
+    std::fs::write(&path, &bytes).unwrap();
+    let e = load_err(&path);
+    assert!(e.to_string().contains("metadata key"), "{e}");
+    // And a metadata count larger than the file.
+    let mut bytes = std::fs::read(&path).unwrap();
+    bytes[16..24].copy_from_slice(&u64::MAX.to_le_bytes());
+    std::fs::write(&path, &bytes).unwrap();
+    let e = load_err(&path);
+    assert!(e.to_string().contains("corrupt header"), "{e}");
+}
+
+#[test]
+fn missing_tensor_is_named() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("missing.gguf");
+    let tweaks = GgufTweaks {
+        drop_tensor: Some("blk.1.ffn_up.weight".into()),
+        ..GgufTweaks::default()
+    };
+    testutil::write_gguf(&path, &TinySpec::new("llama"), GgmlDType::Q8_0, &tweaks);
+    let e = load_err(&path);
+    assert!(
+        matches!(&e, EngineError::MissingTensor { name } if name == "blk.1.ffn_up.weight"),
+        "{e}"
+    );
+
+    let st = dir.path().join("st");
+    testutil::write_safetensors(
+        &st,
+        &TinySpec::new("qwen2"),
+        DType::F32,
+        Some("model.layers.0.self_attn.k_proj.bias"),
+    );
+    let e = load_err(&st);
+    assert!(
+        e.to_string()
+            .contains("model.layers.0.self_attn.k_proj.bias"),
+        "{e}"
+    );
+}
+
+#[test]
+fn wrong_architecture_is_named() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("neox.gguf");
+    let tweaks = GgufTweaks {
+        architecture: Some("gptneox".into()),
+        ..GgufTweaks::default()
+    };
+    testutil::write_gguf(&path, &TinySpec::new("llama"), GgmlDType::Q8_0, &tweaks);
+    let e = load_err(&path);
+    assert!(
+        matches!(&e, EngineError::UnsupportedArchitecture(a) if a == "gptneox"),
+        "{e}"
+    );
+    assert!(e.to_string().contains("gptneox"));
+}
+
+#[test]
+fn corrupt_safetensors_is_reported() {
+    let dir = tempfile::tempdir().unwrap();
+    let st = dir.path().join("st");
+    testutil::write_safetensors(&st, &TinySpec::new("llama"), DType::F32, None);
+    let file = st.join("model.safetensors");
+    let bytes = std::fs::read(&file).unwrap();
+    std::fs::write(&file, &bytes[..bytes.len() / 2]).unwrap();
+    let e = load_err(&st);
+    assert!(matches!(e, EngineError::Safetensors(_)), "{e}");
+    assert!(e.to_string().contains("model.safetensors"), "{e}");
+
+    std::fs::remove_file(st.join("config.json")).unwrap();
+    let e = load_err(&st);
+    assert!(e.to_string().contains("config.json"), "{e}");
+}
+
+// ---------------------------------------------------------------- generation contract
+
+fn tiny_engine(dir: &Path) -> Engine {
+    let path = tiny_gguf(dir, &TinySpec::new("llama"), GgmlDType::Q8_0);
+    Engine::load(&path).unwrap()
+}
+
+#[test]
+fn chunks_add_up_to_the_text_and_max_tokens_is_honoured() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut engine = tiny_engine(dir.path());
+    // The tiny model never emits EOS reliably; ban nothing and cap the length.
+    let (g, chunks) = run(&mut engine, &text("hello", greedy(7)));
+    let joined: String = chunks.iter().map(|c| c.text.as_str()).collect();
+    assert_eq!(g.text, joined);
+    if g.finish == FinishReason::Length {
+        assert_eq!(g.output_token_ids.len(), 7);
+    }
+    for (i, c) in chunks.iter().enumerate().take(g.output_token_ids.len()) {
+        assert_eq!(c.index, i);
+        assert_eq!(c.token_id, g.output_token_ids[i]);
+    }
+}
+
+#[test]
+fn cancelling_stops_after_the_current_token() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut engine = tiny_engine(dir.path());
+    let mut seen = 0;
+    let sampling = Sampling {
+        temperature: 1.0,
+        seed: 3,
+        max_tokens: 50,
+        ..Sampling::default()
+    };
+    let g = engine
+        .generate(&text("hello", sampling), &mut |_| {
+            seen += 1;
+            if seen == 2 {
+                ControlFlow::Break(())
+            } else {
+                ControlFlow::Continue(())
+            }
+        })
+        .unwrap();
+    if g.finish == FinishReason::Cancelled {
+        assert_eq!(g.output_token_ids.len(), 2);
+        assert_eq!(seen, 2);
+    } else {
+        // Only an early EOS could end it first.
+        assert_eq!(g.finish, FinishReason::Eos, "{g:?}");
+        assert!(g.output_token_ids.len() < 2);
+    }
+}
+
+#[test]
+fn bad_requests_are_client_errors() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut engine = tiny_engine(dir.path());
+    let mut noop = |_: &TokenChunk| ControlFlow::Continue(());
+    let e = engine
+        .generate(&text("", greedy(3)), &mut noop)
+        .unwrap_err();
+    assert!(matches!(e, EngineError::EmptyPrompt) && e.is_client_error());
+
+    let long = "hello ".repeat(200);
+    let e = engine
+        .generate(&text(&long, greedy(3)), &mut noop)
+        .unwrap_err();
+    assert!(
+        matches!(e, EngineError::PromptTooLong { max: 127, .. }),
+        "{e}"
+    );
+    assert!(e.is_client_error());
+
+    let bad = Sampling {
+        temperature: f32::NAN,
+        ..Sampling::default()
+    };
+    let e = engine.generate(&text("hi", bad), &mut noop).unwrap_err();
+    assert!(e.is_client_error(), "{e}");
+
+    // A long request near the context end stops at the context length.
+    let prompt = "hello ".repeat(60);
+    let n = engine
+        .prompt_tokens(&PromptInput::Text(prompt.clone()))
+        .unwrap()
+        .len();
+    let g = engine
+        .generate(&text(&prompt, greedy(1000)), &mut noop)
+        .unwrap();
+    assert!(
+        n + g.output_token_ids.len() <= 128,
+        "{n} + {}",
+        g.output_token_ids.len()
+    );
+}
+
+#[test]
+fn stop_strings_end_the_output_and_are_excluded() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut engine = tiny_engine(dir.path());
+    let sampling = Sampling {
+        temperature: 1.0,
+        seed: 11,
+        max_tokens: 40,
+        ..Sampling::default()
+    };
+    let (full, _) = run(&mut engine, &text("hello", sampling.clone()));
+    // Pick a stop string from the middle of the unconstrained output.
+    let chars: Vec<char> = full.text.chars().collect();
+    assert!(
+        chars.len() >= 6,
+        "output too short for this test: {:?}",
+        full.text
+    );
+    let stop: String = chars[chars.len() / 2..chars.len() / 2 + 2].iter().collect();
+    let stopped_sampling = Sampling {
+        stop: vec![stop.clone()],
+        ..sampling
+    };
+    let (g, chunks) = run(&mut engine, &text("hello", stopped_sampling));
+    assert_eq!(g.finish, FinishReason::Stop);
+    assert!(!g.text.contains(&stop));
+    let cut = full.text.find(&stop).unwrap();
+    assert_eq!(g.text, full.text[..cut]);
+    assert_eq!(
+        g.text,
+        chunks.iter().map(|c| c.text.as_str()).collect::<String>()
+    );
+}
+
+#[test]
+fn stop_buffer_holds_back_possible_prefixes() {
+    let mut s = sampler::StopBuffer::new(&["</end>".to_string()]);
+    assert_eq!(s.push("abc<"), sampler::StopCheck::Emit("abc".into()));
+    assert_eq!(s.push("/e"), sampler::StopCheck::Emit(String::new()));
+    assert_eq!(s.push("x"), sampler::StopCheck::Emit("</ex".into()));
+    assert_eq!(s.push("y</en"), sampler::StopCheck::Emit("y".into()));
+    assert_eq!(s.push("d>tail"), sampler::StopCheck::Stopped(String::new()));
+    let mut s = sampler::StopBuffer::new(&["ab".to_string()]);
+    assert_eq!(s.push("xa"), sampler::StopCheck::Emit("x".into()));
+    assert_eq!(s.finish(), "a");
+}
+
+#[test]
+fn sampler_is_seeded_and_filters() {
+    let logits: Vec<f32> = (0..100).map(|i| ((i * 37) % 17) as f32 * 0.3).collect();
+    let draw = |s: &Sampling| {
+        let mut sampler = sampler::Sampler::new(s);
+        (0..30)
+            .map(|_| sampler.sample(&mut logits.clone(), &[]))
+            .collect::<Vec<_>>()
+    };
+    let hot = Sampling {
+        temperature: 1.5,
+        seed: 1,
+        ..Sampling::default()
+    };
+    assert_eq!(draw(&hot), draw(&hot));
+    assert_ne!(
+        draw(&hot),
+        draw(&Sampling {
+            seed: 2,
+            ..hot.clone()
+        })
+    );
+    let top1 = Sampling {
+        top_k: 1,
+        ..hot.clone()
+    };
+    let best = sampler::argmax(&logits);
+    assert!(draw(&top1).iter().all(|&t| t == best));
+    let min_p = Sampling {
+        min_p: 0.99,
+        ..hot.clone()
+    };
+    assert!(draw(&min_p)
+        .iter()
+        .all(|&t| logits[t as usize] == logits[best as usize]));
+    // A penalty on the best token moves greedy elsewhere.
+    let mut l = logits.clone();
+    let mut s = sampler::Sampler::new(&Sampling {
+        repetition_penalty: 100.0,
+        ..Sampling::default()
+    });
+    assert_ne!(s.sample(&mut l, &[best]), best);
+}
+
+#[test]
+fn detokenizer_streams_whole_characters() {
+    let mut d = tokenizer::Detokenizer::default();
+    let bytes = "é日🎉".as_bytes();
+    let mut out = String::new();
+    for b in bytes {
+        let piece = d.push(&[*b]);
+        assert!(piece.chars().count() <= 1);
+        out.push_str(&piece);
+    }
+    assert_eq!(out, "é日🎉");
+    assert_eq!(d.push(&[0xff, b'a']), "\u{fffd}a");
+    assert_eq!(d.push(&[0xe6]), "");
+    assert_eq!(d.finish(), "\u{fffd}");
+}
+
+#[test]
+fn sentencepiece_tokenizer_round_trips() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("spm.gguf");
+    testutil::write_spm_gguf(&path);
+    let engine = Engine::load(&path).unwrap();
+    let ids = engine.tokenize("hello world").unwrap();
+    // "▁hello" and "▁world" are whole pieces of the vocabulary.
+    assert_eq!(ids.len(), 2, "{ids:?}");
+    assert_eq!(engine.detokenize(&ids), " hello world");
+    // Characters outside the vocabulary fall back to bytes.
+    let ids = engine.tokenize("hé").unwrap();
+    assert_eq!(engine.detokenize(&ids), " hé");
+    // BOS is added for SentencePiece models.
+    let p = engine
+        .prompt_tokens(&PromptInput::Text("hello".into()))
+        .unwrap();
+    assert_eq!(p[0], 1);
+}
+
+#[test]
+fn chat_template_renders_and_rejects() {
+    let t = template::ChatTemplate::new(testutil::CHATML).unwrap();
+    let turns = vec![ChatTurn {
+        role: "user".into(),
+        content: "Hi".into(),
+    }];
+    assert_eq!(
+        t.render(&turns, "", "").unwrap(),
+        "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    );
+    let strict = template::ChatTemplate::new(
+        "{% if messages[0]['role'] != 'system' %}{{ raise_exception('first message must be system') }}{% endif %}{{ messages[0]['content'].strip() }}",
+    )
+    .unwrap();
+    let e = strict.render(&turns, "", "").unwrap_err();
+    assert!(e.is_client_error());
+    assert!(
+        e.to_string().contains("first message must be system"),
+        "{e}"
+    );
+    let ok = vec![ChatTurn {
+        role: "system".into(),
+        content: "  padded  ".into(),
+    }];
+    assert_eq!(strict.render(&ok, "", "").unwrap(), "padded");
+    assert!(template::ChatTemplate::new("{% if %}").is_err());
+}
+
+// ---------------------------------------------------------------- the real model
+
+const MODEL_PATH: &str = concat!(
+    env!("CARGO_MANIFEST_DIR"),
+    "/../models/SmolLM2-135M-Instruct.Q4_1.gguf"
+);
+const REFERENCE: &str = concat!(
+    env!("CARGO_MANIFEST_DIR"),
+    "/src/engine/testdata/llama_cpp_reference.json"
+);
+
+fn smollm() -> std::sync::MutexGuard<'static, Engine> {
+    static ENGINE: OnceLock<Mutex<Engine>> = OnceLock::new();
+    ENGINE
+        .get_or_init(|| {
+            let path = Path::new(MODEL_PATH);
+            assert!(
+                path.exists(),
+                "the test model {MODEL_PATH} is missing: run scripts/fetch-test-model.sh"
+            );
+            Mutex::new(Engine::load(path).unwrap())
+        })
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+fn reference() -> serde_json::Value {
+    let text = std::fs::read_to_string(REFERENCE).unwrap_or_else(|e| {
+        panic!("{REFERENCE}: {e} (regenerate with scripts/llama_cpp_reference.py)")
+    });
+    serde_json::from_str(&text).unwrap()
+}
+
+fn ids(v: &serde_json::Value) -> Vec<u32> {
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap() as u32)
+        .collect()
+}
+
+#[test]
+fn smollm_greedy_matches_llama_cpp() {
+    let reference = reference();
+    let n_predict = reference["n_predict"].as_u64().unwrap() as usize;
+    let mut engine = smollm();
+    for case in reference["greedy"].as_array().unwrap() {
+        let prompt = case["prompt"].as_str().unwrap();
+        let input = PromptInput::Text(prompt.to_string());
+        assert_eq!(
+            engine.prompt_tokens(&input).unwrap(),
+            ids(&case["prompt_tokens"]),
+            "prompt tokens of {prompt:?}"
+        );
+        let (g, _) = run(&mut engine, &text(prompt, greedy(n_predict)));
+        assert_eq!(
+            g.output_token_ids,
+            ids(&case["output_tokens"]),
+            "greedy output of {prompt:?}: {:?}",
+            g.text
+        );
+    }
+}
+
+#[test]
+fn smollm_chat_prompt_matches_llama_cpp_template_rendering() {
+    let reference = reference();
+    let question = reference["chat_question"].as_str().unwrap();
+    let chat_case = reference["greedy"]
+        .as_array()
+        .unwrap()
+        .last()
+        .unwrap()
+        .clone();
+    let engine = smollm();
+    let input = PromptInput::Chat(vec![ChatTurn {
+        role: "user".into(),
+        content: question.into(),
+    }]);
+    assert_eq!(
+        engine.prompt_tokens(&input).unwrap(),
+        ids(&chat_case["prompt_tokens"])
+    );
+}
+
+#[test]
+fn smollm_knows_the_capital_of_france() {
+    let mut engine = smollm();
+    let (g, chunks) = run(
+        &mut engine,
+        &chat("What is the capital of France?", greedy(64)),
+    );
+    assert!(g.text.contains("Paris"), "answer: {:?}", g.text);
+    assert_eq!(g.finish, FinishReason::Eos, "{g:?}");
+    assert_eq!(
+        g.text,
+        chunks.iter().map(|c| c.text.as_str()).collect::<String>()
+    );
+}
+
+#[test]
+fn smollm_same_seed_same_output_different_seed_differs() {
+    let mut engine = smollm();
+    let sampling = |seed| Sampling {
+        temperature: 0.9,
+        top_p: 0.95,
+        top_k: 50,
+        seed,
+        max_tokens: 32,
+        ..Sampling::default()
+    };
+    let prompt = "Write a short poem about the sea.";
+    let (a, _) = run(&mut engine, &chat(prompt, sampling(1)));
+    let (b, _) = run(&mut engine, &chat(prompt, sampling(1)));
+    let (c, _) = run(&mut engine, &chat(prompt, sampling(2)));
+    assert_eq!(a.output_token_ids, b.output_token_ids);
+    assert_eq!(a.text, b.text);
+    assert_ne!(a.output_token_ids, c.output_token_ids);
+}
+
+#[test]
+fn smollm_tokenizer_matches_llama_cpp() {
+    let reference = reference();
+    let engine = smollm();
+    let mut failures = Vec::new();
+    for case in reference["tokenize"].as_array().unwrap() {
+        let text = case["text"].as_str().unwrap();
+        let got = engine.tokenize(text).unwrap();
+        if got != ids(&case["ids"]) {
+            failures.push(format!(
+                "{text:?}: ours {got:?}, llama.cpp {:?}",
+                ids(&case["ids"])
+            ));
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}

@@ -1,0 +1,148 @@
+#!/usr/bin/env python3
+"""Records llama.cpp's token ids for the engine's reference tests.
+
+Runs the test model (SmolLM2-135M-Instruct Q4_1 GGUF) through llama.cpp via the
+PyPI package llama-cpp-python and writes node/src/engine/testdata/llama_cpp_reference.json:
+
+- "greedy": for three fixed prompts, the prompt's token ids and the ids of the
+  greedy continuation (argmax of llama.cpp's logits, up to N_PREDICT tokens,
+  stopping at an end-of-generation token, which is not recorded). The third
+  prompt is the model's chat template rendered (jinja2, as Hugging Face does)
+  for a short system prompt and the question "What is the capital of France?".
+- "tokenize": llama.cpp's ids for tricky strings (digits, spaces, tabs,
+  newlines, special tokens, non-ASCII), tokenized without BOS and with
+  special tokens recognised.
+
+Usage: pip install llama-cpp-python jinja2; scripts/fetch-test-model.sh;
+       python3 scripts/llama_cpp_reference.py
+On CPUs with AMX, the default llama-cpp-python build can die with SIGILL in
+ggml's AMX code; the model is loaded with use_extra_bufts=False when the
+installed version accepts it, or build it with
+CMAKE_ARGS="-DCMAKE_C_FLAGS='-mno-amx-tile -mno-amx-int8 -mno-amx-bf16' -DCMAKE_CXX_FLAGS='...same...'".
+"""
+
+import hashlib
+import json
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MODEL = os.path.join(ROOT, "models", "SmolLM2-135M-Instruct.Q4_1.gguf")
+OUT = os.path.join(ROOT, "node", "src", "engine", "testdata", "llama_cpp_reference.json")
+N_PREDICT = 32
+
+TEXT_PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+]
+# SmolLM2-135M answers this with "Paris" under a short system prompt; with the
+# template's default system prompt it rambles about L'Étoile (llama.cpp too).
+CHAT_SYSTEM = "You are a helpful assistant."
+CHAT_QUESTION = "What is the capital of France?"
+
+TRICKY = [
+    "12345",
+    "Pi is 3.14159, e is 2.71828 and 1000000 is a million.",
+    "  two leading spaces",
+    "    four leading spaces and trailing   ",
+    "\ttab\tseparated\tvalues",
+    "line one\nline two\n\nline four\r\n",
+    "<|im_start|>user\nHello!<|im_end|>\n<|im_start|>assistant\n",
+    "<|endoftext|>",
+    "café, naïve, résumé, Ærøskøbing",
+    "日本語のテキストです。",
+    "emoji: 🎉👍🏽 🇫🇷",
+    "don't DON'T we'll I'd",
+    "mixedCASE_snake_case and kebab-case!?",
+    " ",
+    "",
+]
+
+
+def sha256(path):
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def load():
+    from llama_cpp import Llama
+
+    kwargs = dict(model_path=MODEL, n_ctx=1024, n_threads=2, seed=0, verbose=False, logits_all=True)
+    try:
+        return Llama(use_extra_bufts=False, **kwargs)
+    except TypeError:
+        return Llama(**kwargs)
+
+
+def greedy(llm, tokens, eog):
+    llm.reset()
+    llm.eval(tokens)
+    out = []
+    for _ in range(N_PREDICT):
+        logits = llm.scores[llm.n_tokens - 1]
+        tok = int(max(range(len(logits)), key=lambda i: logits[i]))
+        if tok in eog:
+            break
+        out.append(tok)
+        llm.eval([tok])
+    return out
+
+
+def main():
+    if not os.path.exists(MODEL):
+        sys.exit(f"{MODEL} is missing: run scripts/fetch-test-model.sh")
+    import jinja2
+    import llama_cpp
+
+    llm = load()
+    meta = llm.metadata
+    template = jinja2.Environment(loader=jinja2.BaseLoader()).from_string(meta["tokenizer.chat_template"])
+    chat_text = template.render(
+        messages=[{"role": "system", "content": CHAT_SYSTEM}, {"role": "user", "content": CHAT_QUESTION}],
+        add_generation_prompt=True,
+        bos_token="",
+        eos_token="",
+    )
+    eog = {llm.token_eos()}
+    for i in range(llm.n_vocab()):
+        if llama_cpp.llama_vocab_is_eog(llama_cpp.llama_model_get_vocab(llm.model), i):
+            eog.add(i)
+
+    greedy_runs = []
+    for prompt in TEXT_PROMPTS + [chat_text]:
+        toks = llm.tokenize(prompt.encode("utf-8"), add_bos=True, special=True)
+        greedy_runs.append(
+            {
+                "prompt": prompt,
+                "prompt_tokens": toks,
+                "output_tokens": greedy(llm, toks, eog),
+            }
+        )
+    tokenize = [
+        {"text": t, "ids": llm.tokenize(t.encode("utf-8"), add_bos=False, special=True)} for t in TRICKY
+    ]
+    out = {
+        "model": os.path.basename(MODEL),
+        "model_sha256": sha256(MODEL),
+        "llama_cpp_python": llama_cpp.__version__,
+        "n_predict": N_PREDICT,
+        "chat_system": CHAT_SYSTEM,
+        "chat_question": CHAT_QUESTION,
+        "eog_ids": sorted(eog),
+        "greedy": greedy_runs,
+        "tokenize": tokenize,
+    }
+    os.makedirs(os.path.dirname(OUT), exist_ok=True)
+    with open(OUT, "w", encoding="utf-8") as f:
+        json.dump(out, f, ensure_ascii=False, indent=1)
+        f.write("\n")
+    for g in greedy_runs:
+        print(repr(g["prompt"][:40]), "->", llm.detokenize(g["output_tokens"]).decode("utf-8", "replace"))
+    print("wrote", OUT)
+
+
+if __name__ == "__main__":
+    main()
