@@ -1,1 +1,35 @@
-//! coordinator
+//! mlx-network coordinator: takes client jobs over gRPC, hands each whole to
+//! one node over QUIC, verifies the node's signed result, and keeps nodes and
+//! jobs in SQLite.
+//!
+//! # Layout
+//! - [`config`]: layered configuration (defaults, TOML file, `MLXNET__*` env, flags).
+//! - [`app`]: [`app::Application`]: binds every listener, runs until shutdown.
+//! - [`api`]: the gRPC client API (jobs, models, network, accounts, health, reflection).
+//! - [`link`]: the QUIC node link: TLS identity, handshake, sessions, job streams.
+//! - [`dispatch`]: shared state; queues, places and drives jobs; cancels.
+//! - [`scheduler`]: placement as a pure function (first fit by free memory).
+//! - [`jobs`]: the job state machine and the live event hub behind Watch.
+//! - [`store`]: persistence (SQLite), every transition guarded by current state.
+//! - [`catalogue`]: the models jobs may name, pinned by file digest.
+//! - [`http`]: `/healthz`, `/readyz`, `/metrics`; [`metrics`]: the counters.
+//! - [`error`]: errors at the edges and their one mapping to gRPC status.
+#![forbid(unsafe_code)]
+
+pub mod api;
+pub mod app;
+pub mod catalogue;
+pub mod config;
+pub mod dispatch;
+pub mod error;
+pub mod http;
+pub mod jobs;
+pub mod link;
+pub mod metrics;
+pub mod scheduler;
+pub mod store;
+#[cfg(test)]
+pub(crate) mod test_utils;
+
+pub use app::Application;
+pub use config::CoordinatorConfig;

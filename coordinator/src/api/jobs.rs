@@ -1,0 +1,360 @@
+//! Jobs: submit (validated; nothing is stored unless every check passes),
+//! get, watch (replay, then live, until the job ends), cancel, list.
+
+use std::{pin::Pin, sync::Arc};
+
+use futures::Stream;
+use mlxnet_proto::{
+    ids::JobId,
+    v1::{
+        job_event, job_input, jobs_server::Jobs, CancelJobRequest, GetJobRequest, Job, JobEvent,
+        ListJobsRequest, ListJobsResponse, SamplingParams, SubmitJobRequest, WatchJobRequest,
+    },
+};
+use tokio::sync::{broadcast::error::RecvError, mpsc};
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::{Request, Response, Status};
+
+use crate::{
+    catalogue::Catalogue,
+    config::Limits,
+    dispatch::Dispatcher,
+    error::ApiError,
+    jobs::{self, JobState},
+    store::{CancelOutcome, NewJob},
+};
+
+/// Chat roles a model template knows.
+const ROLES: [&str; 3] = ["system", "user", "assistant"];
+const LIST_DEFAULT: u32 = 20;
+const LIST_MAX: u32 = 200;
+
+pub struct JobsApi {
+    d: Arc<Dispatcher>,
+}
+
+impl JobsApi {
+    pub fn new(d: Arc<Dispatcher>) -> Self {
+        Self { d }
+    }
+}
+
+/// Checks a submit request against the catalogue and limits and returns the
+/// job to store, with defaults applied and a seed chosen when none was given.
+pub fn validate_submit(
+    req: SubmitJobRequest,
+    catalogue: &Catalogue,
+    limits: &Limits,
+    seed: impl FnOnce() -> u64,
+) -> Result<NewJob, ApiError> {
+    let invalid = |m: String| ApiError::InvalidArgument(m);
+    if req.model.is_empty() {
+        return Err(invalid("model is required (see `mlxnet models`)".into()));
+    }
+    let Some(model) = catalogue.get(&req.model) else {
+        return Err(ApiError::NotFound(format!(
+            "unknown model {:?}; see `mlxnet models` for the catalogue",
+            req.model.chars().take(64).collect::<String>()
+        )));
+    };
+    let input = req.input.unwrap_or_default();
+    let bytes = match &input.kind {
+        None => {
+            return Err(invalid(
+                "input is required: a prompt or chat messages".into(),
+            ))
+        }
+        Some(job_input::Kind::Prompt(p)) => {
+            if p.trim().is_empty() {
+                return Err(invalid("prompt is empty".into()));
+            }
+            p.len()
+        }
+        Some(job_input::Kind::Chat(chat)) => {
+            if chat.messages.is_empty() {
+                return Err(invalid("chat has no messages".into()));
+            }
+            if chat.messages.len() > limits.max_chat_messages {
+                return Err(invalid(format!(
+                    "chat has {} messages; the limit is {}",
+                    chat.messages.len(),
+                    limits.max_chat_messages
+                )));
+            }
+            if let Some(m) = chat
+                .messages
+                .iter()
+                .find(|m| !ROLES.contains(&m.role.as_str()))
+            {
+                return Err(invalid(format!(
+                    "chat role {:?} is not one of system, user, assistant",
+                    m.role.chars().take(32).collect::<String>()
+                )));
+            }
+            if chat.messages.iter().all(|m| m.content.trim().is_empty()) {
+                return Err(invalid(
+                    "prompt is empty: every chat message is blank".into(),
+                ));
+            }
+            chat.messages.iter().map(|m| m.content.len()).sum()
+        }
+    };
+    if bytes > limits.max_prompt_bytes {
+        return Err(invalid(format!(
+            "prompt is {bytes} bytes; the limit is {}",
+            limits.max_prompt_bytes
+        )));
+    }
+    let mut s: SamplingParams = req.sampling.unwrap_or_default();
+    if s.max_tokens == 0 {
+        s.max_tokens = limits.default_max_tokens;
+    }
+    if s.max_tokens > limits.max_tokens {
+        return Err(invalid(format!(
+            "max_tokens {} exceeds the limit of {}",
+            s.max_tokens, limits.max_tokens
+        )));
+    }
+    if s.max_tokens > model.info.context_length {
+        return Err(invalid(format!(
+            "max_tokens {} exceeds the model's context of {} tokens",
+            s.max_tokens, model.info.context_length
+        )));
+    }
+    let in_range = |name: &str, v: f32, lo: f32, hi: f32| {
+        if v.is_finite() && (lo..=hi).contains(&v) {
+            Ok(())
+        } else {
+            Err(invalid(format!(
+                "{name} must be between {lo} and {hi}, got {v}"
+            )))
+        }
+    };
+    in_range("temperature", s.temperature, 0.0, 2.0)?;
+    in_range("top_p", s.top_p, 0.0, 1.0)?;
+    in_range("min_p", s.min_p, 0.0, 1.0)?;
+    in_range("repetition_penalty", s.repetition_penalty, 0.0, 10.0)?;
+    if s.stop.len() > limits.max_stop_strings {
+        return Err(invalid(format!(
+            "{} stop strings; the limit is {}",
+            s.stop.len(),
+            limits.max_stop_strings
+        )));
+    }
+    if let Some(bad) = s
+        .stop
+        .iter()
+        .find(|x| x.is_empty() || x.len() > limits.max_stop_bytes)
+    {
+        return Err(invalid(format!(
+            "stop strings must be 1 to {} bytes, got one of {} bytes",
+            limits.max_stop_bytes,
+            bad.len()
+        )));
+    }
+    if s.seed.is_none() {
+        s.seed = Some(seed());
+    }
+    Ok(NewJob {
+        id: JobId::new(),
+        model: model.info.id.clone(),
+        input,
+        sampling: s,
+    })
+}
+
+fn parse_id(id: &str) -> Result<JobId, ApiError> {
+    id.parse().map_err(|_| {
+        ApiError::InvalidArgument(format!(
+            "job id {:?} is not a job id",
+            id.chars().take(64).collect::<String>()
+        ))
+    })
+}
+
+fn not_found(id: JobId) -> ApiError {
+    ApiError::NotFound(format!("no job {id}"))
+}
+
+type EventStream = Pin<Box<dyn Stream<Item = Result<JobEvent, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl Jobs for JobsApi {
+    async fn submit(&self, req: Request<SubmitJobRequest>) -> Result<Response<Job>, Status> {
+        let job = validate_submit(
+            req.into_inner(),
+            &self.d.catalogue,
+            &self.d.config.limits,
+            rand::random,
+        )?;
+        let queued = self.d.store.count_queued().await.map_err(ApiError::from)?;
+        if queued >= self.d.config.limits.max_queued_jobs {
+            return Err(ApiError::ResourceExhausted(format!(
+                "the queue is full ({queued} jobs waiting); try again later"
+            ))
+            .into());
+        }
+        let record = self.d.submit(job).await.map_err(ApiError::from)?;
+        Ok(Response::new(jobs::to_proto(&record)))
+    }
+
+    async fn get(&self, req: Request<GetJobRequest>) -> Result<Response<Job>, Status> {
+        let id = parse_id(&req.into_inner().job_id)?;
+        let job = self
+            .d
+            .store
+            .get_job(id)
+            .await
+            .map_err(ApiError::from)?
+            .ok_or_else(|| not_found(id))?;
+        Ok(Response::new(jobs::to_proto(&job)))
+    }
+
+    type WatchStream = EventStream;
+
+    async fn watch(
+        &self,
+        req: Request<WatchJobRequest>,
+    ) -> Result<Response<Self::WatchStream>, Status> {
+        let id = parse_id(&req.into_inner().job_id)?;
+        // Subscribe before reading the store, so nothing that happens after
+        // the read is missed.
+        let sub = self.d.hub.subscribe(id);
+        let job = match self.d.store.get_job(id).await {
+            Ok(Some(job)) => job,
+            Ok(None) => {
+                drop(sub);
+                self.d.hub.forget_if_idle(id);
+                return Err(not_found(id).into());
+            }
+            Err(e) => {
+                drop(sub);
+                self.d.hub.forget_if_idle(id);
+                return Err(ApiError::from(e).into());
+            }
+        };
+        let (tx, rx) = mpsc::channel::<Result<JobEvent, Status>>(64);
+        let d = Arc::clone(&self.d);
+        tokio::spawn(async move {
+            let event = |e: job_event::Event| {
+                Ok(JobEvent {
+                    job_id: id.to_string(),
+                    event: Some(e),
+                })
+            };
+            if let Some(end) = jobs::terminal_event(&job) {
+                drop(sub);
+                d.hub.forget_if_idle(id);
+                let _ = tx.send(Ok(end)).await;
+                return;
+            }
+            let first = match job.state {
+                JobState::Queued => job_event::Event::Queued(job_event::Queued {
+                    attempt: job.attempt,
+                    reason: job.error.clone().unwrap_or_default(),
+                }),
+                _ => job_event::Event::Assigned(job_event::Assigned {
+                    node_id: job.node_id.clone().unwrap_or_default(),
+                    attempt: job.attempt,
+                }),
+            };
+            if tx.send(event(first)).await.is_err() {
+                return;
+            }
+            for chunk in sub.tokens {
+                if tx
+                    .send(event(job_event::Event::Tokens(chunk)))
+                    .await
+                    .is_err()
+                {
+                    return;
+                }
+            }
+            let mut rx = sub.rx;
+            loop {
+                let next = tokio::select! {
+                    _ = d.shutdown_token().cancelled() => {
+                        let _ = tx.send(Err(Status::unavailable("the coordinator is shutting down"))).await;
+                        return;
+                    }
+                    _ = tx.closed() => return,
+                    n = rx.recv() => n,
+                };
+                match next {
+                    Ok(e) => {
+                        let end = jobs::is_terminal_event(&e);
+                        if tx.send(Ok(e)).await.is_err() || end {
+                            return;
+                        }
+                    }
+                    Err(RecvError::Lagged(_)) | Err(RecvError::Closed) => {
+                        // Fell behind, or the job ended and its channel closed:
+                        // the store has the truth.
+                        let now = d.store.get_job(id).await;
+                        match now {
+                            Ok(Some(job)) if job.state.is_terminal() => {
+                                if let Some(end) = jobs::terminal_event(&job) {
+                                    let _ = tx.send(Ok(end)).await;
+                                }
+                            }
+                            Ok(_) => {
+                                let _ = tx
+                                    .send(Err(Status::data_loss(
+                                        "the watch fell behind the job; watch again",
+                                    )))
+                                    .await;
+                            }
+                            Err(e) => {
+                                let _ = tx.send(Err(ApiError::from(e).into())).await;
+                            }
+                        }
+                        return;
+                    }
+                }
+            }
+        });
+        Ok(Response::new(
+            Box::pin(ReceiverStream::new(rx)) as EventStream
+        ))
+    }
+
+    async fn cancel(&self, req: Request<CancelJobRequest>) -> Result<Response<Job>, Status> {
+        let id = parse_id(&req.into_inner().job_id)?;
+        match self.d.cancel(id).await.map_err(ApiError::from)? {
+            CancelOutcome::NotFound => return Err(not_found(id).into()),
+            CancelOutcome::AlreadyFinished(state) if state != JobState::Cancelled => {
+                return Err(
+                    ApiError::FailedPrecondition(format!("job {id} already {state}")).into(),
+                )
+            }
+            CancelOutcome::AlreadyFinished(_) | CancelOutcome::Cancelled => {}
+        }
+        let job = self
+            .d
+            .store
+            .get_job(id)
+            .await
+            .map_err(ApiError::from)?
+            .ok_or_else(|| not_found(id))?;
+        Ok(Response::new(jobs::to_proto(&job)))
+    }
+
+    async fn list(
+        &self,
+        req: Request<ListJobsRequest>,
+    ) -> Result<Response<ListJobsResponse>, Status> {
+        let limit = match req.into_inner().limit {
+            0 => LIST_DEFAULT,
+            n => n.min(LIST_MAX),
+        };
+        let jobs = self
+            .d
+            .store
+            .list_jobs(limit)
+            .await
+            .map_err(ApiError::from)?;
+        Ok(Response::new(ListJobsResponse {
+            jobs: jobs.iter().map(jobs::to_proto).collect(),
+        }))
+    }
+}

@@ -1,0 +1,366 @@
+//! The application: binds every listener, then runs the servers and loops
+//! until shutdown.
+//!
+//! # Invariants
+//! - `build` binds all listeners first, so callers (tests) learn the real
+//!   ports before anything runs and never wait for readiness.
+//! - After `run_until` returns, every task has ended, the QUIC endpoint is
+//!   idle and its UDP port released, and the database pool is closed: the same
+//!   config (data dir and ports) can be built again.
+//!
+//! # Failure
+//! [`AppError`] for anything that stops start-up; a server that fails while
+//! running stops the others and its error is returned.
+
+use std::{future::Future, net::SocketAddr, sync::Arc, time::Duration};
+
+use tokio::net::TcpListener;
+use tracing::{info, warn};
+
+use crate::{
+    api,
+    catalogue::Catalogue,
+    config::CoordinatorConfig,
+    dispatch::Dispatcher,
+    error::AppError,
+    http,
+    link::{self, tls::Identity},
+    store::Store,
+};
+
+/// A coordinator with its listeners bound, ready to run.
+pub struct Application {
+    dispatcher: Arc<Dispatcher>,
+    endpoint: quinn::Endpoint,
+    grpc: TcpListener,
+    http: TcpListener,
+    grpc_addr: SocketAddr,
+    quic_addr: SocketAddr,
+    http_addr: SocketAddr,
+    fingerprint: String,
+}
+
+impl Application {
+    /// Opens the database (migrating it), loads or creates the certificate,
+    /// and binds gRPC, QUIC and HTTP.
+    pub async fn build(config: CoordinatorConfig) -> Result<Application, AppError> {
+        config
+            .validate()
+            .map_err(|e| AppError::Config(format!("{e:#}")))?;
+        std::fs::create_dir_all(&config.data_dir).map_err(|source| AppError::DataDir {
+            path: config.data_dir.display().to_string(),
+            source,
+        })?;
+        let catalogue = Catalogue::new(&config.catalogue)?;
+        let identity = Identity::load_or_create(&config.data_dir)?;
+        let server_config = identity.server_config()?;
+        let grpc = bind_tcp("gRPC", config.grpc_addr).await?;
+        let http = bind_tcp("HTTP", config.http_addr).await?;
+        let endpoint =
+            quinn::Endpoint::server(server_config, config.quic_addr).map_err(|source| {
+                AppError::Bind {
+                    what: "QUIC",
+                    addr: config.quic_addr,
+                    source,
+                }
+            })?;
+        let quic_addr = endpoint.local_addr().map_err(|source| AppError::Bind {
+            what: "QUIC",
+            addr: config.quic_addr,
+            source,
+        })?;
+        let store = match Store::connect(&config.database_url()).await {
+            Ok(s) => s,
+            Err(e) => {
+                endpoint.close(0u32.into(), b"");
+                return Err(e.into());
+            }
+        };
+        let recovered = async {
+            store.mark_all_nodes_offline().await?;
+            store.requeue_orphans(config.limits.max_attempts).await
+        }
+        .await;
+        let requeued = match recovered {
+            Ok(n) => n,
+            Err(e) => {
+                store.close().await;
+                endpoint.close(0u32.into(), b"");
+                return Err(e.into());
+            }
+        };
+        if requeued > 0 {
+            info!(
+                requeued,
+                "jobs interrupted by the last stop went back to the queue"
+            );
+        }
+        let grpc_addr = local_addr("gRPC", &grpc, config.grpc_addr)?;
+        let http_addr = local_addr("HTTP", &http, config.http_addr)?;
+        let fingerprint = identity.fingerprint();
+        info!(%grpc_addr, %quic_addr, %http_addr, %fingerprint, "coordinator bound");
+        Ok(Application {
+            dispatcher: Dispatcher::new(config, store, catalogue),
+            endpoint,
+            grpc,
+            http,
+            grpc_addr,
+            quic_addr,
+            http_addr,
+            fingerprint,
+        })
+    }
+
+    pub fn grpc_addr(&self) -> SocketAddr {
+        self.grpc_addr
+    }
+
+    pub fn quic_addr(&self) -> SocketAddr {
+        self.quic_addr
+    }
+
+    pub fn http_addr(&self) -> SocketAddr {
+        self.http_addr
+    }
+
+    /// Lowercase hex SHA-256 of the node-link certificate's DER.
+    pub fn cert_fingerprint(&self) -> String {
+        self.fingerprint.clone()
+    }
+
+    /// Runs until ctrl-c or SIGTERM.
+    pub async fn run_until_stopped(self) -> Result<(), AppError> {
+        self.run_until(stop_signal()).await
+    }
+
+    /// Runs until `shutdown` resolves (or a server fails), then stops
+    /// everything and releases every port and the database.
+    pub async fn run_until(
+        self,
+        shutdown: impl Future<Output = ()> + Send + 'static,
+    ) -> Result<(), AppError> {
+        let Application {
+            dispatcher: d,
+            endpoint,
+            grpc,
+            http,
+            quic_addr,
+            ..
+        } = self;
+        let token = d.shutdown_token().clone();
+        let placement = tokio::spawn(Arc::clone(&d).placement_loop());
+        let accept = tokio::spawn(link::accept_loop(endpoint.clone(), Arc::clone(&d)));
+        let mut grpc_task = tokio::spawn(api::serve(
+            grpc,
+            Arc::clone(&d),
+            token.clone().cancelled_owned(),
+        ));
+        let mut http_task = tokio::spawn(http::serve(
+            http,
+            Arc::clone(&d),
+            token.clone().cancelled_owned(),
+        ));
+
+        let mut result = Ok(());
+        let mut grpc_done = false;
+        let mut http_done = false;
+        tokio::select! {
+            _ = shutdown => info!("shutting down"),
+            r = &mut grpc_task => {
+                grpc_done = true;
+                result = flatten(r);
+            }
+            r = &mut http_task => {
+                http_done = true;
+                result = flatten_http(r);
+            }
+        }
+        token.cancel();
+        endpoint.close(link::CLOSE_SHUTDOWN.into(), b"coordinator shutting down");
+        if !grpc_done {
+            let r = flatten(grpc_task.await);
+            if result.is_ok() {
+                result = r;
+            }
+        }
+        if !http_done {
+            let r = flatten_http(http_task.await);
+            if result.is_ok() {
+                result = r;
+            }
+        }
+        let _ = placement.await;
+        let _ = accept.await;
+        d.join_tasks().await;
+        endpoint.wait_idle().await;
+        drop(endpoint);
+        d.store.close().await;
+        drop(d);
+        wait_udp_released(quic_addr).await;
+        info!("stopped");
+        result
+    }
+}
+
+fn flatten(r: Result<Result<(), AppError>, tokio::task::JoinError>) -> Result<(), AppError> {
+    r?
+}
+
+fn flatten_http(r: Result<std::io::Result<()>, tokio::task::JoinError>) -> Result<(), AppError> {
+    r?.map_err(AppError::Http)
+}
+
+async fn bind_tcp(what: &'static str, addr: SocketAddr) -> Result<TcpListener, AppError> {
+    TcpListener::bind(addr)
+        .await
+        .map_err(|source| AppError::Bind { what, addr, source })
+}
+
+fn local_addr(
+    what: &'static str,
+    l: &TcpListener,
+    addr: SocketAddr,
+) -> Result<SocketAddr, AppError> {
+    l.local_addr()
+        .map_err(|source| AppError::Bind { what, addr, source })
+}
+
+/// quinn's endpoint driver owns the UDP socket and drops it on its next poll
+/// after the last handle is gone. Wait (bounded) until the port can be bound
+/// again, so a restart on the same address cannot race it.
+async fn wait_udp_released(addr: SocketAddr) {
+    for _ in 0..200 {
+        if std::net::UdpSocket::bind(addr).is_ok() {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    warn!(%addr, "QUIC port still in use after shutdown");
+}
+
+async fn stop_signal() {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{signal, SignalKind};
+        match signal(SignalKind::terminate()) {
+            Ok(mut term) => {
+                tokio::select! {
+                    _ = tokio::signal::ctrl_c() => {}
+                    _ = term.recv() => {}
+                }
+            }
+            Err(_) => {
+                let _ = tokio::signal::ctrl_c().await;
+            }
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = tokio::signal::ctrl_c().await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use mlxnet_proto::v1::{
+        job_input, jobs_client::JobsClient, GetJobRequest, JobInput, SubmitJobRequest,
+    };
+
+    struct Running {
+        grpc: SocketAddr,
+        quic: SocketAddr,
+        http: SocketAddr,
+        fingerprint: String,
+        stop: tokio::sync::oneshot::Sender<()>,
+        task: tokio::task::JoinHandle<Result<(), AppError>>,
+    }
+
+    async fn run(config: CoordinatorConfig) -> Running {
+        let app = Application::build(config).await.unwrap();
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        Running {
+            grpc: app.grpc_addr(),
+            quic: app.quic_addr(),
+            http: app.http_addr(),
+            fingerprint: app.cert_fingerprint(),
+            stop,
+            task: tokio::spawn(app.run_until(async move {
+                let _ = stopped.await;
+            })),
+        }
+    }
+
+    #[tokio::test]
+    async fn restarts_on_the_same_data_dir_and_ports_with_jobs_and_certificate_kept() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut config = CoordinatorConfig::for_data_dir(dir.path().join("data"));
+        let Running {
+            grpc,
+            quic,
+            http,
+            fingerprint,
+            stop,
+            task,
+        } = run(config.clone()).await;
+        assert_eq!(fingerprint.len(), 64);
+
+        let mut client = JobsClient::connect(format!("http://{grpc}")).await.unwrap();
+        let job = client
+            .submit(SubmitJobRequest {
+                model: "smollm2-135m-instruct".into(),
+                input: Some(JobInput {
+                    kind: Some(job_input::Kind::Prompt("hello".into())),
+                }),
+                ..Default::default()
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        let health = reqwest_like_get(http, "/readyz").await;
+        assert!(health.starts_with("HTTP/1.1 200"), "{health}");
+        let metrics = reqwest_like_get(http, "/metrics").await;
+        assert!(
+            metrics.contains("mlxnet_jobs_submitted_total 1"),
+            "{metrics}"
+        );
+        drop(client);
+        stop.send(()).unwrap();
+        task.await.unwrap().unwrap();
+
+        config.grpc_addr = grpc;
+        config.quic_addr = quic;
+        config.http_addr = http;
+        let second = run(config).await;
+        assert_eq!((second.grpc, second.quic), (grpc, quic));
+        assert_eq!(second.fingerprint, fingerprint, "the certificate is reused");
+        let (stop, task) = (second.stop, second.task);
+        let mut client = JobsClient::connect(format!("http://{grpc}")).await.unwrap();
+        let again = client
+            .get(GetJobRequest {
+                job_id: job.id.clone(),
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(again.id, job.id);
+        assert_eq!(again.input, job.input);
+        drop(client);
+        stop.send(()).unwrap();
+        task.await.unwrap().unwrap();
+    }
+
+    /// A bare HTTP/1.1 GET, returning the whole response.
+    async fn reqwest_like_get(addr: SocketAddr, path: &str) -> String {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+        s.write_all(
+            format!("GET {path} HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n").as_bytes(),
+        )
+        .await
+        .unwrap();
+        let mut out = String::new();
+        s.read_to_string(&mut out).await.unwrap();
+        out
+    }
+}

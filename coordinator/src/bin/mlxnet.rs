@@ -1,0 +1,343 @@
+//! `mlxnet`: the mlx-network client. Submits jobs and streams their tokens,
+//! checks every result's signed claim offline (signature, and that it is
+//! about the prompt that was sent), and shows jobs, models, the network and
+//! the account balance.
+//!
+//! Exits non-zero with the gRPC status message on any error.
+
+use std::{io::Write, process::ExitCode};
+
+use anyhow::{bail, Context};
+use clap::{Parser, Subcommand};
+use mlxnet_proto::{
+    claim,
+    v1::{
+        accounts_client::AccountsClient, job_event, job_input, jobs_client::JobsClient,
+        models_client::ModelsClient, network_client::NetworkClient, BalanceRequest, ChatMessage,
+        ChatMessages, GetJobRequest, Job, JobInput, JobState, ListJobsRequest, ListModelsRequest,
+        NetworkStatsRequest, SamplingParams, SubmitJobRequest, WatchJobRequest,
+    },
+};
+use tonic::{
+    metadata::AsciiMetadataValue,
+    service::{interceptor::InterceptedService, Interceptor},
+    transport::Channel,
+    Request, Status,
+};
+
+#[derive(Parser)]
+#[command(name = "mlxnet", version, about = "mlx-network client")]
+struct Cli {
+    /// The coordinator's gRPC address.
+    #[arg(
+        long,
+        global = true,
+        env = "MLXNET_COORDINATOR",
+        default_value = "http://127.0.0.1:7070"
+    )]
+    coordinator: String,
+    /// API key, sent as `authorization: Bearer <key>`.
+    #[arg(long, global = true, env = "MLXNET_API_KEY", hide_env_values = true)]
+    api_key: Option<String>,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Submit a job, stream its tokens, and verify its signed result.
+    Submit {
+        /// Catalogue model id (see `mlxnet models`).
+        #[arg(long)]
+        model: String,
+        /// Send the prompt as raw text instead of one user chat message.
+        #[arg(long)]
+        raw: bool,
+        /// Most tokens to generate (0: the coordinator's default).
+        #[arg(long, default_value_t = 0)]
+        max_tokens: u32,
+        /// Sampling temperature (0: greedy).
+        #[arg(long, default_value_t = 0.0)]
+        temperature: f32,
+        /// Seed for sampling (default: the coordinator picks and records one).
+        #[arg(long)]
+        seed: Option<u64>,
+        /// The prompt.
+        prompt: String,
+    },
+    /// Show one job.
+    Job { id: String },
+    /// List recent jobs.
+    Jobs {
+        #[arg(long, default_value_t = 20)]
+        limit: u32,
+    },
+    /// List the model catalogue.
+    Models,
+    /// Show network totals.
+    Network,
+    /// Show the account balance.
+    Balance,
+}
+
+#[derive(Clone)]
+struct Auth(Option<AsciiMetadataValue>);
+
+impl Interceptor for Auth {
+    fn call(&mut self, mut req: Request<()>) -> Result<Request<()>, Status> {
+        if let Some(v) = &self.0 {
+            req.metadata_mut().insert("authorization", v.clone());
+        }
+        Ok(req)
+    }
+}
+
+type Svc = InterceptedService<Channel, Auth>;
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match run(cli).await {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            match e.downcast_ref::<Status>() {
+                Some(s) => eprintln!("error: {} ({:?})", s.message(), s.code()),
+                None => eprintln!("error: {e:#}"),
+            }
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn run(cli: Cli) -> anyhow::Result<()> {
+    let auth = match &cli.api_key {
+        Some(k) => Some(
+            format!("Bearer {k}")
+                .parse::<AsciiMetadataValue>()
+                .context("the API key must be printable ASCII")?,
+        ),
+        None => None,
+    };
+    let channel = Channel::from_shared(cli.coordinator.clone())
+        .with_context(|| format!("invalid coordinator address {:?}", cli.coordinator))?
+        .connect()
+        .await
+        .with_context(|| format!("cannot reach the coordinator at {}", cli.coordinator))?;
+    let auth = Auth(auth);
+    match cli.command {
+        Command::Submit {
+            model,
+            raw,
+            max_tokens,
+            temperature,
+            seed,
+            prompt,
+        } => {
+            let input = JobInput {
+                kind: Some(if raw {
+                    job_input::Kind::Prompt(prompt)
+                } else {
+                    job_input::Kind::Chat(ChatMessages {
+                        messages: vec![ChatMessage {
+                            role: "user".into(),
+                            content: prompt,
+                        }],
+                    })
+                }),
+            };
+            let request = SubmitJobRequest {
+                model,
+                input: Some(input.clone()),
+                sampling: Some(SamplingParams {
+                    temperature,
+                    seed,
+                    max_tokens,
+                    ..Default::default()
+                }),
+                max_price_micro_mlx: 0,
+            };
+            submit(JobsClient::with_interceptor(channel, auth), request, &input).await
+        }
+        Command::Job { id } => {
+            let job = JobsClient::with_interceptor(channel, auth)
+                .get(GetJobRequest { job_id: id })
+                .await?
+                .into_inner();
+            print_job(&job);
+            if !job.output_text.is_empty() {
+                println!("output: {}", job.output_text);
+            }
+            if let Some(signed) = &job.result {
+                match claim::verify(signed) {
+                    Ok(signer) => println!("verified: signed by {signer}"),
+                    Err(e) => println!("NOT VERIFIED: {e}"),
+                }
+            }
+            Ok(())
+        }
+        Command::Jobs { limit } => {
+            let jobs = JobsClient::with_interceptor(channel, auth)
+                .list(ListJobsRequest { limit })
+                .await?
+                .into_inner()
+                .jobs;
+            println!("{:<36}  {:<10}  {:<24}  node", "job", "state", "model");
+            for j in jobs {
+                println!(
+                    "{:<36}  {:<10}  {:<24}  {}",
+                    j.id,
+                    state_name(j.state),
+                    j.model,
+                    short(&j.node_id)
+                );
+            }
+            Ok(())
+        }
+        Command::Models => {
+            let models = ModelsClient::with_interceptor(channel, auth)
+                .list(ListModelsRequest {})
+                .await?
+                .into_inner()
+                .models;
+            println!(
+                "{:<28}  {:<8}  {:>10}  {:>5}  sha256",
+                "model", "arch", "size", "nodes"
+            );
+            for m in models {
+                println!(
+                    "{:<28}  {:<8}  {:>7} MB  {:>5}  {}",
+                    m.id,
+                    m.architecture,
+                    m.size_bytes / 1_000_000,
+                    m.nodes_serving,
+                    hex::encode(&m.sha256)
+                );
+            }
+            Ok(())
+        }
+        Command::Network => {
+            let s = NetworkClient::with_interceptor(channel, auth)
+                .stats(NetworkStatsRequest {})
+                .await?
+                .into_inner();
+            println!("nodes online     {} of {}", s.nodes_online, s.nodes_total);
+            println!(
+                "memory online    {:.1} GiB",
+                s.memory_bytes_online as f64 / (1u64 << 30) as f64
+            );
+            println!("jobs queued      {}", s.jobs_queued);
+            println!("jobs running     {}", s.jobs_running);
+            println!("jobs completed   {}", s.jobs_completed);
+            println!("jobs failed      {}", s.jobs_failed);
+            println!("tokens generated {}", s.tokens_generated);
+            Ok(())
+        }
+        Command::Balance => {
+            let b = AccountsClient::with_interceptor(channel, auth)
+                .balance(BalanceRequest {})
+                .await?
+                .into_inner();
+            println!("account  {}", b.account);
+            println!("balance  {} micro-MLX", b.balance_micro_mlx);
+            println!("held     {} micro-MLX", b.held_micro_mlx);
+            Ok(())
+        }
+    }
+}
+
+async fn submit(
+    mut client: JobsClient<Svc>,
+    request: SubmitJobRequest,
+    sent: &JobInput,
+) -> anyhow::Result<()> {
+    let job = client.submit(request).await?.into_inner();
+    let mut events = client
+        .watch(WatchJobRequest {
+            job_id: job.id.clone(),
+        })
+        .await?
+        .into_inner();
+    let mut stdout = std::io::stdout();
+    let mut done = None;
+    while let Some(event) = events.message().await? {
+        match event.event {
+            Some(job_event::Event::Tokens(t)) => {
+                print!("{}", t.text);
+                stdout.flush()?;
+            }
+            Some(job_event::Event::Queued(q)) if !q.reason.is_empty() => {
+                eprintln!("\n[requeued as attempt {}: {}]", q.attempt, q.reason);
+            }
+            Some(job_event::Event::Completed(c)) => {
+                done = c.job;
+                break;
+            }
+            Some(job_event::Event::Failed(f)) => {
+                println!();
+                bail!("job {} failed: {}", job.id, f.reason);
+            }
+            Some(job_event::Event::Cancelled(_)) => {
+                println!();
+                bail!("job {} was cancelled", job.id);
+            }
+            _ => {}
+        }
+    }
+    println!();
+    let done = match done {
+        Some(j) => j,
+        None => bail!("the job's event stream ended before the job did"),
+    };
+    print_job(&done);
+    let signed = done
+        .result
+        .as_ref()
+        .context("the completed job carries no signed result")?;
+    let signer = claim::verify(signed).context("the result's signature does not verify")?;
+    let c = signed
+        .claim
+        .as_ref()
+        .context("the signed result has no claim")?;
+    if c.prompt_sha256 != claim::input_digest(sent) {
+        bail!("the signed claim is about another prompt than the one sent");
+    }
+    if signer.to_string() != done.node_id {
+        bail!(
+            "the claim is signed by {signer}, but the job ran on {}",
+            done.node_id
+        );
+    }
+    println!("verified: signed by {signer}");
+    Ok(())
+}
+
+fn print_job(job: &Job) {
+    println!("job: {}", job.id);
+    println!("model: {}", job.model);
+    println!("state: {}", state_name(job.state));
+    if !job.node_id.is_empty() {
+        println!("node: {}", job.node_id);
+    }
+    if job.attempt > 1 {
+        println!("attempt: {}", job.attempt);
+    }
+    if !job.error.is_empty() {
+        println!("error: {}", job.error);
+    }
+}
+
+fn state_name(state: i32) -> &'static str {
+    match JobState::try_from(state).unwrap_or(JobState::Unspecified) {
+        JobState::Unspecified => "unknown",
+        JobState::Queued => "queued",
+        JobState::Assigned => "assigned",
+        JobState::Running => "running",
+        JobState::Completed => "completed",
+        JobState::Failed => "failed",
+        JobState::Cancelled => "cancelled",
+    }
+}
+
+fn short(node: &str) -> &str {
+    node.get(..16).unwrap_or(node)
+}

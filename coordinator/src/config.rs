@@ -1,0 +1,343 @@
+//! Coordinator configuration: defaults, then a TOML file, then environment
+//! variables `MLXNET__SECTION__KEY`, then command-line flags (applied by `main`).
+//!
+//! # Invariants
+//! - Every field has a default, so an empty file (or none) is a valid config.
+//! - The environment is read only through [`CoordinatorConfig::load`]'s
+//!   iterator argument, so tests pass a fixed list and never touch the process
+//!   environment.
+//! - `database_url` may hold a password; `Debug` redacts it.
+//!
+//! # Failure
+//! A malformed file, an env value of the wrong type or an unknown model digest
+//! format fails `load` with a message naming the source.
+
+use std::{
+    fmt,
+    net::{Ipv4Addr, SocketAddr, SocketAddrV4},
+    path::{Path, PathBuf},
+};
+
+use anyhow::Context;
+use serde::Deserialize;
+
+/// Prefix of the environment variables that override the config.
+pub const ENV_PREFIX: &str = "MLXNET__";
+
+/// Everything the coordinator needs to start.
+#[derive(Clone, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct CoordinatorConfig {
+    /// SQLite file and TLS certificate/key live here.
+    pub data_dir: PathBuf,
+    pub grpc_addr: SocketAddr,
+    /// UDP address of the QUIC node link.
+    pub quic_addr: SocketAddr,
+    /// `/healthz`, `/readyz`, `/metrics`.
+    pub http_addr: SocketAddr,
+    /// Default: `sqlite://<data_dir>/coordinator.db`.
+    pub database_url: Option<String>,
+    pub catalogue: Vec<CatalogueModel>,
+    pub limits: Limits,
+    /// How often nodes are told to heartbeat.
+    pub heartbeat_interval_ms: u64,
+    /// A node silent for longer is offline and its jobs are requeued.
+    pub heartbeat_timeout_ms: u64,
+    /// How long a node has to answer the challenge with its Hello.
+    pub handshake_timeout_ms: u64,
+    /// Longest a single job attempt may run before it is failed and requeued.
+    pub job_timeout_ms: u64,
+}
+
+/// One model of the catalogue: the only models jobs may name.
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct CatalogueModel {
+    pub id: String,
+    #[serde(default)]
+    pub architecture: String,
+    #[serde(default)]
+    pub parameters: u64,
+    /// Size of the model file in bytes (what a node must hold in memory).
+    pub size_bytes: u64,
+    /// Lowercase hex SHA-256 of the model file.
+    pub sha256: String,
+    #[serde(default = "default_context_length")]
+    pub context_length: u32,
+    /// KV-cache bytes per token of context, for the placement memory estimate.
+    #[serde(default = "default_kv_bytes_per_token")]
+    pub kv_bytes_per_token: u64,
+}
+
+/// Bounds on client input and on queued work.
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct Limits {
+    /// Bytes of prompt text (sum of message contents for chat).
+    pub max_prompt_bytes: usize,
+    /// Largest `max_tokens` a job may ask for.
+    pub max_tokens: u32,
+    /// `max_tokens` used when a job asks for 0.
+    pub default_max_tokens: u32,
+    /// Largest gRPC request message the server decodes.
+    pub max_request_bytes: usize,
+    /// Submit is refused with RESOURCE_EXHAUSTED beyond this many queued jobs.
+    pub max_queued_jobs: u64,
+    /// Attempts per job before it fails for good.
+    pub max_attempts: u32,
+    /// Stop strings per job, and bytes per stop string.
+    pub max_stop_strings: usize,
+    pub max_stop_bytes: usize,
+    /// Chat messages per job.
+    pub max_chat_messages: usize,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Self {
+            max_prompt_bytes: 64 * 1024,
+            max_tokens: 4096,
+            default_max_tokens: 256,
+            max_request_bytes: 1 << 20,
+            max_queued_jobs: 10_000,
+            max_attempts: 3,
+            max_stop_strings: 8,
+            max_stop_bytes: 64,
+            max_chat_messages: 64,
+        }
+    }
+}
+
+fn default_context_length() -> u32 {
+    2048
+}
+
+fn default_kv_bytes_per_token() -> u64 {
+    // SmolLM2-135M: 2 (k, v) x 30 layers x 3 kv heads x 64 dims x 4 bytes.
+    2 * 30 * 3 * 64 * 4
+}
+
+/// The catalogue entry of the test and demo model.
+pub fn smollm2_135m_instruct() -> CatalogueModel {
+    CatalogueModel {
+        id: "smollm2-135m-instruct".into(),
+        architecture: "llama".into(),
+        parameters: 134_515_008,
+        size_bytes: 98_362_432,
+        sha256: "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53".into(),
+        context_length: 8192,
+        kv_bytes_per_token: default_kv_bytes_per_token(),
+    }
+}
+
+fn any_addr(port: u16) -> SocketAddr {
+    SocketAddr::V4(SocketAddrV4::new(Ipv4Addr::UNSPECIFIED, port))
+}
+
+fn local_any_port() -> SocketAddr {
+    SocketAddr::V4(SocketAddrV4::new(Ipv4Addr::LOCALHOST, 0))
+}
+
+impl Default for CoordinatorConfig {
+    fn default() -> Self {
+        Self {
+            data_dir: PathBuf::from("mlxnet-data"),
+            grpc_addr: any_addr(7070),
+            quic_addr: any_addr(7071),
+            http_addr: any_addr(7080),
+            database_url: None,
+            catalogue: vec![smollm2_135m_instruct()],
+            limits: Limits::default(),
+            heartbeat_interval_ms: 5_000,
+            heartbeat_timeout_ms: 15_000,
+            handshake_timeout_ms: 10_000,
+            job_timeout_ms: 10 * 60 * 1000,
+        }
+    }
+}
+
+impl fmt::Debug for CoordinatorConfig {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("CoordinatorConfig")
+            .field("data_dir", &self.data_dir)
+            .field("grpc_addr", &self.grpc_addr)
+            .field("quic_addr", &self.quic_addr)
+            .field("http_addr", &self.http_addr)
+            .field(
+                "database_url",
+                &self.database_url.as_ref().map(|_| "<redacted>"),
+            )
+            .field("catalogue", &self.catalogue)
+            .field("limits", &self.limits)
+            .field("heartbeat_interval_ms", &self.heartbeat_interval_ms)
+            .field("heartbeat_timeout_ms", &self.heartbeat_timeout_ms)
+            .field("handshake_timeout_ms", &self.handshake_timeout_ms)
+            .field("job_timeout_ms", &self.job_timeout_ms)
+            .finish()
+    }
+}
+
+impl CoordinatorConfig {
+    /// Defaults with `data_dir` set and every listener on `127.0.0.1:0`: what
+    /// tests and the devnet use.
+    pub fn for_data_dir(data_dir: PathBuf) -> Self {
+        Self {
+            data_dir,
+            grpc_addr: local_any_port(),
+            quic_addr: local_any_port(),
+            http_addr: local_any_port(),
+            ..Self::default()
+        }
+    }
+
+    /// Defaults, then `file` (if given), then every `MLXNET__SECTION__KEY` in
+    /// `env` (e.g. `MLXNET__LIMITS__MAX_TOKENS=512`, `MLXNET__GRPC_ADDR=...`).
+    /// Other variables are ignored. Values are read as TOML scalars when they
+    /// parse as one (numbers, booleans), else as strings.
+    pub fn load<I, K, V>(file: Option<&Path>, env: I) -> anyhow::Result<Self>
+    where
+        I: IntoIterator<Item = (K, V)>,
+        K: AsRef<str>,
+        V: AsRef<str>,
+    {
+        let mut table = match file {
+            Some(path) => {
+                let text = std::fs::read_to_string(path)
+                    .with_context(|| format!("reading config file {}", path.display()))?;
+                text.parse::<toml::Table>()
+                    .with_context(|| format!("parsing config file {}", path.display()))?
+            }
+            None => toml::Table::new(),
+        };
+        for (key, value) in env {
+            let Some(rest) = key.as_ref().strip_prefix(ENV_PREFIX) else {
+                continue;
+            };
+            let path: Vec<String> = rest.split("__").map(|s| s.to_ascii_lowercase()).collect();
+            if path.iter().any(|p| p.is_empty()) {
+                anyhow::bail!("environment variable {} has an empty section", key.as_ref());
+            }
+            set_path(&mut table, &path, env_value(value.as_ref()))
+                .with_context(|| format!("applying environment variable {}", key.as_ref()))?;
+        }
+        let config: CoordinatorConfig = toml::Value::Table(table)
+            .try_into()
+            .context("invalid coordinator configuration")?;
+        config.validate()?;
+        Ok(config)
+    }
+
+    /// Checks what serde cannot: digests are 32 bytes of hex, timeouts sane.
+    pub fn validate(&self) -> anyhow::Result<()> {
+        for m in &self.catalogue {
+            let bytes = hex::decode(&m.sha256)
+                .with_context(|| format!("catalogue model {}: sha256 is not hex", m.id))?;
+            anyhow::ensure!(
+                bytes.len() == 32,
+                "catalogue model {}: sha256 must be 32 bytes",
+                m.id
+            );
+        }
+        anyhow::ensure!(
+            self.heartbeat_interval_ms > 0
+                && self.heartbeat_timeout_ms > self.heartbeat_interval_ms,
+            "heartbeat_timeout_ms must exceed heartbeat_interval_ms (> 0)"
+        );
+        anyhow::ensure!(
+            self.limits.max_attempts >= 1,
+            "limits.max_attempts must be >= 1"
+        );
+        anyhow::ensure!(
+            self.limits.default_max_tokens >= 1
+                && self.limits.default_max_tokens <= self.limits.max_tokens,
+            "limits.default_max_tokens must be in 1..=limits.max_tokens"
+        );
+        Ok(())
+    }
+
+    /// The database URL in effect.
+    pub fn database_url(&self) -> String {
+        self.database_url.clone().unwrap_or_else(|| {
+            format!(
+                "sqlite://{}",
+                self.data_dir.join("coordinator.db").display()
+            )
+        })
+    }
+}
+
+fn env_value(raw: &str) -> toml::Value {
+    match format!("v = {raw}").parse::<toml::Table>() {
+        Ok(mut t) => match t.remove("v") {
+            Some(
+                v @ (toml::Value::Integer(_) | toml::Value::Boolean(_) | toml::Value::Float(_)),
+            ) => v,
+            _ => toml::Value::String(raw.to_owned()),
+        },
+        Err(_) => toml::Value::String(raw.to_owned()),
+    }
+}
+
+fn set_path(table: &mut toml::Table, path: &[String], value: toml::Value) -> anyhow::Result<()> {
+    match path {
+        [] => anyhow::bail!("empty key"),
+        [last] => {
+            table.insert(last.clone(), value);
+            Ok(())
+        }
+        [head, rest @ ..] => {
+            let entry = table
+                .entry(head.clone())
+                .or_insert_with(|| toml::Value::Table(toml::Table::new()));
+            match entry {
+                toml::Value::Table(t) => set_path(t, rest, value),
+                _ => anyhow::bail!("{head} is not a section"),
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_then_file_then_env() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("c.toml");
+        std::fs::write(
+            &file,
+            "data_dir = \"/srv/mlx\"\ngrpc_addr = \"127.0.0.1:9000\"\n[limits]\nmax_tokens = 1000\n",
+        )
+        .unwrap();
+        let env = [
+            ("MLXNET__LIMITS__MAX_TOKENS", "2000"),
+            ("MLXNET__HTTP_ADDR", "127.0.0.1:9080"),
+            ("PATH", "/bin"),
+        ];
+        let c = CoordinatorConfig::load(Some(&file), env).unwrap();
+        assert_eq!(c.data_dir, PathBuf::from("/srv/mlx"));
+        assert_eq!(c.grpc_addr, "127.0.0.1:9000".parse().unwrap());
+        assert_eq!(c.http_addr, "127.0.0.1:9080".parse().unwrap());
+        assert_eq!(c.limits.max_tokens, 2000, "env overrides file");
+        assert_eq!(c.limits.max_attempts, Limits::default().max_attempts);
+        assert_eq!(c.catalogue, vec![smollm2_135m_instruct()]);
+    }
+
+    #[test]
+    fn bad_values_are_reported_not_ignored() {
+        let err =
+            CoordinatorConfig::load(None, [("MLXNET__LIMITS__MAX_TOKENS", "lots")]).unwrap_err();
+        assert!(format!("{err:#}").contains("max_tokens"), "{err:#}");
+        let err = CoordinatorConfig::load(None, [("MLXNET__NO_SUCH_FIELD", "1")]).unwrap_err();
+        assert!(format!("{err:#}").contains("no_such_field"), "{err:#}");
+    }
+
+    #[test]
+    fn database_url_is_redacted_in_debug() {
+        let mut c = CoordinatorConfig::for_data_dir("/tmp/x".into());
+        c.database_url = Some("postgres://u:hunter2@db/mlx".into());
+        assert!(!format!("{c:?}").contains("hunter2"));
+        assert_eq!(c.grpc_addr.port(), 0);
+    }
+}

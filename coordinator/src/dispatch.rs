@@ -1,0 +1,483 @@
+//! The dispatcher: owns the coordinator's shared state and moves jobs through
+//! their lives. It queues submitted jobs, places queued jobs on node sessions
+//! (woken on submit, node join, heartbeat and job end, with a slow tick as a
+//! safety net), drives each attempt over its QUIC stream, records verified
+//! results, requeues lost or refused attempts (bounded), and cancels.
+//!
+//! # Invariants
+//! - Every state change goes through the store's guarded transitions first;
+//!   events are published to watchers only after the store accepted them.
+//! - A node's job slot is reserved before the store assignment and released
+//!   before placement is woken again, so a node is never over-filled and a
+//!   requeued job can go straight back to a node that just freed up.
+//! - On shutdown, attempts stop without touching the store; the next start
+//!   requeues them (`Store::requeue_orphans`).
+//!
+//! # Failure
+//! Store errors in the background loops are logged and retried on the next
+//! wake; they never take the process down.
+
+use std::{
+    collections::HashMap,
+    sync::{Arc, Mutex},
+    time::Duration,
+};
+
+use mlxnet_proto::{
+    claim,
+    frame::FrameError,
+    ids::JobId,
+    v1::{job_event, job_input, job_update, Assignment, JobInput, SignedClaim},
+};
+use tokio::{sync::Notify, task::JoinSet};
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, info, instrument, warn};
+
+use crate::{
+    catalogue::{Catalogue, Model},
+    config::CoordinatorConfig,
+    error::error_chain,
+    jobs::{self, EventHub},
+    link::{
+        job::{check_result, Expected, JobStream, CODE_CANCELLED, CODE_REFUSED, CODE_TIMEOUT},
+        session::{Reservation, Session, Sessions},
+    },
+    metrics::Metrics,
+    scheduler::{self, Demand},
+    store::{AttemptEnd, CancelOutcome, Completion, JobRecord, NewJob, Store, StoreError},
+};
+
+/// How often placement runs even when nothing woke it.
+const PLACEMENT_TICK: Duration = Duration::from_secs(2);
+/// Queued jobs considered per placement pass.
+const PLACEMENT_BATCH: u32 = 256;
+
+/// Shared state of a running coordinator.
+pub struct Dispatcher {
+    pub config: CoordinatorConfig,
+    pub store: Store,
+    pub catalogue: Catalogue,
+    pub hub: EventHub,
+    pub sessions: Sessions,
+    pub metrics: Metrics,
+    wake: Notify,
+    running: Mutex<HashMap<JobId, CancellationToken>>,
+    shutdown: CancellationToken,
+    tasks: Mutex<JoinSet<()>>,
+}
+
+/// How an attempt ended, as seen from its stream.
+enum Outcome {
+    Completed(SignedClaim),
+    Failed { reason: String, retryable: bool },
+    Cancelled,
+    Shutdown,
+}
+
+impl Dispatcher {
+    pub fn new(config: CoordinatorConfig, store: Store, catalogue: Catalogue) -> Arc<Self> {
+        Arc::new(Self {
+            config,
+            store,
+            catalogue,
+            hub: EventHub::default(),
+            sessions: Sessions::default(),
+            metrics: Metrics::default(),
+            wake: Notify::new(),
+            running: Mutex::new(HashMap::new()),
+            shutdown: CancellationToken::new(),
+            tasks: Mutex::new(JoinSet::new()),
+        })
+    }
+
+    /// Cancelled when the application stops.
+    pub fn shutdown_token(&self) -> &CancellationToken {
+        &self.shutdown
+    }
+
+    /// Asks the placement loop to run soon.
+    pub fn wake(&self) {
+        self.wake.notify_one();
+    }
+
+    /// Spawns a task that the application waits for on shutdown.
+    pub fn spawn(&self, fut: impl std::future::Future<Output = ()> + Send + 'static) {
+        let mut tasks = lock(&self.tasks);
+        while tasks.try_join_next().is_some() {}
+        tasks.spawn(fut);
+    }
+
+    /// Waits for every task spawned with [`Dispatcher::spawn`] (after shutdown).
+    pub async fn join_tasks(&self) {
+        let mut tasks = std::mem::take(&mut *lock(&self.tasks));
+        while tasks.join_next().await.is_some() {}
+    }
+
+    /// Queues a validated job.
+    pub async fn submit(&self, job: NewJob) -> Result<JobRecord, StoreError> {
+        let record = self.store.insert_job(&job).await?;
+        Metrics::inc(&self.metrics.jobs_submitted);
+        self.hub.publish(
+            record.id,
+            job_event::Event::Queued(job_event::Queued {
+                attempt: record.attempt,
+                reason: String::new(),
+            }),
+        );
+        self.wake();
+        Ok(record)
+    }
+
+    /// Cancels a job: the store first, then the running attempt's stream.
+    pub async fn cancel(&self, id: JobId) -> Result<CancelOutcome, StoreError> {
+        let outcome = self.store.cancel(id).await?;
+        if outcome == CancelOutcome::Cancelled {
+            if let Some(token) = lock(&self.running).remove(&id) {
+                token.cancel();
+            }
+            self.hub
+                .publish(id, job_event::Event::Cancelled(job_event::Cancelled {}));
+            self.wake();
+        }
+        Ok(outcome)
+    }
+
+    /// Runs placement passes until shutdown.
+    pub async fn placement_loop(self: Arc<Self>) {
+        loop {
+            tokio::select! {
+                _ = self.shutdown.cancelled() => return,
+                _ = self.wake.notified() => {}
+                _ = tokio::time::sleep(PLACEMENT_TICK) => {}
+            }
+            if let Err(e) = self.place_queued().await {
+                warn!(error = %error_chain(&e), "placement pass failed");
+            }
+        }
+    }
+
+    /// One pass: every queued job, oldest first, onto the first node that fits.
+    async fn place_queued(self: &Arc<Self>) -> Result<(), StoreError> {
+        if self.sessions.is_empty() {
+            return Ok(());
+        }
+        let queued = self.store.queued_jobs(PLACEMENT_BATCH).await?;
+        for job in queued {
+            if self.shutdown.is_cancelled() {
+                return Ok(());
+            }
+            let Some(model) = self.catalogue.get(&job.model).cloned() else {
+                // Left from a run with another catalogue; it can never be placed.
+                debug!(job_id = %job.id, model = %job.model, "queued job names a model not in the catalogue");
+                continue;
+            };
+            let demand = Demand {
+                model_sha256: model.sha256,
+                memory_bytes: model.memory_needed(input_bytes(&job.input), job.sampling.max_tokens),
+            };
+            let sessions = self.sessions.all();
+            let snapshots: Vec<_> = sessions.iter().map(|s| s.snapshot()).collect();
+            let Some(node) = scheduler::place(&snapshots, &demand) else {
+                continue;
+            };
+            let Some(session) = sessions.into_iter().find(|s| s.node_id == node) else {
+                continue;
+            };
+            let reservation = session.reserve(demand.memory_bytes);
+            if !self
+                .store
+                .assign(job.id, job.attempt, &node.to_string())
+                .await?
+            {
+                continue;
+            }
+            let token = self.shutdown.child_token();
+            lock(&self.running).insert(job.id, token.clone());
+            self.hub.publish(
+                job.id,
+                job_event::Event::Assigned(job_event::Assigned {
+                    node_id: node.to_string(),
+                    attempt: job.attempt,
+                }),
+            );
+            debug!(job_id = %job.id, node = %node.short(), attempt = job.attempt, "assigned");
+            let this = Arc::clone(self);
+            self.spawn(async move { this.run_attempt(job, model, reservation, token).await });
+        }
+        Ok(())
+    }
+
+    #[instrument(skip_all, fields(job_id = %job.id, attempt = job.attempt, node = %reservation.session().node_id.short()))]
+    async fn run_attempt(
+        self: Arc<Self>,
+        job: JobRecord,
+        model: Model,
+        reservation: Reservation,
+        cancel: CancellationToken,
+    ) {
+        let session = Arc::clone(reservation.session());
+        let node_hex = session.node_id.to_string();
+        let outcome = self.drive(&job, &model, &session, &cancel).await;
+        // A job has one attempt at a time, so the entry (if a cancel did not
+        // already take it) is this attempt's.
+        lock(&self.running).remove(&job.id);
+        let result = match outcome {
+            Outcome::Completed(signed) => self.record_completion(&job, &node_hex, signed).await,
+            Outcome::Failed { reason, retryable } => {
+                self.record_failure(&job, &node_hex, &reason, retryable)
+                    .await
+            }
+            Outcome::Cancelled | Outcome::Shutdown => Ok(()),
+        };
+        if let Err(e) = result {
+            warn!(error = %error_chain(&e), "recording the attempt's end failed");
+        }
+        drop(reservation);
+        self.wake();
+    }
+
+    async fn record_completion(
+        &self,
+        job: &JobRecord,
+        node_hex: &str,
+        signed: SignedClaim,
+    ) -> Result<(), StoreError> {
+        let completion = Completion {
+            job_id: job.id,
+            attempt: job.attempt,
+            node_id: node_hex.to_owned(),
+            result: signed,
+        };
+        if !self.store.complete(&completion).await? {
+            debug!("result arrived after the attempt ended; ignored");
+            return Ok(());
+        }
+        Metrics::inc(&self.metrics.jobs_completed);
+        info!("completed with a verified result");
+        if let Some(done) = self.store.get_job(job.id).await? {
+            if let Some(event) = jobs::terminal_event(&done).and_then(|e| e.event) {
+                self.hub.publish(job.id, event);
+            }
+        }
+        Ok(())
+    }
+
+    async fn record_failure(
+        &self,
+        job: &JobRecord,
+        node_hex: &str,
+        reason: &str,
+        retryable: bool,
+    ) -> Result<(), StoreError> {
+        let end = self
+            .store
+            .fail_attempt(
+                job.id,
+                job.attempt,
+                node_hex,
+                reason,
+                retryable,
+                self.config.limits.max_attempts,
+            )
+            .await?;
+        match end {
+            Some(AttemptEnd::Requeued { attempt }) => {
+                Metrics::inc(&self.metrics.jobs_requeued);
+                info!(reason, next_attempt = attempt, "attempt failed; requeued");
+                self.hub.publish(
+                    job.id,
+                    job_event::Event::Queued(job_event::Queued {
+                        attempt,
+                        reason: reason.to_owned(),
+                    }),
+                );
+            }
+            Some(AttemptEnd::Failed) => {
+                Metrics::inc(&self.metrics.jobs_failed);
+                info!(reason, "job failed");
+                self.hub.publish(
+                    job.id,
+                    job_event::Event::Failed(job_event::Failed {
+                        reason: reason.to_owned(),
+                    }),
+                );
+            }
+            None => debug!("attempt had already ended"),
+        }
+        Ok(())
+    }
+
+    /// Sends the assignment and follows the node's updates to the end.
+    async fn drive(
+        &self,
+        job: &JobRecord,
+        model: &Model,
+        session: &Session,
+        cancel: &CancellationToken,
+    ) -> Outcome {
+        let input = job.input.clone();
+        let assignment = Assignment {
+            job_id: job.id.to_string(),
+            attempt: job.attempt,
+            model: job.model.clone(),
+            model_sha256: model.sha256.to_vec(),
+            input: Some(input.clone()),
+            sampling: Some(job.sampling.clone()),
+        };
+        let expected = Expected {
+            job_id: job.id.to_string(),
+            attempt: job.attempt,
+            node_id: session.node_id,
+            model_sha256: model.sha256,
+            input_sha256: claim::input_digest(&input),
+        };
+        let opened = tokio::select! {
+            _ = cancel.cancelled() => return self.stopped(),
+            r = JobStream::open(&session.connection, &assignment) => r,
+        };
+        let mut stream = match opened {
+            Ok(s) => s,
+            Err(e) => {
+                return Outcome::Failed {
+                    reason: format!("could not reach the node: {e}"),
+                    retryable: true,
+                }
+            }
+        };
+        let deadline = Duration::from_millis(self.config.job_timeout_ms);
+        let ended = tokio::select! {
+            _ = cancel.cancelled() => None,
+            r = tokio::time::timeout(deadline, self.follow(job, session, &expected, &mut stream)) => Some(r),
+        };
+        match ended {
+            None => {
+                stream.reset(CODE_CANCELLED);
+                self.stopped()
+            }
+            Some(Err(_elapsed)) => {
+                stream.reset(CODE_TIMEOUT);
+                Outcome::Failed {
+                    reason: format!("the node did not finish within {deadline:?}"),
+                    retryable: true,
+                }
+            }
+            Some(Ok(Ok(signed))) => {
+                stream.finish();
+                Outcome::Completed(signed)
+            }
+            Some(Ok(Err(failure))) => {
+                stream.reset(CODE_REFUSED);
+                failure
+            }
+        }
+    }
+
+    fn stopped(&self) -> Outcome {
+        if self.shutdown.is_cancelled() {
+            Outcome::Shutdown
+        } else {
+            Outcome::Cancelled
+        }
+    }
+
+    /// Reads updates until a verified result (`Ok`) or the attempt's failure.
+    async fn follow(
+        &self,
+        job: &JobRecord,
+        session: &Session,
+        expected: &Expected,
+        stream: &mut JobStream,
+    ) -> Result<SignedClaim, Outcome> {
+        let node_hex = session.node_id.to_string();
+        loop {
+            let update = match stream.next().await {
+                Ok(u) => u,
+                Err(FrameError::Closed) => {
+                    return Err(Outcome::Failed {
+                        reason: "the node ended the job stream without a result".into(),
+                        retryable: true,
+                    })
+                }
+                Err(e) => {
+                    return Err(Outcome::Failed {
+                        reason: format!("lost the node's job stream: {e}"),
+                        retryable: true,
+                    })
+                }
+            };
+            match update.msg {
+                Some(job_update::Msg::Started(_)) => {
+                    if let Err(e) = self
+                        .store
+                        .mark_running(job.id, job.attempt, &node_hex)
+                        .await
+                    {
+                        warn!(error = %error_chain(&e), "recording the start failed");
+                    }
+                }
+                Some(job_update::Msg::Tokens(t)) => {
+                    self.metrics.tokens_streamed.fetch_add(
+                        t.token_ids.len() as u64,
+                        std::sync::atomic::Ordering::Relaxed,
+                    );
+                    self.hub.tokens(
+                        job.id,
+                        job_event::Tokens {
+                            index: t.index,
+                            token_ids: t.token_ids,
+                            text: t.text,
+                        },
+                    );
+                }
+                Some(job_update::Msg::Result(signed)) => {
+                    return match check_result(&signed, expected) {
+                        Ok(()) => Ok(signed),
+                        Err(e) => {
+                            Metrics::inc(&self.metrics.results_refused);
+                            warn!(error = %e, "result refused");
+                            Err(Outcome::Failed {
+                                reason: format!("result refused: {e}"),
+                                retryable: true,
+                            })
+                        }
+                    };
+                }
+                Some(job_update::Msg::Failure(f)) => {
+                    return Err(Outcome::Failed {
+                        reason: format!(
+                            "node failed the job: {}",
+                            f.reason.chars().take(512).collect::<String>()
+                        ),
+                        retryable: f.retryable,
+                    })
+                }
+                None => {
+                    return Err(Outcome::Failed {
+                        reason: "the node sent an empty job update".into(),
+                        retryable: true,
+                    })
+                }
+            }
+        }
+    }
+}
+
+/// Bytes of a job's input text (prompt, or all message contents).
+pub fn input_bytes(input: &JobInput) -> usize {
+    match &input.kind {
+        Some(job_input::Kind::Prompt(p)) => p.len(),
+        Some(job_input::Kind::Chat(c)) => c
+            .messages
+            .iter()
+            .map(|m| m.content.len() + m.role.len())
+            .sum(),
+        None => 0,
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    match m.lock() {
+        Ok(g) => g,
+        Err(poisoned) => poisoned.into_inner(),
+    }
+}

@@ -1,0 +1,218 @@
+//! The node link: the QUIC endpoint nodes dial, one session per node.
+//!
+//! Per connection: the handshake ([`handshake`]) within the handshake
+//! timeout; then the session is registered (replacing any older session of
+//! the same node, whose connection is closed), the node is recorded online,
+//! `Welcome` is sent, and the control stream is served: heartbeats are
+//! acknowledged and refresh the node's free memory; a node silent for longer
+//! than the heartbeat timeout is closed. Job streams are opened by the
+//! dispatcher on the session's connection ([`job`]).
+//!
+//! # Invariants
+//! - A node is online (in [`session::Sessions`]) only after its proof
+//!   verified, and only until its connection ends.
+//! - When a session ends, its connection is closed, which ends every job
+//!   stream on it: each attempt fails and is requeued by the dispatcher.
+//!
+//! # Failure
+//! A refused handshake gets `Rejected { reason }` and the connection is
+//! closed with [`CLOSE_REJECTED`]. Nothing a node sends can stop the endpoint.
+
+pub mod handshake;
+pub mod job;
+pub mod session;
+pub mod tls;
+
+use std::{sync::Arc, time::Duration};
+
+use mlxnet_proto::{
+    frame::{read_frame, write_frame, FrameError},
+    v1::{
+        coordinator_control, node_control, CoordinatorControl, HeartbeatAck, NodeControl, Rejected,
+        Welcome,
+    },
+};
+use tracing::{debug, info, instrument, warn};
+
+use crate::{dispatch::Dispatcher, error::error_chain, metrics::Metrics};
+
+use self::session::Session;
+
+/// Connection close code: handshake refused.
+pub const CLOSE_REJECTED: u32 = 1;
+/// Connection close code: a newer session of the same node replaced this one.
+pub const CLOSE_REPLACED: u32 = 2;
+/// Connection close code: no heartbeat within the timeout.
+pub const CLOSE_SILENT: u32 = 3;
+/// Connection close code: protocol violation on the control stream.
+pub const CLOSE_PROTOCOL: u32 = 4;
+/// Connection close code: the coordinator is shutting down.
+pub const CLOSE_SHUTDOWN: u32 = 5;
+
+/// Accepts node connections until the endpoint closes or shutdown.
+pub async fn accept_loop(endpoint: quinn::Endpoint, dispatcher: Arc<Dispatcher>) {
+    loop {
+        let incoming = tokio::select! {
+            _ = dispatcher.shutdown_token().cancelled() => return,
+            i = endpoint.accept() => i,
+        };
+        let Some(incoming) = incoming else { return };
+        let d = Arc::clone(&dispatcher);
+        dispatcher.spawn(async move {
+            let remote = incoming.remote_address();
+            match incoming.await {
+                Ok(conn) => serve_connection(conn, d).await,
+                Err(e) => {
+                    debug!(%remote, error = %e, "node connection failed before TLS completed")
+                }
+            }
+        });
+    }
+}
+
+#[instrument(skip_all, fields(remote = %conn.remote_address()))]
+async fn serve_connection(conn: quinn::Connection, d: Arc<Dispatcher>) {
+    let timeout = Duration::from_millis(d.config.handshake_timeout_ms);
+    let admitted = tokio::select! {
+        _ = d.shutdown_token().cancelled() => return,
+        r = tokio::time::timeout(timeout, handshake::accept(&conn, &d.catalogue)) => r,
+    };
+    let admitted = match admitted {
+        Ok(Ok(a)) => a,
+        Ok(Err((e, send))) => {
+            Metrics::inc(&d.metrics.handshakes_refused);
+            warn!(error = %e, "node handshake refused");
+            reject(&conn, send, &e.to_string()).await;
+            return;
+        }
+        Err(_) => {
+            Metrics::inc(&d.metrics.handshakes_refused);
+            warn!("node handshake timed out");
+            conn.close(CLOSE_REJECTED.into(), b"handshake timed out");
+            return;
+        }
+    };
+    let handshake::Admitted {
+        registration,
+        mut send,
+        mut recv,
+    } = admitted;
+    if let Err(e) = d.store.upsert_node(&registration.record).await {
+        warn!(error = %error_chain(&e), "recording the node failed");
+        reject(&conn, Some(send), "coordinator unavailable").await;
+        return;
+    }
+    let session = Arc::new(Session::new(
+        d.sessions.next_serial(),
+        conn.clone(),
+        &registration,
+    ));
+    if let Some(old) = d.sessions.insert(Arc::clone(&session)) {
+        info!(node = %old.node_id.short(), "node reconnected; closing its previous session");
+        old.connection
+            .close(CLOSE_REPLACED.into(), b"replaced by a newer session");
+    }
+    Metrics::inc(&d.metrics.handshakes_accepted);
+    info!(node = %session.node_id, name = %session.name, models = session.models.len(), "node registered");
+    let welcome = CoordinatorControl {
+        msg: Some(coordinator_control::Msg::Welcome(Welcome {
+            node_id: session.node_id.to_string(),
+            heartbeat_interval_ms: d.config.heartbeat_interval_ms.min(u64::from(u32::MAX)) as u32,
+        })),
+    };
+    if write_frame(&mut send, &welcome).await.is_ok() {
+        d.wake();
+        control_loop(&d, &session, &mut send, &mut recv).await;
+    }
+    if d.sessions
+        .remove_if_current(session.node_id, session.serial)
+    {
+        if let Err(e) = d.store.set_node_offline(&session.node_id.to_string()).await {
+            warn!(error = %error_chain(&e), "recording the node offline failed");
+        }
+        info!(node = %session.node_id.short(), "node offline");
+    }
+    d.wake();
+}
+
+/// Serves heartbeats until the node goes silent, leaves, or shutdown.
+async fn control_loop(
+    d: &Dispatcher,
+    session: &Session,
+    send: &mut quinn::SendStream,
+    recv: &mut quinn::RecvStream,
+) {
+    let conn = &session.connection;
+    let silence = Duration::from_millis(d.config.heartbeat_timeout_ms);
+    loop {
+        let frame = tokio::select! {
+            _ = d.shutdown_token().cancelled() => {
+                conn.close(CLOSE_SHUTDOWN.into(), b"coordinator shutting down");
+                return;
+            }
+            r = tokio::time::timeout(silence, read_frame::<_, NodeControl>(recv)) => r,
+        };
+        let msg = match frame {
+            Err(_) => {
+                warn!(node = %session.node_id.short(), "no heartbeat within {silence:?}; closing");
+                conn.close(CLOSE_SILENT.into(), b"heartbeat timeout");
+                return;
+            }
+            Ok(Err(FrameError::Closed)) => {
+                conn.close(0u32.into(), b"control stream closed");
+                return;
+            }
+            Ok(Err(e)) => {
+                debug!(error = %e, "control stream ended");
+                conn.close(CLOSE_PROTOCOL.into(), b"control stream error");
+                return;
+            }
+            Ok(Ok(m)) => m,
+        };
+        match msg.msg {
+            Some(node_control::Msg::Heartbeat(hb)) => {
+                session.report_free_memory(hb.free_memory_bytes);
+                let ack = CoordinatorControl {
+                    msg: Some(coordinator_control::Msg::HeartbeatAck(HeartbeatAck {})),
+                };
+                if write_frame(send, &ack).await.is_err() {
+                    conn.close(CLOSE_PROTOCOL.into(), b"control stream error");
+                    return;
+                }
+                if let Err(e) = d.store.touch_node(&session.node_id.to_string()).await {
+                    warn!(error = %error_chain(&e), "recording the heartbeat failed");
+                }
+                d.wake();
+            }
+            Some(node_control::Msg::Drain(drain)) => {
+                info!(node = %session.node_id.short(), reason = %drain.reason, "node draining");
+                session.drain();
+            }
+            Some(node_control::Msg::Hello(_) | node_control::Msg::Open(_)) | None => {
+                warn!(node = %session.node_id.short(), "unexpected control message; closing");
+                conn.close(CLOSE_PROTOCOL.into(), b"unexpected control message");
+                return;
+            }
+        }
+    }
+}
+
+/// Tells the node why it was refused, gives the frame a moment to arrive,
+/// and closes the connection.
+async fn reject(conn: &quinn::Connection, send: Option<quinn::SendStream>, reason: &str) {
+    if let Some(mut send) = send {
+        let msg = CoordinatorControl {
+            msg: Some(coordinator_control::Msg::Rejected(Rejected {
+                reason: reason.to_owned(),
+            })),
+        };
+        if write_frame(&mut send, &msg).await.is_ok() && send.finish().is_ok() {
+            // Resolves once the node has read the rejection (or stopped reading).
+            let _ = tokio::time::timeout(Duration::from_secs(2), send.stopped()).await;
+        }
+    }
+    conn.close(CLOSE_REJECTED.into(), reason.as_bytes());
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,225 @@
+//! One job attempt on a node: the bidirectional stream the coordinator opens
+//! (Assignment in; Started, Tokens..., then Result or Failure out), and the
+//! checks a result must pass before it counts.
+//!
+//! # Invariants
+//! - A result is accepted only if its claim verifies, was signed by the node
+//!   this session authenticated, and names exactly this job, attempt, model
+//!   digest and input digest. [`check_result`] is the one place that decides.
+//!
+//! # Failure
+//! Stream errors surface as [`FrameError`] / [`quinn::ConnectionError`]; a
+//! refused result as [`ResultError`] naming the failed check.
+
+use mlxnet_proto::{
+    claim::{self, ClaimError},
+    frame::{read_frame, write_frame, FrameError},
+    ids::NodeId,
+    v1::{Assignment, JobUpdate, SignedClaim},
+};
+
+/// Stream error code: the coordinator cancelled the job.
+pub const CODE_CANCELLED: u32 = 1;
+/// Stream error code: the coordinator refused the node's result or update.
+pub const CODE_REFUSED: u32 = 2;
+/// Stream error code: the attempt ran past its deadline.
+pub const CODE_TIMEOUT: u32 = 3;
+
+/// Why a result was refused.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum ResultError {
+    #[error("claim does not verify: {0}")]
+    Claim(#[from] ClaimError),
+    #[error("claim signed by node {signer}, but the job was assigned to {assigned}")]
+    WrongNode { signer: String, assigned: String },
+    #[error("claim is about job {claimed}, not {assigned}")]
+    WrongJob { claimed: String, assigned: String },
+    #[error("claim is about attempt {claimed}, not {assigned}")]
+    WrongAttempt { claimed: u32, assigned: u32 },
+    #[error("claim names another model file")]
+    WrongModel,
+    #[error("claim is about another input")]
+    WrongInput,
+}
+
+/// What the coordinator assigned, for checking the result against.
+#[derive(Clone, Debug)]
+pub struct Expected {
+    pub job_id: String,
+    pub attempt: u32,
+    pub node_id: NodeId,
+    pub model_sha256: [u8; 32],
+    pub input_sha256: [u8; 32],
+}
+
+/// Accepts `signed` only if it is this node's signed claim about exactly this
+/// assignment.
+pub fn check_result(signed: &SignedClaim, expected: &Expected) -> Result<(), ResultError> {
+    let signer = claim::verify(signed)?;
+    let c = signed.claim.as_ref().ok_or(ClaimError::Missing)?;
+    if signer != expected.node_id {
+        return Err(ResultError::WrongNode {
+            signer: signer.to_string(),
+            assigned: expected.node_id.to_string(),
+        });
+    }
+    if c.job_id != expected.job_id {
+        return Err(ResultError::WrongJob {
+            claimed: c.job_id.chars().take(64).collect(),
+            assigned: expected.job_id.clone(),
+        });
+    }
+    if c.attempt != expected.attempt {
+        return Err(ResultError::WrongAttempt {
+            claimed: c.attempt,
+            assigned: expected.attempt,
+        });
+    }
+    if c.model_sha256 != expected.model_sha256 {
+        return Err(ResultError::WrongModel);
+    }
+    if c.prompt_sha256 != expected.input_sha256 {
+        return Err(ResultError::WrongInput);
+    }
+    Ok(())
+}
+
+/// The coordinator's end of one job stream.
+pub struct JobStream {
+    send: quinn::SendStream,
+    recv: quinn::RecvStream,
+}
+
+/// Why a job stream could not be opened or written.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum StreamError {
+    #[error("opening the job stream: {0}")]
+    Open(#[from] quinn::ConnectionError),
+    #[error("sending the assignment: {0}")]
+    Send(#[from] FrameError),
+}
+
+impl JobStream {
+    /// Opens a stream on `conn` and sends `assignment`.
+    pub async fn open(
+        conn: &quinn::Connection,
+        assignment: &Assignment,
+    ) -> Result<Self, StreamError> {
+        let (mut send, recv) = conn.open_bi().await?;
+        write_frame(&mut send, assignment).await?;
+        Ok(Self { send, recv })
+    }
+
+    /// The node's next update; `FrameError::Closed` if it ended the stream.
+    pub async fn next(&mut self) -> Result<JobUpdate, FrameError> {
+        read_frame(&mut self.recv).await
+    }
+
+    /// Ends the stream normally (after an accepted result).
+    pub fn finish(mut self) {
+        let _ = self.send.finish();
+    }
+
+    /// Aborts the stream in both directions with `code`.
+    pub fn reset(mut self, code: u32) {
+        let _ = self.send.reset(code.into());
+        let _ = self.recv.stop(code.into());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ed25519_dalek::SigningKey;
+    use mlxnet_proto::v1::ResultClaim;
+    use rand::{rngs::StdRng, SeedableRng};
+
+    fn setup() -> (SigningKey, Expected, ResultClaim) {
+        let key = SigningKey::generate(&mut StdRng::seed_from_u64(9));
+        let expected = Expected {
+            job_id: "0193a1b2-0000-7000-8000-000000000001".into(),
+            attempt: 2,
+            node_id: NodeId::from_key(&key.verifying_key()),
+            model_sha256: [7; 32],
+            input_sha256: [9; 32],
+        };
+        let claim = ResultClaim {
+            job_id: expected.job_id.clone(),
+            attempt: 2,
+            model_sha256: vec![7; 32],
+            prompt_sha256: vec![9; 32],
+            output_token_ids: vec![1, 2],
+            output_text: "Paris".into(),
+            completion_tokens: 2,
+            node_id: key.verifying_key().to_bytes().to_vec(),
+            finish_reason: "eos".into(),
+            ..Default::default()
+        };
+        (key, expected, claim)
+    }
+
+    #[test]
+    fn only_the_assigned_nodes_signed_claim_about_this_attempt_passes() {
+        let (key, expected, good) = setup();
+        assert_eq!(
+            check_result(&claim::sign(good.clone(), &key), &expected),
+            Ok(())
+        );
+
+        let mut bad_sig = claim::sign(good.clone(), &key);
+        bad_sig.signature[0] ^= 1;
+        assert!(matches!(
+            check_result(&bad_sig, &expected),
+            Err(ResultError::Claim(_))
+        ));
+
+        let other = SigningKey::generate(&mut StdRng::seed_from_u64(10));
+        let mut foreign = good.clone();
+        foreign.node_id = other.verifying_key().to_bytes().to_vec();
+        assert!(matches!(
+            check_result(&claim::sign(foreign, &other), &expected),
+            Err(ResultError::WrongNode { .. })
+        ));
+
+        type Edit = Box<dyn Fn(&mut ResultClaim)>;
+        let cases: Vec<(Edit, ResultError)> = vec![
+            (
+                Box::new(|c| c.job_id = "0193a1b2-0000-7000-8000-000000000002".into()),
+                ResultError::WrongJob {
+                    claimed: "0193a1b2-0000-7000-8000-000000000002".into(),
+                    assigned: expected.job_id.clone(),
+                },
+            ),
+            (
+                Box::new(|c| c.attempt = 1),
+                ResultError::WrongAttempt {
+                    claimed: 1,
+                    assigned: 2,
+                },
+            ),
+            (
+                Box::new(|c| c.model_sha256[0] ^= 1),
+                ResultError::WrongModel,
+            ),
+            (
+                Box::new(|c| c.prompt_sha256[0] ^= 1),
+                ResultError::WrongInput,
+            ),
+        ];
+        for (edit, want) in cases {
+            let mut c = good.clone();
+            edit(&mut c);
+            assert_eq!(check_result(&claim::sign(c, &key), &expected), Err(want));
+        }
+        let missing = SignedClaim {
+            claim: None,
+            signature: vec![0; 64],
+        };
+        assert_eq!(
+            check_result(&missing, &expected),
+            Err(ResultError::Claim(ClaimError::Missing))
+        );
+    }
+}

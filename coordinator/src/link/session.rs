@@ -1,0 +1,181 @@
+//! The registry of live node sessions: one per node id, the newest winning.
+//!
+//! # Invariants
+//! - At most one session per node id. A node that reconnects replaces its old
+//!   session; the old connection is closed by the caller, and the old
+//!   session's clean-up removes the entry only if it is still its own
+//!   (compared by session serial), so it never evicts its replacement.
+//! - A job slot and its memory are reserved synchronously when a job is
+//!   placed ([`Session::reserve`]) and released when the returned guard drops,
+//!   so placement never over-fills a node between heartbeats.
+
+use std::{
+    collections::HashMap,
+    sync::{
+        atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering},
+        Arc, Mutex,
+    },
+};
+
+use mlxnet_proto::ids::NodeId;
+
+use super::handshake::Registration;
+use crate::scheduler::NodeSnapshot;
+
+/// One authenticated node connection.
+#[derive(Debug)]
+pub struct Session {
+    /// Increases with every session the coordinator accepts.
+    pub serial: u64,
+    pub node_id: NodeId,
+    pub name: String,
+    pub connection: quinn::Connection,
+    /// Digests of the catalogue-matching model files it reported.
+    pub models: Vec<[u8; 32]>,
+    pub max_concurrent_jobs: u32,
+    pub memory_bytes: u64,
+    free_memory_bytes: AtomicU64,
+    running: AtomicU32,
+    reserved_bytes: AtomicU64,
+    draining: AtomicBool,
+}
+
+impl Session {
+    /// A session for a node that proved its key. A node announcing 0
+    /// concurrent jobs is taken to mean 1.
+    pub fn new(serial: u64, connection: quinn::Connection, node: &Registration) -> Self {
+        Self {
+            serial,
+            node_id: node.node_id,
+            name: node.name.clone(),
+            connection,
+            models: node.models.clone(),
+            max_concurrent_jobs: node.max_concurrent_jobs.max(1),
+            memory_bytes: node.memory_bytes,
+            free_memory_bytes: AtomicU64::new(node.free_memory_bytes),
+            running: AtomicU32::new(0),
+            reserved_bytes: AtomicU64::new(0),
+            draining: AtomicBool::new(false),
+        }
+    }
+
+    /// The node asked for no new jobs.
+    pub fn drain(&self) {
+        self.draining.store(true, Ordering::Relaxed);
+    }
+
+    /// Records what the node reported in a heartbeat.
+    pub fn report_free_memory(&self, bytes: u64) {
+        self.free_memory_bytes.store(bytes, Ordering::Relaxed);
+    }
+
+    pub fn running_jobs(&self) -> u32 {
+        self.running.load(Ordering::Relaxed)
+    }
+
+    /// Takes a job slot and `bytes` of memory until the guard drops.
+    pub fn reserve(self: &Arc<Self>, bytes: u64) -> Reservation {
+        self.running.fetch_add(1, Ordering::Relaxed);
+        self.reserved_bytes.fetch_add(bytes, Ordering::Relaxed);
+        Reservation {
+            session: Arc::clone(self),
+            bytes,
+        }
+    }
+
+    pub fn snapshot(&self) -> NodeSnapshot {
+        NodeSnapshot {
+            id: self.node_id,
+            free_memory_bytes: self
+                .free_memory_bytes
+                .load(Ordering::Relaxed)
+                .saturating_sub(self.reserved_bytes.load(Ordering::Relaxed)),
+            running_jobs: self.running_jobs(),
+            max_concurrent_jobs: if self.draining.load(Ordering::Relaxed) {
+                0
+            } else {
+                self.max_concurrent_jobs
+            },
+            models: self.models.clone(),
+        }
+    }
+}
+
+/// A job slot held on a session.
+#[derive(Debug)]
+pub struct Reservation {
+    session: Arc<Session>,
+    bytes: u64,
+}
+
+impl Reservation {
+    pub fn session(&self) -> &Arc<Session> {
+        &self.session
+    }
+}
+
+impl Drop for Reservation {
+    fn drop(&mut self) {
+        self.session.running.fetch_sub(1, Ordering::Relaxed);
+        self.session
+            .reserved_bytes
+            .fetch_sub(self.bytes, Ordering::Relaxed);
+    }
+}
+
+/// All live sessions.
+#[derive(Clone, Debug, Default)]
+pub struct Sessions {
+    inner: Arc<Mutex<HashMap<NodeId, Arc<Session>>>>,
+    serials: Arc<AtomicU64>,
+}
+
+impl Sessions {
+    fn with<R>(&self, f: impl FnOnce(&mut HashMap<NodeId, Arc<Session>>) -> R) -> R {
+        let mut guard = match self.inner.lock() {
+            Ok(g) => g,
+            Err(poisoned) => poisoned.into_inner(),
+        };
+        f(&mut guard)
+    }
+
+    pub fn next_serial(&self) -> u64 {
+        self.serials.fetch_add(1, Ordering::Relaxed) + 1
+    }
+
+    /// Registers `session`, returning the one it replaces.
+    pub fn insert(&self, session: Arc<Session>) -> Option<Arc<Session>> {
+        self.with(|map| map.insert(session.node_id, session))
+    }
+
+    /// Removes `node`'s session if it is still the one with `serial`.
+    pub fn remove_if_current(&self, node: NodeId, serial: u64) -> bool {
+        self.with(|map| {
+            if map.get(&node).is_some_and(|s| s.serial == serial) {
+                map.remove(&node);
+                true
+            } else {
+                false
+            }
+        })
+    }
+
+    pub fn get(&self, node: &NodeId) -> Option<Arc<Session>> {
+        self.with(|map| map.get(node).cloned())
+    }
+
+    /// Every session, oldest first.
+    pub fn all(&self) -> Vec<Arc<Session>> {
+        let mut all: Vec<_> = self.with(|map| map.values().cloned().collect());
+        all.sort_by_key(|s| s.serial);
+        all
+    }
+
+    pub fn len(&self) -> usize {
+        self.with(|map| map.len())
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}

@@ -1,0 +1,62 @@
+//! `mlxnet-coordinator`: parse flags, load config, build, run.
+use std::{net::SocketAddr, path::PathBuf};
+
+use anyhow::Context;
+use clap::Parser;
+use mlxnet_coordinator::{app::Application, config::CoordinatorConfig};
+
+/// The mlx-network coordinator.
+#[derive(Parser)]
+#[command(version, about)]
+struct Args {
+    /// TOML config file (then MLXNET__SECTION__KEY env vars, then these flags).
+    #[arg(long)]
+    config: Option<PathBuf>,
+    #[arg(long)]
+    data_dir: Option<PathBuf>,
+    #[arg(long)]
+    grpc_addr: Option<SocketAddr>,
+    #[arg(long)]
+    quic_addr: Option<SocketAddr>,
+    #[arg(long)]
+    http_addr: Option<SocketAddr>,
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let args = Args::parse();
+    let mut config = CoordinatorConfig::load(args.config.as_deref(), std::env::vars())?;
+    if let Some(d) = args.data_dir {
+        config.data_dir = d;
+    }
+    if let Some(a) = args.grpc_addr {
+        config.grpc_addr = a;
+    }
+    if let Some(a) = args.quic_addr {
+        config.quic_addr = a;
+    }
+    if let Some(a) = args.http_addr {
+        config.http_addr = a;
+    }
+    let app = Application::build(config)
+        .await
+        .context("starting the coordinator")?;
+    println!("grpc {}", app.grpc_addr());
+    println!(
+        "quic {} fingerprint {}",
+        app.quic_addr(),
+        app.cert_fingerprint()
+    );
+    println!("http {}", app.http_addr());
+    app.run_until_stopped()
+        .await
+        .context("coordinator stopped with an error")?;
+    Ok(())
+}

@@ -1,0 +1,249 @@
+//! Test harness: a real coordinator on `127.0.0.1:0` with a fresh data
+//! directory, and a QUIC client config that pins its certificate.
+
+use std::{net::SocketAddr, sync::Arc};
+
+use rustls::{
+    client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier},
+    crypto::{verify_tls12_signature, verify_tls13_signature, CryptoProvider},
+    pki_types::{CertificateDer, ServerName, UnixTime},
+    DigitallySignedStruct, SignatureScheme,
+};
+use tokio::{sync::oneshot, task::JoinHandle};
+
+use crate::{app::Application, config::CoordinatorConfig, error::AppError, link::tls::fingerprint};
+
+pub struct TestApp {
+    pub grpc_addr: SocketAddr,
+    pub quic_addr: SocketAddr,
+    pub fingerprint: String,
+    stop: Option<oneshot::Sender<()>>,
+    task: Option<JoinHandle<Result<(), AppError>>>,
+    _dir: tempfile::TempDir,
+}
+
+impl TestApp {
+    pub async fn stop(mut self) {
+        if let Some(s) = self.stop.take() {
+            let _ = s.send(());
+        }
+        if let Some(t) = self.task.take() {
+            t.await.unwrap().unwrap();
+        }
+    }
+
+    pub async fn grpc(&self) -> tonic::transport::Channel {
+        tonic::transport::Channel::from_shared(format!("http://{}", self.grpc_addr))
+            .unwrap()
+            .connect()
+            .await
+            .unwrap()
+    }
+}
+
+impl Drop for TestApp {
+    fn drop(&mut self) {
+        if let Some(s) = self.stop.take() {
+            let _ = s.send(());
+        }
+    }
+}
+
+/// Builds and runs a coordinator; `tune` adjusts the default test config.
+pub async fn spawn_app(tune: impl FnOnce(&mut CoordinatorConfig)) -> TestApp {
+    let dir = tempfile::tempdir().unwrap();
+    let mut config = CoordinatorConfig::for_data_dir(dir.path().to_path_buf());
+    tune(&mut config);
+    let app = Application::build(config).await.unwrap();
+    let (stop, stopped) = oneshot::channel::<()>();
+    let grpc_addr = app.grpc_addr();
+    let quic_addr = app.quic_addr();
+    let fingerprint = app.cert_fingerprint();
+    let task = tokio::spawn(app.run_until(async move {
+        let _ = stopped.await;
+    }));
+    TestApp {
+        grpc_addr,
+        quic_addr,
+        fingerprint,
+        stop: Some(stop),
+        task: Some(task),
+        _dir: dir,
+    }
+}
+
+/// Accepts exactly the certificate whose SHA-256 is the pin.
+#[derive(Debug)]
+struct Pinned {
+    pin: String,
+    provider: Arc<CryptoProvider>,
+}
+
+impl ServerCertVerifier for Pinned {
+    fn verify_server_cert(
+        &self,
+        end_entity: &CertificateDer<'_>,
+        _intermediates: &[CertificateDer<'_>],
+        _server_name: &ServerName<'_>,
+        _ocsp: &[u8],
+        _now: UnixTime,
+    ) -> Result<ServerCertVerified, rustls::Error> {
+        if fingerprint(end_entity) == self.pin {
+            Ok(ServerCertVerified::assertion())
+        } else {
+            Err(rustls::Error::General(
+                "certificate fingerprint mismatch".into(),
+            ))
+        }
+    }
+
+    fn verify_tls12_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        verify_tls12_signature(
+            message,
+            cert,
+            dss,
+            &self.provider.signature_verification_algorithms,
+        )
+    }
+
+    fn verify_tls13_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        verify_tls13_signature(
+            message,
+            cert,
+            dss,
+            &self.provider.signature_verification_algorithms,
+        )
+    }
+
+    fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
+        self.provider
+            .signature_verification_algorithms
+            .supported_schemes()
+    }
+}
+
+/// A quinn client config pinning `fingerprint`, ALPN `mlxnet/1`, ring provider.
+pub fn client_config(fingerprint: &str) -> quinn::ClientConfig {
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let mut tls = rustls::ClientConfig::builder_with_provider(Arc::clone(&provider))
+        .with_protocol_versions(&[&rustls::version::TLS13])
+        .unwrap()
+        .dangerous()
+        .with_custom_certificate_verifier(Arc::new(Pinned {
+            pin: fingerprint.to_owned(),
+            provider,
+        }))
+        .with_no_client_auth();
+    tls.alpn_protocols = vec![mlxnet_proto::auth::ALPN.to_vec()];
+    quinn::ClientConfig::new(Arc::new(
+        quinn::crypto::rustls::QuicClientConfig::try_from(tls).unwrap(),
+    ))
+}
+
+/// A node made by hand: registered with the test model, speaking the wire
+/// protocol directly so tests control every frame.
+pub struct FakeNode {
+    pub key: ed25519_dalek::SigningKey,
+    pub conn: quinn::Connection,
+    _endpoint: quinn::Endpoint,
+    _control: (quinn::SendStream, quinn::RecvStream),
+}
+
+impl FakeNode {
+    pub async fn register(app: &TestApp, seed: u64) -> Self {
+        use ed25519_dalek::Signer;
+        use mlxnet_proto::{
+            auth,
+            frame::{read_frame, write_frame},
+            v1::{
+                coordinator_control, node_control, CachedModel, CoordinatorControl,
+                HardwareProfile, Hello, NodeControl, Open,
+            },
+        };
+        use rand::SeedableRng;
+        let key = ed25519_dalek::SigningKey::generate(&mut rand::rngs::StdRng::seed_from_u64(seed));
+        let mut endpoint = quinn::Endpoint::client("127.0.0.1:0".parse().unwrap()).unwrap();
+        endpoint.set_default_client_config(client_config(&app.fingerprint));
+        let conn = endpoint
+            .connect(app.quic_addr, "localhost")
+            .unwrap()
+            .await
+            .unwrap();
+        let (mut send, mut recv) = conn.open_bi().await.unwrap();
+        let open = NodeControl {
+            msg: Some(node_control::Msg::Open(Open {
+                version: "fake".into(),
+            })),
+        };
+        write_frame(&mut send, &open).await.unwrap();
+        let c: CoordinatorControl = read_frame(&mut recv).await.unwrap();
+        let Some(coordinator_control::Msg::Challenge(c)) = c.msg else {
+            panic!("expected a challenge");
+        };
+        let mut exporter = [0u8; auth::EXPORTER_LEN];
+        conn.export_keying_material(&mut exporter, auth::EXPORTER_LABEL, b"")
+            .unwrap();
+        let hello = Hello {
+            node_id: key.verifying_key().to_bytes().to_vec(),
+            signature: key
+                .sign(&auth::transcript(&c.nonce, &exporter))
+                .to_bytes()
+                .to_vec(),
+            hardware: Some(HardwareProfile {
+                memory_bytes: 16 << 30,
+                free_memory_bytes: 8 << 30,
+                ..Default::default()
+            }),
+            models: vec![CachedModel {
+                model: "smollm2-135m-instruct".into(),
+                sha256: hex::decode(crate::config::smollm2_135m_instruct().sha256).unwrap(),
+                size_bytes: 1,
+            }],
+            max_concurrent_jobs: 1,
+            name: "fake".into(),
+            ..Default::default()
+        };
+        write_frame(
+            &mut send,
+            &NodeControl {
+                msg: Some(node_control::Msg::Hello(hello)),
+            },
+        )
+        .await
+        .unwrap();
+        let w: CoordinatorControl = read_frame(&mut recv).await.unwrap();
+        assert!(
+            matches!(w.msg, Some(coordinator_control::Msg::Welcome(_))),
+            "{w:?}"
+        );
+        Self {
+            key,
+            conn,
+            _endpoint: endpoint,
+            _control: (send, recv),
+        }
+    }
+
+    /// The next job the coordinator assigns.
+    pub async fn next_assignment(
+        &self,
+    ) -> (
+        quinn::SendStream,
+        quinn::RecvStream,
+        mlxnet_proto::v1::Assignment,
+    ) {
+        let (send, mut recv) = self.conn.accept_bi().await.unwrap();
+        let a = mlxnet_proto::frame::read_frame(&mut recv).await.unwrap();
+        (send, recv, a)
+    }
+}
