@@ -14,6 +14,7 @@
 //! - [`catalogue`]: the models jobs may name, pinned by file digest.
 //! - [`http`]: `/healthz`, `/readyz`, `/metrics`; [`metrics`]: the counters.
 //! - [`error`]: errors at the edges and their one mapping to gRPC status.
+//! - [`world`]: the World page (map of every node), its JSON API and live stream.
 #![forbid(unsafe_code)]
 
 pub mod api;
@@ -30,6 +31,7 @@ pub mod scheduler;
 pub mod store;
 #[cfg(test)]
 pub(crate) mod test_utils;
+pub mod world;
 
 pub use app::Application;
 pub use config::CoordinatorConfig;
