@@ -1,0 +1,170 @@
+//! The node agent as one value: [`Node::build`] does everything that can
+//! fail at start-up (config checks, identity, hardware profile, model
+//! digests, engines), then [`Node::run_until`] keeps the link to the
+//! coordinator up until the shutdown future resolves.
+//!
+//! # Invariants
+//! - A built node has a valid pin, an identity on disk and every model
+//!   hashed and loaded; running it only dials.
+//! - `run_until` returns after the connection is closed gracefully, so the
+//!   coordinator sees the node leave at once instead of timing it out.
+//!
+//! # Failure
+//! [`NodeError`] says which start-up step failed and why (each wraps the
+//! module's own error).
+
+use std::{future::Future, sync::Arc, time::Duration};
+
+use mlxnet_proto::{ids::NodeId, v1::HardwareProfile};
+use tokio::sync::{watch, Semaphore};
+use tokio_util::sync::CancellationToken;
+
+use crate::{
+    config::{ConfigError, NodeConfig},
+    hardware::{self, HardwareError},
+    identity::{Identity, IdentityError},
+    link::{self, LinkContext, LinkError, LinkStatus},
+    models::{ModelError, ModelSet},
+};
+
+/// Why the node could not start or run.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum NodeError {
+    #[error("configuration: {0}")]
+    Config(#[from] ConfigError),
+    #[error("identity: {0}")]
+    Identity(#[from] IdentityError),
+    #[error("hardware profile: {0}")]
+    Hardware(#[from] HardwareError),
+    #[error("{0}")]
+    Model(#[from] ModelError),
+    #[error("link: {0}")]
+    Link(#[from] LinkError),
+    #[error("start-up task failed: {0}")]
+    Task(#[from] tokio::task::JoinError),
+    #[error("cannot listen for shutdown signals: {0}")]
+    Signal(std::io::Error),
+}
+
+/// A node ready to dial its coordinator.
+pub struct Node {
+    ctx: Arc<LinkContext>,
+    status_tx: watch::Sender<LinkStatus>,
+    status_rx: watch::Receiver<LinkStatus>,
+}
+
+impl Node {
+    /// Checks the config, loads (or creates) the identity, profiles the
+    /// hardware, hashes the model files and loads their engines.
+    pub async fn build(config: NodeConfig) -> Result<Node, NodeError> {
+        config.validate()?;
+        let client_config = link::tls::client_config(&config.coordinator_fingerprint)?;
+        if let Some(n) = config.threads {
+            // Only the first pool in a process is built; later nodes in the
+            // same process (tests) share it.
+            if rayon::ThreadPoolBuilder::new()
+                .num_threads(n)
+                .build_global()
+                .is_err()
+            {
+                tracing::debug!(threads = n, "compute thread pool already set up");
+            }
+        }
+        let data_dir = config.data_dir.clone();
+        let identity =
+            tokio::task::spawn_blocking(move || Identity::load_or_create(&data_dir)).await??;
+        let hardware = tokio::task::spawn_blocking(hardware::detect).await??;
+        let entries = config.models.clone();
+        let models = tokio::task::spawn_blocking(move || ModelSet::load(&entries)).await??;
+        let node_id = identity.node_id();
+        let name = if config.name.trim().is_empty() {
+            format!("node-{}", node_id.short())
+        } else {
+            config.name.trim().to_owned()
+        };
+        tracing::info!(%node_id, %name, models = models.len(), chip = %hardware.chip, "node built");
+        let (status_tx, status_rx) = watch::channel(LinkStatus::Connecting);
+        let ctx = LinkContext {
+            identity: Arc::new(identity),
+            models: Arc::new(models),
+            hardware,
+            coordinator: config.coordinator.clone(),
+            client_config,
+            name,
+            mode: config.mode,
+            location: config.location.clone(),
+            max_concurrent_jobs: config.max_concurrent_jobs,
+            connect_timeout: Duration::from_millis(config.connect_timeout_ms),
+            reconnect_min: Duration::from_millis(config.reconnect_min_ms),
+            reconnect_max: Duration::from_millis(config.reconnect_max_ms),
+            slots: Arc::new(Semaphore::new(config.max_concurrent_jobs as usize)),
+        };
+        Ok(Node {
+            ctx: Arc::new(ctx),
+            status_tx,
+            status_rx,
+        })
+    }
+
+    /// The node's id (its public key).
+    pub fn node_id(&self) -> NodeId {
+        self.ctx.identity.node_id()
+    }
+
+    /// The hardware profile sent to the coordinator.
+    pub fn hardware(&self) -> &HardwareProfile {
+        &self.ctx.hardware
+    }
+
+    /// Follows the link: Connecting, Registered, Disconnected{reason}.
+    pub fn link_status(&self) -> watch::Receiver<LinkStatus> {
+        self.status_rx.clone()
+    }
+
+    /// Keeps the link up (reconnecting as needed) until `shutdown` resolves,
+    /// then closes it gracefully.
+    pub async fn run_until(
+        self,
+        shutdown: impl Future<Output = ()> + Send + 'static,
+    ) -> Result<(), NodeError> {
+        let token = CancellationToken::new();
+        let link = link::run(self.ctx.clone(), self.status_tx.clone(), token.clone());
+        tokio::pin!(link);
+        tokio::select! {
+            _ = &mut link => return Ok(()),
+            _ = shutdown => token.cancel(),
+        }
+        link.await;
+        Ok(())
+    }
+
+    /// [`run_until`](Self::run_until) Ctrl-C or SIGTERM.
+    pub async fn run_until_stopped(self) -> Result<(), NodeError> {
+        let signal = shutdown_signal()?;
+        self.run_until(signal).await
+    }
+}
+
+/// Resolves on Ctrl-C, or SIGTERM (what launchd and systemd send).
+#[cfg(unix)]
+fn shutdown_signal() -> Result<impl Future<Output = ()> + Send + 'static, NodeError> {
+    use tokio::signal::unix::{signal, SignalKind};
+    let mut term = signal(SignalKind::terminate()).map_err(NodeError::Signal)?;
+    Ok(async move {
+        tokio::select! {
+            _ = tokio::signal::ctrl_c() => {}
+            _ = term.recv() => {}
+        }
+        tracing::info!("shutting down");
+    })
+}
+
+/// Resolves on Ctrl-C.
+#[cfg(not(unix))]
+fn shutdown_signal() -> Result<impl Future<Output = ()> + Send + 'static, NodeError> {
+    Ok(async {
+        let _ = tokio::signal::ctrl_c().await;
+        tracing::info!("shutting down");
+    })
+}

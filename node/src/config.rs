@@ -1,0 +1,739 @@
+//! The node's configuration, layered: built-in defaults, then a TOML file,
+//! then environment variables `MLX_NODE__KEY` (nested: `MLX_NODE__LOCATION__CITY`),
+//! then command-line flags. Each layer overrides only the keys it sets.
+//!
+//! The environment is read through [`NodeConfig::load`]'s iterator argument,
+//! never with `std::env` here, so tests pass their own variables and never
+//! call `set_var`.
+//!
+//! # Invariants
+//! - A loaded config has every field filled (defaults documented on
+//!   [`NodeConfig`]); [`NodeConfig::validate`] checks the values the agent
+//!   needs to run (pin format, coordinator address, limits).
+//! - Models come from exactly one layer: the highest layer that names any
+//!   replaces the lower ones (flags `--model id=path` beat the env, which
+//!   beats the file), so a model cannot be half-configured from two places.
+//!
+//! # Failure
+//! [`ConfigError`] names the file, variable or key that is wrong and why.
+//! Unknown keys in the file and unknown `MLX_NODE__` variables are errors,
+//! so a typo never silently falls back to a default.
+
+use std::{
+    fmt,
+    path::{Path, PathBuf},
+    str::FromStr,
+};
+
+use serde::{Deserialize, Serialize};
+
+/// Prefix of the node's environment variables.
+pub const ENV_PREFIX: &str = "MLX_NODE__";
+
+/// Everything the node agent needs to run.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct NodeConfig {
+    /// Where the identity key (mode 0600) lives. Default `$HOME/.mlx-node`
+    /// (`./.mlx-node` without `HOME`).
+    pub data_dir: PathBuf,
+    /// `host:port` of the coordinator's QUIC endpoint. Default `127.0.0.1:7071`.
+    pub coordinator: String,
+    /// Lowercase hex SHA-256 of the coordinator certificate's DER (the pin).
+    /// No default: the coordinator prints it on start.
+    pub coordinator_fingerprint: String,
+    /// Model files this node offers. Default none.
+    pub models: Vec<ModelEntry>,
+    /// Owner-chosen display name. Empty (default) means `node-<first 8 hex of id>`.
+    pub name: String,
+    /// Jobs run at once; further assignments are refused as retryable. Default 1.
+    pub max_concurrent_jobs: u32,
+    /// Compute threads for the engine (CPU). Default: all cores.
+    pub threads: Option<usize>,
+    /// Reconnect backoff, first delay. Default 500 ms.
+    pub reconnect_min_ms: u64,
+    /// Reconnect backoff, largest delay. Default 30 s.
+    pub reconnect_max_ms: u64,
+    /// Limit on dialing + the QUIC/TLS handshake + registration. Default 10 s.
+    pub connect_timeout_ms: u64,
+    /// Whether the Mac is lent full-time or only while idle. Default dedicated.
+    pub mode: NodeMode,
+    /// Owner-declared coarse location for the World page. Default none.
+    pub location: Option<Location>,
+}
+
+/// One model file the node holds: catalogue id and local path.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ModelEntry {
+    pub id: String,
+    pub path: PathBuf,
+}
+
+impl FromStr for ModelEntry {
+    type Err = ConfigError;
+
+    /// Parses `id=path`, the form of `--model` and of `MLX_NODE__MODELS`.
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s.split_once('=') {
+            Some((id, path)) if !id.trim().is_empty() && !path.trim().is_empty() => Ok(Self {
+                id: id.trim().to_owned(),
+                path: PathBuf::from(path.trim()),
+            }),
+            _ => Err(ConfigError::ModelEntry(s.to_owned())),
+        }
+    }
+}
+
+/// How the owner lends the Mac.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum NodeMode {
+    /// Lent full-time: takes any job it can hold.
+    #[default]
+    Dedicated,
+    /// Lent only while the owner is away.
+    Idle,
+}
+
+impl FromStr for NodeMode {
+    type Err = ConfigError;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "dedicated" => Ok(Self::Dedicated),
+            "idle" => Ok(Self::Idle),
+            _ => Err(ConfigError::Mode(s.to_owned())),
+        }
+    }
+}
+
+impl fmt::Display for NodeMode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Self::Dedicated => "dedicated",
+            Self::Idle => "idle",
+        })
+    }
+}
+
+/// A coarse, owner-declared location for the World page: coordinates (both
+/// required once a location is given) and an optional place name. Never
+/// derived from the IP address; the coordinator snaps it to a coarse grid.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Location {
+    /// City or region, e.g. "Lyon, France".
+    pub place: Option<String>,
+    pub lat: Option<f64>,
+    pub lon: Option<f64>,
+    /// Counted in totals but not drawn on the map.
+    pub hidden: Option<bool>,
+}
+
+impl Location {
+    /// As sent in `Hello` (after [`NodeConfig::validate`], so both coordinates are set).
+    pub fn to_wire(&self) -> mlxnet_proto::v1::Location {
+        mlxnet_proto::v1::Location {
+            label: self.place.clone().unwrap_or_default(),
+            latitude: self.lat.unwrap_or_default(),
+            longitude: self.lon.unwrap_or_default(),
+            hidden: self.hidden.unwrap_or(false),
+        }
+    }
+}
+
+/// Why the configuration could not be loaded or is not usable.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ConfigError {
+    #[error("cannot read config file {path}: {source}")]
+    ReadFile {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("config file {path} is not valid: {source}")]
+    ParseFile {
+        path: PathBuf,
+        source: Box<toml::de::Error>,
+    },
+    #[error("unknown environment variable {0} (known: {known})", known = ENV_KEYS.join(", "))]
+    UnknownEnv(String),
+    #[error("environment variable {var}={value:?}: {reason}")]
+    BadEnv {
+        var: String,
+        value: String,
+        reason: String,
+    },
+    #[error("model entry {0:?} must be `id=path`")]
+    ModelEntry(String),
+    #[error("mode {0:?} must be `dedicated` or `idle`")]
+    Mode(String),
+    #[error("coordinator_fingerprint is not set: pass --fingerprint <hex> (the coordinator prints it on start)")]
+    MissingFingerprint,
+    #[error("coordinator_fingerprint {0:?} must be 64 lowercase hex digits (SHA-256 of the certificate DER)")]
+    BadFingerprint(String),
+    #[error("coordinator address {0:?} must be host:port")]
+    BadCoordinator(String),
+    #[error("{key} must be {expected}, got {value}")]
+    OutOfRange {
+        key: &'static str,
+        expected: &'static str,
+        value: String,
+    },
+    #[error("model id {0:?} is configured twice")]
+    DuplicateModel(String),
+}
+
+/// Keys a layer may set (file keys; env keys are these upper-cased).
+const ENV_KEYS: &[&str] = &[
+    "DATA_DIR",
+    "COORDINATOR",
+    "COORDINATOR_FINGERPRINT",
+    "MODELS",
+    "NAME",
+    "MAX_CONCURRENT_JOBS",
+    "THREADS",
+    "RECONNECT_MIN_MS",
+    "RECONNECT_MAX_MS",
+    "CONNECT_TIMEOUT_MS",
+    "MODE",
+    "LOCATION__PLACE",
+    "LOCATION__LAT",
+    "LOCATION__LON",
+    "LOCATION__HIDDEN",
+];
+
+/// One layer of configuration: every key optional. The TOML file is read
+/// into this; `main` fills one from flags.
+#[derive(Debug, Clone, Default, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ConfigLayer {
+    pub data_dir: Option<PathBuf>,
+    pub coordinator: Option<String>,
+    pub coordinator_fingerprint: Option<String>,
+    pub models: Option<Vec<ModelEntry>>,
+    pub name: Option<String>,
+    pub max_concurrent_jobs: Option<u32>,
+    pub threads: Option<usize>,
+    pub reconnect_min_ms: Option<u64>,
+    pub reconnect_max_ms: Option<u64>,
+    pub connect_timeout_ms: Option<u64>,
+    pub mode: Option<NodeMode>,
+    pub location: Option<Location>,
+}
+
+impl ConfigLayer {
+    /// Reads a TOML file.
+    pub fn from_file(path: &Path) -> Result<Self, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::ReadFile {
+            path: path.to_owned(),
+            source,
+        })?;
+        Self::from_toml(&text).map_err(|source| ConfigError::ParseFile {
+            path: path.to_owned(),
+            source: Box::new(source),
+        })
+    }
+
+    fn from_toml(text: &str) -> Result<Self, toml::de::Error> {
+        toml::from_str(text)
+    }
+
+    /// Collects the `MLX_NODE__*` variables among `vars`; others are ignored.
+    pub fn from_env<I, K, V>(vars: I) -> Result<Self, ConfigError>
+    where
+        I: IntoIterator<Item = (K, V)>,
+        K: AsRef<str>,
+        V: AsRef<str>,
+    {
+        let mut layer = Self::default();
+        for (key, value) in vars {
+            let (key, value) = (key.as_ref(), value.as_ref());
+            let Some(name) = key.strip_prefix(ENV_PREFIX) else {
+                continue;
+            };
+            let bad = |reason: &str| ConfigError::BadEnv {
+                var: key.to_owned(),
+                value: value.to_owned(),
+                reason: reason.to_owned(),
+            };
+            match name {
+                "DATA_DIR" => layer.data_dir = Some(PathBuf::from(value)),
+                "COORDINATOR" => layer.coordinator = Some(value.to_owned()),
+                "COORDINATOR_FINGERPRINT" => layer.coordinator_fingerprint = Some(value.to_owned()),
+                "MODELS" => {
+                    // `id=path,id=path`; empty means "no models".
+                    let models = value
+                        .split(',')
+                        .map(str::trim)
+                        .filter(|s| !s.is_empty())
+                        .map(ModelEntry::from_str)
+                        .collect::<Result<Vec<_>, _>>()
+                        .map_err(|_| bad("expected `id=path` entries separated by commas"))?;
+                    layer.models = Some(models);
+                }
+                "NAME" => layer.name = Some(value.to_owned()),
+                "MAX_CONCURRENT_JOBS" => {
+                    layer.max_concurrent_jobs =
+                        Some(parse_num(value).map_err(|_| bad("expected a whole number"))?)
+                }
+                "THREADS" => {
+                    layer.threads =
+                        Some(parse_num(value).map_err(|_| bad("expected a whole number"))?)
+                }
+                "RECONNECT_MIN_MS" => {
+                    layer.reconnect_min_ms =
+                        Some(parse_num(value).map_err(|_| bad("expected milliseconds"))?)
+                }
+                "RECONNECT_MAX_MS" => {
+                    layer.reconnect_max_ms =
+                        Some(parse_num(value).map_err(|_| bad("expected milliseconds"))?)
+                }
+                "CONNECT_TIMEOUT_MS" => {
+                    layer.connect_timeout_ms =
+                        Some(parse_num(value).map_err(|_| bad("expected milliseconds"))?)
+                }
+                "MODE" => {
+                    layer.mode = Some(
+                        value
+                            .parse()
+                            .map_err(|_| bad("expected `dedicated` or `idle`"))?,
+                    )
+                }
+                "LOCATION__PLACE" => location(&mut layer.location).place = Some(value.to_owned()),
+                "LOCATION__LAT" => {
+                    let lat = value.trim().parse().map_err(|_| bad("expected degrees"))?;
+                    location(&mut layer.location).lat = Some(lat);
+                }
+                "LOCATION__LON" => {
+                    let lon = value.trim().parse().map_err(|_| bad("expected degrees"))?;
+                    location(&mut layer.location).lon = Some(lon);
+                }
+                "LOCATION__HIDDEN" => {
+                    let hidden = value
+                        .trim()
+                        .parse()
+                        .map_err(|_| bad("expected true or false"))?;
+                    location(&mut layer.location).hidden = Some(hidden);
+                }
+                _ => return Err(ConfigError::UnknownEnv(key.to_owned())),
+            }
+        }
+        Ok(layer)
+    }
+
+    /// Applies `self` over `base`: keys `self` sets win.
+    fn apply(self, base: &mut NodeConfig) {
+        if let Some(v) = self.data_dir {
+            base.data_dir = v;
+        }
+        if let Some(v) = self.coordinator {
+            base.coordinator = v;
+        }
+        if let Some(v) = self.coordinator_fingerprint {
+            base.coordinator_fingerprint = v;
+        }
+        if let Some(v) = self.models {
+            base.models = v;
+        }
+        if let Some(v) = self.name {
+            base.name = v;
+        }
+        if let Some(v) = self.max_concurrent_jobs {
+            base.max_concurrent_jobs = v;
+        }
+        if let Some(v) = self.threads {
+            base.threads = Some(v);
+        }
+        if let Some(v) = self.reconnect_min_ms {
+            base.reconnect_min_ms = v;
+        }
+        if let Some(v) = self.reconnect_max_ms {
+            base.reconnect_max_ms = v;
+        }
+        if let Some(v) = self.connect_timeout_ms {
+            base.connect_timeout_ms = v;
+        }
+        if let Some(v) = self.mode {
+            base.mode = v;
+        }
+        if let Some(v) = self.location {
+            // Location fields merge one by one, so env can refine a file's place.
+            let loc = base.location.get_or_insert_with(Location::default);
+            if v.place.is_some() {
+                loc.place = v.place;
+            }
+            if v.lat.is_some() {
+                loc.lat = v.lat;
+            }
+            if v.lon.is_some() {
+                loc.lon = v.lon;
+            }
+            if v.hidden.is_some() {
+                loc.hidden = v.hidden;
+            }
+        }
+    }
+}
+
+fn location(loc: &mut Option<Location>) -> &mut Location {
+    loc.get_or_insert_with(Location::default)
+}
+
+fn parse_num<T: FromStr>(s: &str) -> Result<T, T::Err> {
+    s.trim().parse()
+}
+
+impl NodeConfig {
+    /// Defaults, with the three things a node cannot guess.
+    pub fn new(
+        data_dir: PathBuf,
+        coordinator: impl Into<String>,
+        fingerprint: impl Into<String>,
+    ) -> Self {
+        Self {
+            data_dir,
+            coordinator: coordinator.into(),
+            coordinator_fingerprint: fingerprint.into(),
+            models: Vec::new(),
+            name: String::new(),
+            max_concurrent_jobs: 1,
+            threads: None,
+            reconnect_min_ms: 500,
+            reconnect_max_ms: 30_000,
+            connect_timeout_ms: 10_000,
+            mode: NodeMode::Dedicated,
+            location: None,
+        }
+    }
+
+    /// Defaults for this machine: `HOME` is taken from `env`.
+    pub fn defaults<I, K, V>(env: I) -> Self
+    where
+        I: IntoIterator<Item = (K, V)>,
+        K: AsRef<str>,
+        V: AsRef<str>,
+    {
+        let home = env
+            .into_iter()
+            .find(|(k, _)| k.as_ref() == "HOME")
+            .map(|(_, v)| PathBuf::from(v.as_ref()))
+            .filter(|p| !p.as_os_str().is_empty());
+        let data_dir = home.unwrap_or_else(|| PathBuf::from(".")).join(".mlx-node");
+        Self::new(data_dir, "127.0.0.1:7071", "")
+    }
+
+    /// Layers defaults, the TOML file (if any), the `MLX_NODE__*` variables
+    /// among `env`, and `flags`. Does not [`validate`](Self::validate).
+    pub fn load<I, K, V>(
+        file: Option<&Path>,
+        env: I,
+        flags: ConfigLayer,
+    ) -> Result<Self, ConfigError>
+    where
+        I: IntoIterator<Item = (K, V)>,
+        K: AsRef<str>,
+        V: AsRef<str>,
+    {
+        let env: Vec<(String, String)> = env
+            .into_iter()
+            .map(|(k, v)| (k.as_ref().to_owned(), v.as_ref().to_owned()))
+            .collect();
+        let mut config = Self::defaults(env.iter().map(|(k, v)| (k.as_str(), v.as_str())));
+        if let Some(path) = file {
+            ConfigLayer::from_file(path)?.apply(&mut config);
+        }
+        ConfigLayer::from_env(env)?.apply(&mut config);
+        flags.apply(&mut config);
+        Ok(config)
+    }
+
+    /// Checks the values the agent needs: the pin, the coordinator address,
+    /// limits and model ids.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        parse_fingerprint(&self.coordinator_fingerprint)?;
+        split_host_port(&self.coordinator)?;
+        if self.max_concurrent_jobs == 0 {
+            return Err(ConfigError::OutOfRange {
+                key: "max_concurrent_jobs",
+                expected: "at least 1",
+                value: "0".into(),
+            });
+        }
+        if self.threads == Some(0) {
+            return Err(ConfigError::OutOfRange {
+                key: "threads",
+                expected: "at least 1",
+                value: "0".into(),
+            });
+        }
+        if self.reconnect_min_ms == 0 || self.reconnect_min_ms > self.reconnect_max_ms {
+            return Err(ConfigError::OutOfRange {
+                key: "reconnect_min_ms",
+                expected: "between 1 and reconnect_max_ms",
+                value: format!("{} (max {})", self.reconnect_min_ms, self.reconnect_max_ms),
+            });
+        }
+        if self.connect_timeout_ms == 0 {
+            return Err(ConfigError::OutOfRange {
+                key: "connect_timeout_ms",
+                expected: "at least 1",
+                value: "0".into(),
+            });
+        }
+        if let Some(loc) = &self.location {
+            if loc.lat.is_none() || loc.lon.is_none() {
+                return Err(ConfigError::OutOfRange {
+                    key: "location",
+                    expected: "both lat and lon (degrees) when a location is given",
+                    value: format!("lat {:?}, lon {:?}", loc.lat, loc.lon),
+                });
+            }
+            if loc.lat.is_some_and(|v| !(-90.0..=90.0).contains(&v)) {
+                return Err(ConfigError::OutOfRange {
+                    key: "location.lat",
+                    expected: "between -90 and 90",
+                    value: format!("{:?}", loc.lat),
+                });
+            }
+            if loc.lon.is_some_and(|v| !(-180.0..=180.0).contains(&v)) {
+                return Err(ConfigError::OutOfRange {
+                    key: "location.lon",
+                    expected: "between -180 and 180",
+                    value: format!("{:?}", loc.lon),
+                });
+            }
+        }
+        let mut seen = std::collections::HashSet::new();
+        for m in &self.models {
+            if !seen.insert(m.id.as_str()) {
+                return Err(ConfigError::DuplicateModel(m.id.clone()));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Parses a certificate pin: 64 hex digits (either case accepted, compared
+/// as bytes).
+pub fn parse_fingerprint(hex_str: &str) -> Result<[u8; 32], ConfigError> {
+    let s = hex_str.trim();
+    if s.is_empty() {
+        return Err(ConfigError::MissingFingerprint);
+    }
+    let mut out = [0u8; 32];
+    hex::decode_to_slice(s, &mut out)
+        .map_err(|_| ConfigError::BadFingerprint(hex_str.to_owned()))?;
+    Ok(out)
+}
+
+/// Splits `host:port` (`[v6]:port` too) into host and port.
+pub fn split_host_port(addr: &str) -> Result<(&str, u16), ConfigError> {
+    let bad = || ConfigError::BadCoordinator(addr.to_owned());
+    let (host, port) = addr.rsplit_once(':').ok_or_else(bad)?;
+    let host = host
+        .strip_prefix('[')
+        .and_then(|h| h.strip_suffix(']'))
+        .unwrap_or(host);
+    if host.is_empty() || host.contains(char::is_whitespace) {
+        return Err(bad());
+    }
+    let port: u16 = port.parse().map_err(|_| bad())?;
+    if port == 0 {
+        return Err(bad());
+    }
+    Ok((host, port))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const FP: &str = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53";
+
+    fn env(pairs: &[(&str, &str)]) -> Vec<(String, String)> {
+        pairs
+            .iter()
+            .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+            .collect()
+    }
+
+    #[test]
+    fn defaults_use_home_and_documented_values() {
+        let c =
+            NodeConfig::load(None, env(&[("HOME", "/home/ada")]), ConfigLayer::default()).unwrap();
+        assert_eq!(c.data_dir, PathBuf::from("/home/ada/.mlx-node"));
+        assert_eq!(c.coordinator, "127.0.0.1:7071");
+        assert_eq!(c.max_concurrent_jobs, 1);
+        assert_eq!((c.reconnect_min_ms, c.reconnect_max_ms), (500, 30_000));
+        assert_eq!(c.mode, NodeMode::Dedicated);
+        assert!(c.models.is_empty());
+        // No pin yet: running is refused with a message saying what to pass.
+        let err = c.validate().unwrap_err();
+        assert!(err.to_string().contains("--fingerprint"), "{err}");
+    }
+
+    #[test]
+    fn flags_beat_env_which_beats_the_file_which_beats_defaults() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("node.toml");
+        std::fs::write(
+            &file,
+            r#"
+            data_dir = "/srv/node"
+            coordinator = "coord.example:7071"
+            coordinator_fingerprint = "aa"
+            name = "from-file"
+            max_concurrent_jobs = 2
+            mode = "idle"
+            models = [{ id = "smollm2-135m-instruct", path = "/m/smol.gguf" }]
+            [location]
+            place = "Lyon, France"
+            lat = 45.76
+            lon = 4.84
+            "#,
+        )
+        .unwrap();
+        let vars = env(&[
+            ("HOME", "/home/ada"),
+            ("MLX_NODE__NAME", "from-env"),
+            ("MLX_NODE__MAX_CONCURRENT_JOBS", "3"),
+            ("MLX_NODE__COORDINATOR_FINGERPRINT", FP),
+            ("MLX_NODE__LOCATION__PLACE", "Grenoble, France"),
+            ("UNRELATED", "x"),
+        ]);
+        let flags = ConfigLayer {
+            name: Some("from-flag".into()),
+            models: Some(vec!["tiny=/m/tiny.gguf".parse().unwrap()]),
+            ..ConfigLayer::default()
+        };
+        let c = NodeConfig::load(Some(&file), vars, flags).unwrap();
+        assert_eq!(c.data_dir, PathBuf::from("/srv/node")); // file over default
+        assert_eq!(c.coordinator, "coord.example:7071");
+        assert_eq!(c.coordinator_fingerprint, FP); // env over file
+        assert_eq!(c.max_concurrent_jobs, 3); // env over file
+        assert_eq!(c.name, "from-flag"); // flag over env over file
+        assert_eq!(c.mode, NodeMode::Idle);
+        // The flag's models replace the file's instead of merging.
+        assert_eq!(
+            c.models,
+            vec![ModelEntry {
+                id: "tiny".into(),
+                path: "/m/tiny.gguf".into()
+            }]
+        );
+        let loc = c.location.clone().unwrap();
+        assert_eq!(loc.place.as_deref(), Some("Grenoble, France"));
+        assert_eq!((loc.lat, loc.lon), (Some(45.76), Some(4.84)));
+        c.validate().unwrap();
+    }
+
+    #[test]
+    fn env_models_list_and_typed_values_parse() {
+        let c = NodeConfig::load(
+            None,
+            env(&[
+                ("MLX_NODE__MODELS", "a=/x/a.gguf, b=/x/b.gguf"),
+                ("MLX_NODE__RECONNECT_MIN_MS", "10"),
+                ("MLX_NODE__THREADS", "4"),
+                ("MLX_NODE__LOCATION__LAT", "-33.9"),
+                ("MLX_NODE__LOCATION__LON", "18.4"),
+                ("MLX_NODE__LOCATION__HIDDEN", "true"),
+            ]),
+            ConfigLayer::default(),
+        )
+        .unwrap();
+        assert_eq!(c.models.len(), 2);
+        assert_eq!(c.models[1].path, PathBuf::from("/x/b.gguf"));
+        assert_eq!(c.reconnect_min_ms, 10);
+        assert_eq!(c.threads, Some(4));
+        let wire = c.location.as_ref().unwrap().to_wire();
+        assert_eq!(
+            (wire.latitude, wire.longitude, wire.hidden),
+            (-33.9, 18.4, true)
+        );
+    }
+
+    #[test]
+    fn bad_values_name_the_culprit() {
+        let err = NodeConfig::load(
+            None,
+            env(&[("MLX_NODE__MAX_CONCURRENT_JOBS", "many")]),
+            ConfigLayer::default(),
+        )
+        .unwrap_err();
+        assert!(
+            err.to_string().contains("MLX_NODE__MAX_CONCURRENT_JOBS"),
+            "{err}"
+        );
+
+        let err = NodeConfig::load(
+            None,
+            env(&[("MLX_NODE__COORDINATR", "x:1")]),
+            ConfigLayer::default(),
+        )
+        .unwrap_err();
+        assert!(
+            matches!(err, ConfigError::UnknownEnv(ref v) if v == "MLX_NODE__COORDINATR"),
+            "{err}"
+        );
+
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("node.toml");
+        std::fs::write(&file, "max_concurent_jobs = 2\n").unwrap();
+        let err = NodeConfig::load(Some(&file), env(&[]), ConfigLayer::default()).unwrap_err();
+        assert!(err.to_string().contains("max_concurent_jobs"), "{err}");
+
+        let err = NodeConfig::load(
+            Some(&dir.path().join("missing.toml")),
+            env(&[]),
+            ConfigLayer::default(),
+        )
+        .unwrap_err();
+        assert!(matches!(err, ConfigError::ReadFile { .. }), "{err}");
+
+        assert!("no-equals-sign".parse::<ModelEntry>().is_err());
+        assert!("=path".parse::<ModelEntry>().is_err());
+    }
+
+    #[test]
+    fn validation_refuses_unusable_values() {
+        let ok = NodeConfig::new("/d".into(), "127.0.0.1:7071", FP);
+        ok.validate().unwrap();
+
+        let mut c = ok.clone();
+        c.coordinator_fingerprint = "zz".into();
+        assert!(matches!(c.validate(), Err(ConfigError::BadFingerprint(_))));
+        let mut c = ok.clone();
+        c.coordinator = "no-port".into();
+        assert!(matches!(c.validate(), Err(ConfigError::BadCoordinator(_))));
+        let mut c = ok.clone();
+        c.max_concurrent_jobs = 0;
+        assert!(c.validate().is_err());
+        let mut c = ok.clone();
+        c.reconnect_min_ms = 60_000;
+        assert!(c.validate().is_err());
+        let mut c = ok.clone();
+        c.location = Some(Location {
+            lat: Some(91.0),
+            lon: Some(0.0),
+            ..Location::default()
+        });
+        assert!(c.validate().is_err());
+        c.location = Some(Location {
+            place: Some("Lyon".into()),
+            ..Location::default()
+        });
+        let err = c.validate().unwrap_err();
+        assert!(err.to_string().contains("both lat and lon"), "{err}");
+        let mut c = ok.clone();
+        c.models = vec!["a=/x".parse().unwrap(), "a=/y".parse().unwrap()];
+        assert!(matches!(c.validate(), Err(ConfigError::DuplicateModel(_))));
+
+        assert_eq!(split_host_port("[::1]:7071").unwrap(), ("::1", 7071));
+        assert_eq!(
+            split_host_port("coord.example:1").unwrap(),
+            ("coord.example", 1)
+        );
+        assert!(split_host_port(":7071").is_err());
+    }
+}

@@ -1,0 +1,145 @@
+//! The hardware profile a node reports when it registers: chip, cores,
+//! memory, memory bandwidth, Thunderbolt 5.
+//!
+//! Detection reads the OS (Linux: `/proc/meminfo`, `/proc/cpuinfo`; macOS:
+//! `sysctl`, `system_profiler -json`, `vm_stat`, `sw_vers`); every parser is a
+//! pure function over the text those produce, compiled on every platform and
+//! tested on recorded samples (`hardware/samples/`). Only running the macOS
+//! commands is behind `cfg(target_os = "macos")`.
+//!
+//! # Layout
+//! - [`chips`]: the Apple chip table (bandwidth, Thunderbolt 5), shared with
+//!   the scheduler.
+//! - [`linux`]: `/proc` parsers and detection on Linux.
+//! - [`macos`]: `sysctl` / `system_profiler` / `vm_stat` parsers and
+//!   detection on macOS.
+//!
+//! # Invariants
+//! - Memory figures are bytes; `memory_bandwidth_bytes_per_s` is 0 when the
+//!   chip is not in the table (never a guess).
+//!
+//! # Failure
+//! [`HardwareError`] names the file or command and what was wrong in its
+//! output. A profile is all or nothing: a node never registers with made-up
+//! memory figures.
+
+use std::path::PathBuf;
+
+use mlxnet_proto::v1::HardwareProfile;
+
+pub mod chips;
+pub mod linux;
+pub mod macos;
+
+/// Why the hardware could not be profiled.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum HardwareError {
+    #[error("cannot read {path}: {source}")]
+    Read {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("cannot run `{command}`: {source}")]
+    Spawn {
+        command: String,
+        source: std::io::Error,
+    },
+    #[error("`{command}` failed ({status}): {stderr}")]
+    CommandFailed {
+        command: String,
+        status: String,
+        stderr: String,
+    },
+    #[error("unexpected {what}: {reason}")]
+    Parse { what: &'static str, reason: String },
+    #[error("hardware detection is not supported on {0}")]
+    Unsupported(&'static str),
+}
+
+impl HardwareError {
+    fn parse(what: &'static str, reason: impl Into<String>) -> Self {
+        Self::Parse {
+            what,
+            reason: reason.into(),
+        }
+    }
+}
+
+/// Profiles this machine. Blocking (reads files, may run commands).
+pub fn detect() -> Result<HardwareProfile, HardwareError> {
+    #[cfg(target_os = "linux")]
+    {
+        linux::detect()
+    }
+    #[cfg(target_os = "macos")]
+    {
+        macos::detect()
+    }
+    #[cfg(not(any(target_os = "linux", target_os = "macos")))]
+    {
+        Err(HardwareError::Unsupported(std::env::consts::OS))
+    }
+}
+
+/// Memory available to new work right now, in bytes. Blocking.
+pub fn free_memory_bytes() -> Result<u64, HardwareError> {
+    #[cfg(target_os = "linux")]
+    {
+        linux::free_memory_bytes()
+    }
+    #[cfg(target_os = "macos")]
+    {
+        macos::free_memory_bytes()
+    }
+    #[cfg(not(any(target_os = "linux", target_os = "macos")))]
+    {
+        Err(HardwareError::Unsupported(std::env::consts::OS))
+    }
+}
+
+/// Fills bandwidth and Thunderbolt 5 from the chip table when the chip is known.
+pub fn apply_chip_table(profile: &mut HardwareProfile) {
+    if let Some(spec) = chips::lookup(&profile.chip) {
+        profile.memory_bandwidth_bytes_per_s = spec.memory_bandwidth_bytes_per_s();
+        profile.thunderbolt5 = spec.thunderbolt5;
+    }
+}
+
+/// The profile as JSON (what `mlx-node hardware` prints).
+pub fn to_json(p: &HardwareProfile) -> serde_json::Value {
+    serde_json::json!({
+        "chip": p.chip,
+        "model_name": p.model_name,
+        "os": p.os,
+        "arch": p.arch,
+        "cpu_cores": p.cpu_cores,
+        "performance_cores": p.performance_cores,
+        "gpu_cores": p.gpu_cores,
+        "memory_bytes": p.memory_bytes,
+        "free_memory_bytes": p.free_memory_bytes,
+        "memory_bandwidth_bytes_per_s": p.memory_bandwidth_bytes_per_s,
+        "thunderbolt5": p.thunderbolt5,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn this_machine_profiles_with_real_memory_and_cores() {
+        let p = detect().unwrap();
+        assert!(p.memory_bytes > 0);
+        assert!(p.free_memory_bytes <= p.memory_bytes);
+        assert!(p.cpu_cores >= 1);
+        assert!(!p.chip.is_empty());
+        assert!(p.os.starts_with("linux "), "{}", p.os);
+        assert_eq!(p.arch, std::env::consts::ARCH);
+        assert!(free_memory_bytes().unwrap() <= p.memory_bytes);
+        let json = to_json(&p);
+        assert_eq!(json["memory_bytes"], p.memory_bytes);
+        assert_eq!(json["chip"], p.chip.as_str());
+    }
+}

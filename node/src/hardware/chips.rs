@@ -1,0 +1,141 @@
+//! Apple silicon chip table: unified-memory bandwidth and Thunderbolt 5, per
+//! chip (M1..M5, base / Pro / Max / Ultra). The one place these figures live;
+//! the node reports them in its hardware profile and the scheduler reuses them
+//! when a node has not measured itself (`mlx-node bench`).
+//!
+//! Bandwidth is Apple's published peak for the fastest bin of each chip (some
+//! M3 Max / M4 Max bins with fewer GPU cores are slower: 300 and 410 GB/s).
+//! M5 Pro / Max / Ultra follow the family's pattern (Max = 2 x Pro,
+//! Ultra = 2 x Max, Ultra about 1.2 TB/s as Apple states for the M5 Ultra
+//! Mac Studio). Thunderbolt 5: M3 Ultra, M4 Pro, M4 Max and the M5 Pro, Max
+//! and Ultra; base M4 and M5 have Thunderbolt 4, earlier chips Thunderbolt 3/4.
+//!
+//! # Failure
+//! An unknown chip name gives `None`; callers report 0 bandwidth ("unknown").
+
+/// Figures for one chip.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ChipSpec {
+    /// Canonical name, as `system_profiler` reports it: "Apple M3 Ultra".
+    pub name: &'static str,
+    /// Peak unified-memory bandwidth, GB/s (10^9 bytes per second).
+    pub memory_bandwidth_gb_s: u32,
+    /// Has Thunderbolt 5 (RDMA over Thunderbolt possible from macOS 26.2).
+    pub thunderbolt5: bool,
+}
+
+impl ChipSpec {
+    /// Bandwidth in bytes per second.
+    pub fn memory_bandwidth_bytes_per_s(&self) -> u64 {
+        u64::from(self.memory_bandwidth_gb_s) * 1_000_000_000
+    }
+}
+
+const fn chip(name: &'static str, memory_bandwidth_gb_s: u32, thunderbolt5: bool) -> ChipSpec {
+    ChipSpec {
+        name,
+        memory_bandwidth_gb_s,
+        thunderbolt5,
+    }
+}
+
+/// Every known Apple silicon Mac chip.
+pub const CHIPS: &[ChipSpec] = &[
+    chip("Apple M1", 68, false),
+    chip("Apple M1 Pro", 200, false),
+    chip("Apple M1 Max", 400, false),
+    chip("Apple M1 Ultra", 800, false),
+    chip("Apple M2", 100, false),
+    chip("Apple M2 Pro", 200, false),
+    chip("Apple M2 Max", 400, false),
+    chip("Apple M2 Ultra", 800, false),
+    chip("Apple M3", 100, false),
+    chip("Apple M3 Pro", 150, false),
+    chip("Apple M3 Max", 400, false),
+    chip("Apple M3 Ultra", 819, true),
+    chip("Apple M4", 120, false),
+    chip("Apple M4 Pro", 273, true),
+    chip("Apple M4 Max", 546, true),
+    chip("Apple M5", 153, false),
+    chip("Apple M5 Pro", 307, true),
+    chip("Apple M5 Max", 614, true),
+    chip("Apple M5 Ultra", 1228, true),
+];
+
+/// Looks a chip up by the name macOS reports ("Apple M3 Ultra"); case and
+/// spacing are forgiven, and the "Apple " prefix is optional.
+pub fn lookup(name: &str) -> Option<&'static ChipSpec> {
+    let wanted = normalize(name);
+    let wanted = wanted.strip_prefix("apple ").unwrap_or(&wanted);
+    CHIPS.iter().find(|c| {
+        let n = normalize(c.name);
+        n.strip_prefix("apple ").unwrap_or(&n) == wanted
+    })
+}
+
+fn normalize(s: &str) -> String {
+    s.split_whitespace()
+        .collect::<Vec<_>>()
+        .join(" ")
+        .to_ascii_lowercase()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn known_chips_are_found_by_the_names_macos_reports() {
+        let ultra = lookup("Apple M3 Ultra").unwrap();
+        assert_eq!(ultra.memory_bandwidth_gb_s, 819);
+        assert!(ultra.thunderbolt5);
+        assert_eq!(ultra.memory_bandwidth_bytes_per_s(), 819_000_000_000);
+        assert_eq!(lookup("  apple   m4 pro ").unwrap().name, "Apple M4 Pro");
+        assert_eq!(lookup("M2 Max").unwrap().memory_bandwidth_gb_s, 400);
+        // The base chip is not confused with its bigger siblings.
+        assert_eq!(lookup("Apple M4").unwrap().memory_bandwidth_gb_s, 120);
+        assert!(!lookup("Apple M4").unwrap().thunderbolt5);
+        assert!(lookup("Intel(R) Core(TM) i9-9880H").is_none());
+        assert!(lookup("Apple M9 Hyper").is_none());
+    }
+
+    #[test]
+    fn table_is_complete_and_consistent() {
+        for gen in 1..=5 {
+            for tier in ["", " Pro", " Max", " Ultra"] {
+                let name = format!("Apple M{gen}{tier}");
+                // Apple made no M4 Ultra.
+                assert_eq!(lookup(&name).is_some(), name != "Apple M4 Ultra", "{name}");
+            }
+        }
+        for w in CHIPS.windows(2) {
+            assert_ne!(w[0].name, w[1].name);
+        }
+        // Within a generation, bigger tiers never have less bandwidth.
+        for gen in 1..=5 {
+            let bw: Vec<u32> = ["", " Pro", " Max", " Ultra"]
+                .iter()
+                .filter_map(|t| lookup(&format!("M{gen}{t}")))
+                .map(|c| c.memory_bandwidth_gb_s)
+                .collect();
+            assert!(bw.windows(2).all(|w| w[0] <= w[1]), "M{gen}: {bw:?}");
+        }
+        // Thunderbolt 5 exactly where Apple ships it.
+        let tb5: Vec<&str> = CHIPS
+            .iter()
+            .filter(|c| c.thunderbolt5)
+            .map(|c| c.name)
+            .collect();
+        assert_eq!(
+            tb5,
+            [
+                "Apple M3 Ultra",
+                "Apple M4 Pro",
+                "Apple M4 Max",
+                "Apple M5 Pro",
+                "Apple M5 Max",
+                "Apple M5 Ultra"
+            ]
+        );
+    }
+}

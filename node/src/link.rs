@@ -1,0 +1,183 @@
+//! The QUIC link to the coordinator: dial with a pinned certificate, prove
+//! the node's key, register, heartbeat, run the jobs the coordinator sends,
+//! and reconnect with backoff whenever the link drops.
+//!
+//! # Flow (see `proto/mlxnet/v1/node.proto`)
+//! 1. Dial `coordinator` (QUIC, ALPN `mlxnet/1`, certificate pinned by
+//!    SHA-256: [`tls`]).
+//! 2. Control stream: the node opens the first bidirectional stream and
+//!    writes first, because a QUIC stream becomes visible to the peer only
+//!    once data is sent. Its first frame is `NodeControl.open` (`Open`
+//!    carrying the agent version); the coordinator answers with a
+//!    `Challenge`.
+//! 3. The node signs `auth::transcript(nonce, exporter)`, `exporter` being
+//!    32 bytes of TLS keying material exported from this connection with
+//!    `auth::EXPORTER_LABEL` and an empty context, and sends `Hello` (id,
+//!    signature, hardware, models with digests, version, job slots, name).
+//! 4. `Welcome` -> [`LinkStatus::Registered`]; `Rejected` -> the link ends
+//!    with the coordinator's reason and is retried with backoff.
+//! 5. Heartbeat every `Welcome.heartbeat_interval_ms` with free memory and
+//!    running jobs; the coordinator acknowledges each.
+//! 6. Each job arrives on a bidirectional stream the coordinator opens
+//!    ([`job`]); resetting it cancels the job.
+//!
+//! # Invariants
+//! - At most one session at a time; `link_status` always says which phase
+//!   the link is in.
+//! - The engine thread never waits on the network: tokens go through a
+//!   bounded channel and are coalesced while it is full.
+//! - Shutdown sends `Drain`, closes the connection with code 0 and waits
+//!   (briefly) for the close to be delivered.
+//!
+//! # Failure
+//! Every way a session ends is a [`LinkError`]; the reconnect loop reports
+//! it in [`LinkStatus::Disconnected`] and dials again after a jittered
+//! exponential delay (`reconnect_min_ms`..`reconnect_max_ms`), reset once a
+//! session has registered.
+
+use std::{sync::Arc, time::Duration};
+
+use mlxnet_proto::{frame::FrameError, v1::HardwareProfile};
+use rand::{rngs::StdRng, SeedableRng};
+use tokio::sync::{watch, Semaphore};
+use tokio_util::sync::CancellationToken;
+
+use crate::{
+    config::{ConfigError, Location, NodeMode},
+    identity::Identity,
+    models::ModelSet,
+};
+
+pub mod backoff;
+pub mod job;
+pub mod session;
+pub mod tls;
+
+/// Version string sent in `Open` and `Hello`.
+pub const AGENT_VERSION: &str = concat!("mlx-node/", env!("CARGO_PKG_VERSION"));
+
+/// Where the link stands.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum LinkStatus {
+    /// Dialing, or handshaking with, the coordinator.
+    Connecting,
+    /// Welcomed by the coordinator; taking jobs.
+    Registered {
+        /// The heartbeat interval the coordinator asked for.
+        heartbeat_interval: Duration,
+    },
+    /// Not linked; `reason` says why (the next attempt follows after a delay,
+    /// unless the node is shutting down).
+    Disconnected { reason: String },
+}
+
+/// Why a session with the coordinator failed or ended.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum LinkError {
+    #[error("{0}")]
+    Config(#[from] ConfigError),
+    #[error("tls configuration: {0}")]
+    Tls(rustls::Error),
+    #[error("quic tls configuration: {0}")]
+    QuicTls(String),
+    #[error("cannot resolve coordinator address {addr}: {source}")]
+    Resolve {
+        addr: String,
+        source: std::io::Error,
+    },
+    #[error("coordinator address {0} resolved to nothing")]
+    NoAddress(String),
+    #[error("cannot open a local udp socket: {0}")]
+    Endpoint(std::io::Error),
+    #[error("cannot dial coordinator: {0}")]
+    Connect(#[from] quinn::ConnectError),
+    #[error("connection to coordinator: {0}")]
+    Connection(#[from] quinn::ConnectionError),
+    #[error("timed out {0}")]
+    Timeout(&'static str),
+    #[error("control stream: {0}")]
+    Frame(#[from] FrameError),
+    #[error("coordinator sent {got} where {expected} was expected")]
+    Unexpected { expected: &'static str, got: String },
+    #[error("coordinator sent a {0}-byte challenge nonce, expected 32")]
+    BadNonce(usize),
+    #[error("cannot export tls keying material for the handshake proof")]
+    Exporter,
+    #[error("rejected by the coordinator: {0}")]
+    Rejected(String),
+    #[error("coordinator stopped answering heartbeats for {0:?}")]
+    HeartbeatTimeout(Duration),
+    #[error("coordinator closed the control stream")]
+    ControlClosed,
+}
+
+/// What a link needs, shared by the session and its job tasks.
+pub struct LinkContext {
+    pub identity: Arc<Identity>,
+    pub models: Arc<ModelSet>,
+    pub hardware: HardwareProfile,
+    /// `host:port`.
+    pub coordinator: String,
+    pub client_config: quinn::ClientConfig,
+    pub name: String,
+    pub mode: NodeMode,
+    pub location: Option<Location>,
+    pub max_concurrent_jobs: u32,
+    pub connect_timeout: Duration,
+    pub reconnect_min: Duration,
+    pub reconnect_max: Duration,
+    /// One permit per job slot; shared across sessions, so a job still
+    /// finishing from a dropped session keeps its slot.
+    pub slots: Arc<Semaphore>,
+}
+
+impl LinkContext {
+    /// Jobs running now.
+    pub fn running_jobs(&self) -> u32 {
+        let free = self.slots.available_permits() as u32;
+        self.max_concurrent_jobs.saturating_sub(free)
+    }
+}
+
+/// Keeps a session with the coordinator up until `shutdown` is cancelled.
+pub async fn run(
+    ctx: Arc<LinkContext>,
+    status: watch::Sender<LinkStatus>,
+    shutdown: CancellationToken,
+) {
+    let mut backoff =
+        backoff::Backoff::new(ctx.reconnect_min, ctx.reconnect_max, StdRng::from_entropy());
+    loop {
+        if shutdown.is_cancelled() {
+            break;
+        }
+        status.send_replace(LinkStatus::Connecting);
+        let mut registered = false;
+        let outcome = session::run(&ctx, &status, &shutdown, &mut registered).await;
+        match outcome {
+            Ok(()) => break, // shut down on request
+            Err(err) => {
+                tracing::warn!(error = %err, coordinator = %ctx.coordinator, "link to coordinator lost");
+                status.send_replace(LinkStatus::Disconnected {
+                    reason: err.to_string(),
+                });
+            }
+        }
+        if registered {
+            backoff.reset();
+        }
+        let delay = backoff.next_delay();
+        tracing::debug!(?delay, "reconnecting after delay");
+        tokio::select! {
+            _ = shutdown.cancelled() => break,
+            _ = tokio::time::sleep(delay) => {}
+        }
+    }
+    status.send_replace(LinkStatus::Disconnected {
+        reason: "node shut down".into(),
+    });
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,518 @@
+//! One job attempt on its own bidirectional stream: read the `Assignment`,
+//! check it, run the engine, stream tokens, send the signed claim.
+//!
+//! # Invariants
+//! - A job runs only on a held model file with exactly the digest the
+//!   assignment names; anything else is refused with `retryable = false`.
+//! - The engine runs on a blocking thread and never waits on the network:
+//!   each token is offered to a bounded channel with `try_send`; while the
+//!   channel is full, tokens are coalesced into one pending batch, so the
+//!   client still receives every token, in order, in fewer frames.
+//! - The claim covers exactly what was streamed: its `output_text` is the
+//!   concatenation of the streamed texts (the engine's invariant) and its
+//!   token ids are the streamed ids.
+//! - A stream reset (or stop) by the coordinator cancels the generation at
+//!   the next token; nothing more is sent.
+//!
+//! # Failure
+//! The job's own fault (model not held, digest mismatch, no input, engine
+//! client error such as a too-long prompt) is `Failure{retryable: false}`;
+//! the node's fault (busy, engine failure, crash) is `retryable: true`.
+//! Stream I/O errors end the task (the coordinator re-queues the attempt).
+
+use std::{
+    ops::ControlFlow,
+    sync::{
+        atomic::{AtomicBool, Ordering},
+        Arc, PoisonError,
+    },
+    time::Duration,
+};
+
+use mlxnet_proto::{
+    claim,
+    frame::{read_frame, write_frame, FrameError},
+    v1::{
+        job_input, job_update, Assignment, JobInput, JobUpdate, ResultClaim, SamplingParams,
+        SignedClaim,
+    },
+};
+use tokio::sync::mpsc;
+use tracing::Instrument;
+
+use super::LinkContext;
+use crate::engine::{
+    ChatTurn, EngineError, FinishReason, GenerateRequest, Generation, PromptInput, Sampling,
+    TokenChunk,
+};
+
+/// How long the coordinator may take to send the assignment after opening
+/// the stream.
+const ASSIGNMENT_TIMEOUT: Duration = Duration::from_secs(30);
+/// Token batches in flight between the engine thread and the stream.
+const TOKEN_CHANNEL: usize = 32;
+
+/// Why a job stream ended without a normal result.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum JobError {
+    #[error("job stream: {0}")]
+    Frame(#[from] FrameError),
+    #[error("no assignment within {0:?}")]
+    AssignmentTimeout(Duration),
+    #[error("job stream closed: {0}")]
+    Closed(#[from] quinn::ClosedStream),
+}
+
+/// Consecutive tokens not yet sent: the first index, the ids, their text.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TokenBatch {
+    pub index: usize,
+    pub token_ids: Vec<u32>,
+    pub text: String,
+}
+
+impl TokenBatch {
+    fn update(self) -> JobUpdate {
+        JobUpdate {
+            msg: Some(job_update::Msg::Tokens(job_update::Tokens {
+                index: self.index as u32,
+                token_ids: self.token_ids,
+                text: self.text,
+            })),
+        }
+    }
+}
+
+/// The engine-side end of the token channel: never blocks.
+pub struct Coalescer {
+    tx: mpsc::Sender<TokenBatch>,
+    pending: Option<TokenBatch>,
+    cancel: Arc<AtomicBool>,
+}
+
+impl Coalescer {
+    pub fn new(tx: mpsc::Sender<TokenBatch>, cancel: Arc<AtomicBool>) -> Self {
+        Self {
+            tx,
+            pending: None,
+            cancel,
+        }
+    }
+
+    /// Offers one token; `Break` when the job was cancelled or nobody listens.
+    pub fn push(&mut self, chunk: &TokenChunk) -> ControlFlow<()> {
+        if self.cancel.load(Ordering::Relaxed) {
+            return ControlFlow::Break(());
+        }
+        match &mut self.pending {
+            Some(batch) => {
+                batch.token_ids.push(chunk.token_id);
+                batch.text.push_str(&chunk.text);
+            }
+            None => {
+                self.pending = Some(TokenBatch {
+                    index: chunk.index,
+                    token_ids: vec![chunk.token_id],
+                    text: chunk.text.clone(),
+                })
+            }
+        }
+        if let Some(batch) = self.pending.take() {
+            match self.tx.try_send(batch) {
+                Ok(()) => {}
+                Err(mpsc::error::TrySendError::Full(batch)) => self.pending = Some(batch),
+                Err(mpsc::error::TrySendError::Closed(_)) => return ControlFlow::Break(()),
+            }
+        }
+        ControlFlow::Continue(())
+    }
+
+    /// Tokens still waiting when the generation ended (drops the sender).
+    pub fn finish(self) -> Option<TokenBatch> {
+        self.pending
+    }
+}
+
+/// Serves one job stream to its end.
+pub async fn serve(
+    ctx: Arc<LinkContext>,
+    mut send: quinn::SendStream,
+    mut recv: quinn::RecvStream,
+) {
+    let assignment = match tokio::time::timeout(
+        ASSIGNMENT_TIMEOUT,
+        read_frame::<_, Assignment>(&mut recv),
+    )
+    .await
+    {
+        Ok(Ok(a)) => a,
+        Ok(Err(e)) => {
+            tracing::warn!(error = %e, "bad job stream");
+            let _ = send.reset(1u32.into());
+            return;
+        }
+        Err(_) => {
+            tracing::warn!(error = %JobError::AssignmentTimeout(ASSIGNMENT_TIMEOUT), "job stream idle");
+            let _ = send.reset(1u32.into());
+            return;
+        }
+    };
+    let span = tracing::info_span!("job", job_id = %assignment.job_id, attempt = assignment.attempt, model = %assignment.model);
+    if let Err(e) = run(&ctx, &assignment, &mut send, recv)
+        .instrument(span)
+        .await
+    {
+        tracing::warn!(job_id = %assignment.job_id, error = %e, "job stream ended early");
+    }
+}
+
+/// What ended a job, as sent to the coordinator.
+enum Outcome {
+    Claim(SignedClaim),
+    Failure {
+        reason: String,
+        retryable: bool,
+    },
+    /// Cancelled by the coordinator: send nothing.
+    Cancelled,
+}
+
+async fn run(
+    ctx: &LinkContext,
+    a: &Assignment,
+    send: &mut quinn::SendStream,
+    recv: quinn::RecvStream,
+) -> Result<(), JobError> {
+    let Ok(_permit) = ctx.slots.clone().try_acquire_owned() else {
+        let reason = format!(
+            "node is busy: all {} job slots in use",
+            ctx.max_concurrent_jobs
+        );
+        return finish(
+            send,
+            Outcome::Failure {
+                reason,
+                retryable: true,
+            },
+        )
+        .await;
+    };
+    let model = match ctx.models.resolve(&a.model, &a.model_sha256) {
+        Ok(m) => m,
+        Err(refusal) => {
+            let outcome = Outcome::Failure {
+                reason: refusal.to_string(),
+                retryable: false,
+            };
+            return finish(send, outcome).await;
+        }
+    };
+    let Some(input) = a.input.clone().filter(|i| i.kind.is_some()) else {
+        let outcome = Outcome::Failure {
+            reason: "assignment has no input".into(),
+            retryable: false,
+        };
+        return finish(send, outcome).await;
+    };
+    let request = GenerateRequest {
+        input: prompt_input(&input),
+        sampling: sampling(a.sampling.as_ref()),
+    };
+    tracing::info!(job_id = %a.job_id, attempt = a.attempt, "job started");
+    write_frame(
+        send,
+        &JobUpdate {
+            msg: Some(job_update::Msg::Started(job_update::Started {})),
+        },
+    )
+    .await?;
+
+    let cancel = Arc::new(AtomicBool::new(false));
+    let (tx, mut rx) = mpsc::channel(TOKEN_CHANNEL);
+    let engine = model.engine.clone();
+    let mut coalescer = Coalescer::new(tx, cancel.clone());
+    let generation = tokio::task::spawn_blocking(move || {
+        let mut engine = engine.lock().unwrap_or_else(PoisonError::into_inner);
+        let result = engine.generate(&request, &mut |chunk| coalescer.push(chunk));
+        (result, coalescer.finish())
+    });
+
+    let peer_cancel = watch_cancel(recv, send.stopped());
+    tokio::pin!(peer_cancel);
+    let mut cancelled = false;
+    let mut write_failed = None;
+    // Forward batches until the engine drops its sender (generation ended).
+    loop {
+        tokio::select! {
+            batch = rx.recv() => match batch {
+                Some(batch) => {
+                    if write_failed.is_none() {
+                        if let Err(e) = write_frame(send, &batch.update()).await {
+                            cancel.store(true, Ordering::Relaxed);
+                            write_failed = Some(e);
+                        }
+                    }
+                }
+                None => break,
+            },
+            _ = &mut peer_cancel, if !cancelled => {
+                cancel.store(true, Ordering::Relaxed);
+                cancelled = true;
+            }
+        }
+    }
+    let joined = generation.await;
+    if let Some(e) = write_failed {
+        return Err(e.into());
+    }
+    if cancelled {
+        tracing::info!(job_id = %a.job_id, "job cancelled by the coordinator");
+        return Ok(());
+    }
+    let outcome = match joined {
+        Err(join) => Outcome::Failure {
+            reason: format!("engine crashed: {join}"),
+            retryable: true,
+        },
+        Ok((result, leftover)) => {
+            if let Some(batch) = leftover {
+                write_frame(send, &batch.update()).await?;
+            }
+            outcome(ctx, a, &input, &model.held.sha256, result)
+        }
+    };
+    finish(send, outcome).await
+}
+
+/// Resolves when the coordinator resets our receive side or stops our send
+/// side; a clean finish of its side is not a cancel.
+async fn watch_cancel(
+    mut recv: quinn::RecvStream,
+    stopped: impl std::future::Future<Output = Result<Option<quinn::VarInt>, quinn::StoppedError>>,
+) {
+    let reset = async {
+        let mut buf = [0u8; 64];
+        loop {
+            match recv.read(&mut buf).await {
+                Ok(Some(_)) => continue, // nothing more is expected; ignore
+                Ok(None) => std::future::pending::<()>().await,
+                Err(_) => return,
+            }
+        }
+    };
+    let stopped = async {
+        match stopped.await {
+            Ok(Some(_)) | Err(_) => {}
+            // Finished and acknowledged: cannot happen before we finish.
+            Ok(None) => std::future::pending::<()>().await,
+        }
+    };
+    tokio::select! {
+        _ = reset => {}
+        _ = stopped => {}
+    }
+}
+
+fn outcome(
+    ctx: &LinkContext,
+    a: &Assignment,
+    input: &JobInput,
+    model_sha256: &[u8; 32],
+    result: Result<Generation, EngineError>,
+) -> Outcome {
+    match result {
+        Ok(g) if g.finish == FinishReason::Cancelled => Outcome::Cancelled,
+        Ok(g) => Outcome::Claim(claim::sign(
+            ResultClaim {
+                job_id: a.job_id.clone(),
+                attempt: a.attempt,
+                model_sha256: model_sha256.to_vec(),
+                prompt_sha256: claim::input_digest(input).to_vec(),
+                completion_tokens: g.output_token_ids.len() as u32,
+                output_token_ids: g.output_token_ids,
+                output_text: g.text,
+                prompt_tokens: g.prompt_tokens as u32,
+                prefill_micros: g.prefill.as_micros() as u64,
+                decode_micros: g.decode.as_micros() as u64,
+                node_id: ctx.identity.node_id().as_bytes().to_vec(),
+                finish_reason: g.finish.as_str().into(),
+            },
+            ctx.identity.signing_key(),
+        )),
+        Err(e) => Outcome::Failure {
+            retryable: !e.is_client_error(),
+            reason: e.to_string(),
+        },
+    }
+}
+
+/// Sends the job's last message and finishes the stream.
+async fn finish(send: &mut quinn::SendStream, outcome: Outcome) -> Result<(), JobError> {
+    let msg = match outcome {
+        Outcome::Cancelled => return Ok(()),
+        Outcome::Claim(signed) => {
+            if let Some(c) = &signed.claim {
+                tracing::info!(tokens = c.completion_tokens, finish = %c.finish_reason, "job done");
+            }
+            job_update::Msg::Result(signed)
+        }
+        Outcome::Failure { reason, retryable } => {
+            tracing::info!(%reason, retryable, "job refused or failed");
+            job_update::Msg::Failure(job_update::Failure { reason, retryable })
+        }
+    };
+    match write_frame(send, &JobUpdate { msg: Some(msg) }).await {
+        // Checked before any byte is written, so the stream is still clean.
+        Err(FrameError::TooLarge { len, max }) => {
+            let failure = job_update::Failure {
+                reason: format!("result of {len} bytes exceeds the {max}-byte frame cap"),
+                retryable: false,
+            };
+            write_frame(
+                send,
+                &JobUpdate {
+                    msg: Some(job_update::Msg::Failure(failure)),
+                },
+            )
+            .await?;
+        }
+        other => other?,
+    }
+    send.finish()?;
+    Ok(())
+}
+
+/// The engine's input for a job's input.
+fn prompt_input(input: &JobInput) -> PromptInput {
+    match &input.kind {
+        Some(job_input::Kind::Chat(chat)) => PromptInput::Chat(
+            chat.messages
+                .iter()
+                .map(|m| ChatTurn {
+                    role: m.role.clone(),
+                    content: m.content.clone(),
+                })
+                .collect(),
+        ),
+        Some(job_input::Kind::Prompt(p)) => PromptInput::Text(p.clone()),
+        None => PromptInput::Text(String::new()),
+    }
+}
+
+/// The engine's sampling for a job's parameters; zero values mean the
+/// documented defaults (`common.proto`), `max_tokens` 0 the engine default.
+fn sampling(p: Option<&SamplingParams>) -> Sampling {
+    let defaults = Sampling::default();
+    let Some(p) = p else { return defaults };
+    Sampling {
+        temperature: p.temperature,
+        top_k: p.top_k as usize,
+        top_p: p.top_p,
+        min_p: p.min_p,
+        repetition_penalty: p.repetition_penalty,
+        // The coordinator always sets a seed; absent, 0 keeps the run reproducible.
+        seed: p.seed.unwrap_or(0),
+        max_tokens: if p.max_tokens == 0 {
+            defaults.max_tokens
+        } else {
+            p.max_tokens as usize
+        },
+        stop: p.stop.clone(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn chunk(index: usize) -> TokenChunk {
+        TokenChunk {
+            index,
+            token_id: 100 + index as u32,
+            text: format!("t{index}"),
+        }
+    }
+
+    #[test]
+    fn tokens_coalesce_while_the_channel_is_full_and_none_are_lost() {
+        let (tx, mut rx) = mpsc::channel(1);
+        let mut c = Coalescer::new(tx, Arc::new(AtomicBool::new(false)));
+        for i in 0..5 {
+            assert!(c.push(&chunk(i)).is_continue());
+        }
+        // The first token went through; the next four wait as one batch.
+        assert_eq!(
+            rx.try_recv().unwrap(),
+            TokenBatch {
+                index: 0,
+                token_ids: vec![100],
+                text: "t0".into()
+            }
+        );
+        assert!(rx.try_recv().is_err());
+        assert!(c.push(&chunk(5)).is_continue());
+        assert_eq!(
+            rx.try_recv().unwrap(),
+            TokenBatch {
+                index: 1,
+                token_ids: vec![101, 102, 103, 104, 105],
+                text: "t1t2t3t4t5".into()
+            }
+        );
+        assert!(c.push(&chunk(6)).is_continue());
+        assert!(c.push(&chunk(7)).is_continue());
+        // What could not be sent yet is handed back at the end.
+        assert_eq!(
+            c.finish().map(|b| (b.index, b.token_ids)),
+            Some((7, vec![107]))
+        );
+        assert_eq!(rx.try_recv().unwrap().index, 6);
+    }
+
+    #[test]
+    fn cancel_or_a_gone_listener_stops_the_engine() {
+        let (tx, _rx) = mpsc::channel(4);
+        let cancel = Arc::new(AtomicBool::new(false));
+        let mut c = Coalescer::new(tx, cancel.clone());
+        assert!(c.push(&chunk(0)).is_continue());
+        cancel.store(true, Ordering::Relaxed);
+        assert!(c.push(&chunk(1)).is_break());
+
+        let (tx, rx) = mpsc::channel(4);
+        let mut c = Coalescer::new(tx, Arc::new(AtomicBool::new(false)));
+        drop(rx);
+        assert!(c.push(&chunk(0)).is_break());
+    }
+
+    #[test]
+    fn sampling_zero_values_mean_defaults() {
+        let s = sampling(Some(&SamplingParams {
+            temperature: 0.7,
+            top_k: 40,
+            seed: None,
+            max_tokens: 0,
+            stop: vec!["\n\n".into()],
+            ..Default::default()
+        }));
+        assert_eq!(s.max_tokens, Sampling::default().max_tokens);
+        assert_eq!((s.seed, s.top_k, s.temperature), (0, 40, 0.7));
+        assert_eq!(s.stop, vec!["\n\n".to_string()]);
+        assert_eq!(sampling(None), Sampling::default());
+        let chat = JobInput {
+            kind: Some(job_input::Kind::Chat(mlxnet_proto::v1::ChatMessages {
+                messages: vec![mlxnet_proto::v1::ChatMessage {
+                    role: "user".into(),
+                    content: "hi".into(),
+                }],
+            })),
+        };
+        assert_eq!(
+            prompt_input(&chat),
+            PromptInput::Chat(vec![ChatTurn {
+                role: "user".into(),
+                content: "hi".into()
+            }])
+        );
+    }
+}

@@ -1,0 +1,269 @@
+//! One session with the coordinator: dial, prove the key, register, then
+//! heartbeat and accept job streams until the link drops or the node stops.
+//!
+//! # Failure
+//! Returns `Ok(())` only when shut down on request (after `Drain` and a
+//! graceful close); every other end is a [`LinkError`].
+
+use std::{
+    net::{Ipv4Addr, Ipv6Addr, SocketAddr},
+    pin::Pin,
+    sync::Arc,
+    time::Duration,
+};
+
+use futures::{Stream, StreamExt};
+use mlxnet_proto::{
+    auth,
+    frame::{read_frame, write_frame, FrameError},
+    v1::{
+        coordinator_control, node_control, CoordinatorControl, Drain, Heartbeat, Hello,
+        NodeControl, Open,
+    },
+};
+use tokio::{sync::watch, task::JoinSet, time::Instant};
+use tokio_util::sync::CancellationToken;
+
+use super::{job, LinkContext, LinkError, LinkStatus, AGENT_VERSION};
+use crate::config::split_host_port;
+
+/// Used when the coordinator's `Welcome` asks for no interval.
+const DEFAULT_HEARTBEAT: Duration = Duration::from_secs(5);
+/// Heartbeats that may go unanswered before the link is declared dead...
+const MISSED_ACKS: u32 = 4;
+/// ...but never less than this, so a busy machine is not mistaken for a dead link.
+const MIN_ACK_DEADLINE: Duration = Duration::from_secs(3);
+/// How long a graceful close may take to reach the coordinator.
+const CLOSE_GRACE: Duration = Duration::from_secs(2);
+
+type ControlFrames = Pin<Box<dyn Stream<Item = Result<CoordinatorControl, FrameError>> + Send>>;
+
+/// Runs one session; sets `registered` once welcomed.
+pub async fn run(
+    ctx: &Arc<LinkContext>,
+    status: &watch::Sender<LinkStatus>,
+    shutdown: &CancellationToken,
+    registered: &mut bool,
+) -> Result<(), LinkError> {
+    let connect = async {
+        let (endpoint, conn) = dial(ctx).await?;
+        let (send, frames, interval) = register(ctx, &conn).await?;
+        Ok::<_, LinkError>((endpoint, conn, send, frames, interval))
+    };
+    let (endpoint, conn, mut send, mut frames, interval) = tokio::select! {
+        _ = shutdown.cancelled() => return Ok(()),
+        r = tokio::time::timeout(ctx.connect_timeout, connect) => {
+            r.map_err(|_| LinkError::Timeout("connecting to the coordinator"))??
+        }
+    };
+    *registered = true;
+    status.send_replace(LinkStatus::Registered {
+        heartbeat_interval: interval,
+    });
+    tracing::info!(coordinator = %ctx.coordinator, node_id = %ctx.identity.node_id(), ?interval, "registered with coordinator");
+
+    let result = serve(ctx, &conn, &mut send, &mut frames, interval, shutdown).await;
+    match &result {
+        Ok(()) => {
+            let drain = NodeControl {
+                msg: Some(node_control::Msg::Drain(Drain {
+                    reason: "node shutting down".into(),
+                })),
+            };
+            // Closing a QUIC connection drops undelivered stream data: wait
+            // (briefly) until the coordinator has acknowledged the Drain.
+            let _ = tokio::time::timeout(CLOSE_GRACE, async {
+                if write_frame(&mut send, &drain).await.is_ok() && send.finish().is_ok() {
+                    let _ = send.stopped().await;
+                }
+            })
+            .await;
+            conn.close(0u32.into(), b"node shutting down");
+        }
+        Err(e) => conn.close(1u32.into(), e.to_string().as_bytes()),
+    }
+    let _ = tokio::time::timeout(CLOSE_GRACE, endpoint.wait_idle()).await;
+    result
+}
+
+/// Resolves the coordinator and completes the QUIC/TLS handshake.
+async fn dial(ctx: &LinkContext) -> Result<(quinn::Endpoint, quinn::Connection), LinkError> {
+    let (host, _) = split_host_port(&ctx.coordinator)?;
+    let addr = tokio::net::lookup_host(&ctx.coordinator)
+        .await
+        .map_err(|source| LinkError::Resolve {
+            addr: ctx.coordinator.clone(),
+            source,
+        })?
+        .next()
+        .ok_or_else(|| LinkError::NoAddress(ctx.coordinator.clone()))?;
+    let local: SocketAddr = if addr.is_ipv6() {
+        (Ipv6Addr::UNSPECIFIED, 0).into()
+    } else {
+        (Ipv4Addr::UNSPECIFIED, 0).into()
+    };
+    let mut endpoint = quinn::Endpoint::client(local).map_err(LinkError::Endpoint)?;
+    endpoint.set_default_client_config(ctx.client_config.clone());
+    // The pin, not the name, authenticates the coordinator; the name is sent
+    // as SNI only (an IP address is sent as none).
+    let conn = endpoint.connect(addr, host)?.await?;
+    Ok((endpoint, conn))
+}
+
+/// Control-stream handshake: Open, Challenge, Hello, Welcome | Rejected.
+async fn register(
+    ctx: &LinkContext,
+    conn: &quinn::Connection,
+) -> Result<(quinn::SendStream, ControlFrames, Duration), LinkError> {
+    let (mut send, recv) = conn.open_bi().await?;
+    let open = NodeControl {
+        msg: Some(node_control::Msg::Open(Open {
+            version: AGENT_VERSION.into(),
+        })),
+    };
+    write_frame(&mut send, &open).await?;
+    let mut frames = control_frames(recv);
+
+    let nonce = match next(&mut frames).await?.msg {
+        Some(coordinator_control::Msg::Challenge(c)) => c.nonce,
+        Some(coordinator_control::Msg::Rejected(r)) => return Err(LinkError::Rejected(r.reason)),
+        other => {
+            return Err(LinkError::Unexpected {
+                expected: "a challenge",
+                got: describe(&other),
+            })
+        }
+    };
+    if nonce.len() != auth::NONCE_LEN {
+        return Err(LinkError::BadNonce(nonce.len()));
+    }
+    let mut exporter = [0u8; auth::EXPORTER_LEN];
+    conn.export_keying_material(&mut exporter, auth::EXPORTER_LABEL, b"")
+        .map_err(|_| LinkError::Exporter)?;
+    let signature = ctx.identity.sign(&auth::transcript(&nonce, &exporter));
+
+    let mut hardware = ctx.hardware.clone();
+    if let Ok(Ok(free)) = tokio::task::spawn_blocking(crate::hardware::free_memory_bytes).await {
+        hardware.free_memory_bytes = free.min(hardware.memory_bytes);
+    }
+    let hello = NodeControl {
+        msg: Some(node_control::Msg::Hello(Hello {
+            node_id: ctx.identity.node_id().as_bytes().to_vec(),
+            signature: signature.to_bytes().to_vec(),
+            hardware: Some(hardware),
+            models: ctx.models.cached_models(),
+            version: AGENT_VERSION.into(),
+            max_concurrent_jobs: ctx.max_concurrent_jobs,
+            name: ctx.name.clone(),
+            location: ctx.location.as_ref().map(|l| l.to_wire()),
+            mode: ctx.mode.to_string(),
+        })),
+    };
+    write_frame(&mut send, &hello).await?;
+
+    match next(&mut frames).await?.msg {
+        Some(coordinator_control::Msg::Welcome(w)) => {
+            if w.node_id != ctx.identity.node_id().to_string() {
+                tracing::warn!(welcomed_as = %w.node_id, "coordinator welcomed this node under another id");
+            }
+            let interval = match w.heartbeat_interval_ms {
+                0 => DEFAULT_HEARTBEAT,
+                ms => Duration::from_millis(u64::from(ms)),
+            };
+            Ok((send, frames, interval))
+        }
+        Some(coordinator_control::Msg::Rejected(r)) => Err(LinkError::Rejected(r.reason)),
+        other => Err(LinkError::Unexpected {
+            expected: "welcome or rejected",
+            got: describe(&other),
+        }),
+    }
+}
+
+/// Registered: heartbeats, acks and job streams until the link ends.
+async fn serve(
+    ctx: &Arc<LinkContext>,
+    conn: &quinn::Connection,
+    send: &mut quinn::SendStream,
+    frames: &mut ControlFrames,
+    interval: Duration,
+    shutdown: &CancellationToken,
+) -> Result<(), LinkError> {
+    let mut jobs = JoinSet::new();
+    let mut ticker = tokio::time::interval(interval);
+    ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let ack_deadline = (interval * MISSED_ACKS).max(MIN_ACK_DEADLINE);
+    let mut last_heard = Instant::now();
+    loop {
+        tokio::select! {
+            _ = shutdown.cancelled() => return Ok(()),
+            _ = ticker.tick() => {
+                if last_heard.elapsed() > ack_deadline {
+                    return Err(LinkError::HeartbeatTimeout(last_heard.elapsed()));
+                }
+                let free = tokio::task::spawn_blocking(crate::hardware::free_memory_bytes)
+                    .await
+                    .ok()
+                    .and_then(Result::ok)
+                    .unwrap_or(ctx.hardware.free_memory_bytes);
+                let beat = NodeControl {
+                    msg: Some(node_control::Msg::Heartbeat(Heartbeat {
+                        free_memory_bytes: free,
+                        running_jobs: ctx.running_jobs(),
+                    })),
+                };
+                write_frame(send, &beat).await?;
+            }
+            frame = frames.next() => match frame {
+                Some(Ok(CoordinatorControl { msg: Some(coordinator_control::Msg::HeartbeatAck(_)) })) => {
+                    last_heard = Instant::now();
+                }
+                Some(Ok(CoordinatorControl { msg: Some(coordinator_control::Msg::Rejected(r)) })) => {
+                    return Err(LinkError::Rejected(r.reason));
+                }
+                Some(Ok(other)) => {
+                    last_heard = Instant::now();
+                    tracing::debug!(msg = describe(&other.msg), "ignoring control message");
+                }
+                Some(Err(FrameError::Closed)) | None => return Err(LinkError::ControlClosed),
+                Some(Err(e)) => return Err(e.into()),
+            },
+            stream = conn.accept_bi() => {
+                let (job_send, job_recv) = stream?;
+                jobs.spawn(job::serve(ctx.clone(), job_send, job_recv));
+            }
+            Some(done) = jobs.join_next() => {
+                if let Err(e) = done {
+                    if e.is_panic() {
+                        tracing::error!(error = %e, "job task panicked");
+                    }
+                }
+            }
+        }
+    }
+}
+
+fn control_frames(recv: quinn::RecvStream) -> ControlFrames {
+    Box::pin(futures::stream::unfold(recv, |mut recv| async move {
+        let frame = read_frame::<_, CoordinatorControl>(&mut recv).await;
+        Some((frame, recv))
+    }))
+}
+
+async fn next(frames: &mut ControlFrames) -> Result<CoordinatorControl, LinkError> {
+    match frames.next().await {
+        Some(Ok(msg)) => Ok(msg),
+        Some(Err(FrameError::Closed)) | None => Err(LinkError::ControlClosed),
+        Some(Err(e)) => Err(e.into()),
+    }
+}
+
+fn describe(msg: &Option<coordinator_control::Msg>) -> String {
+    match msg {
+        None => "an empty message".into(),
+        Some(coordinator_control::Msg::Challenge(_)) => "a challenge".into(),
+        Some(coordinator_control::Msg::Welcome(_)) => "a welcome".into(),
+        Some(coordinator_control::Msg::Rejected(r)) => format!("a rejection ({})", r.reason),
+        Some(coordinator_control::Msg::HeartbeatAck(_)) => "a heartbeat ack".into(),
+    }
+}

@@ -1,0 +1,142 @@
+//! `mlx-node`: the node agent (`run`) and its tools (`id`, `hardware`,
+//! `generate`, `bench`). Parses flags, loads the layered config, calls the
+//! library.
+
+use std::path::PathBuf;
+
+use anyhow::Context;
+use clap::{Parser, Subcommand};
+use mlx_node::{
+    app::Node,
+    config::{ConfigLayer, ModelEntry, NodeConfig},
+    engine::cli::{self as engine_cli, BenchArgs, GenerateArgs},
+    hardware,
+    identity::Identity,
+};
+
+#[derive(Parser)]
+#[command(
+    name = "mlx-node",
+    version,
+    about = "Lend this Mac to mlx-network and run inference jobs"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+/// Flags shared by the commands that read the node's configuration.
+#[derive(clap::Args)]
+struct ConfigArgs {
+    /// TOML config file (keys as in `NodeConfig`; env `MLX_NODE__KEY` overrides it).
+    #[arg(long)]
+    config: Option<PathBuf>,
+    /// Where the node's identity key lives.
+    #[arg(long)]
+    data_dir: Option<PathBuf>,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Run the agent: connect to the coordinator and serve jobs until Ctrl-C.
+    Run {
+        #[command(flatten)]
+        config: ConfigArgs,
+        /// Coordinator QUIC endpoint, host:port.
+        #[arg(long)]
+        coordinator: Option<String>,
+        /// SHA-256 (hex) of the coordinator's certificate, as it prints on start.
+        #[arg(long)]
+        fingerprint: Option<String>,
+        /// A model this node serves, as catalogue-id=path (repeatable).
+        #[arg(long = "model", value_name = "ID=PATH")]
+        models: Vec<ModelEntry>,
+        /// Display name on the network.
+        #[arg(long)]
+        name: Option<String>,
+        /// Jobs run at once.
+        #[arg(long)]
+        max_concurrent_jobs: Option<u32>,
+        /// Compute threads (default: all cores).
+        #[arg(long)]
+        threads: Option<usize>,
+    },
+    /// Print this node's id (creating its key on first use).
+    Id {
+        #[command(flatten)]
+        config: ConfigArgs,
+    },
+    /// Print this machine's hardware profile as JSON.
+    Hardware,
+    /// Generate text from a model file (no network).
+    Generate(GenerateArgs),
+    /// Measure prefill and decode speed of a model file.
+    Bench(BenchArgs),
+}
+
+fn load_config(args: &ConfigArgs, mut flags: ConfigLayer) -> anyhow::Result<NodeConfig> {
+    flags.data_dir = args.data_dir.clone().or(flags.data_dir);
+    NodeConfig::load(args.config.as_deref(), std::env::vars(), flags)
+        .context("loading the node configuration")
+}
+
+fn init_tracing() {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .init();
+}
+
+fn main() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    match cli.command {
+        Command::Run {
+            config,
+            coordinator,
+            fingerprint,
+            models,
+            name,
+            max_concurrent_jobs,
+            threads,
+        } => {
+            let flags = ConfigLayer {
+                coordinator,
+                coordinator_fingerprint: fingerprint,
+                models: (!models.is_empty()).then_some(models),
+                name,
+                max_concurrent_jobs,
+                threads,
+                ..ConfigLayer::default()
+            };
+            let config = load_config(&config, flags)?;
+            init_tracing();
+            // Before any thread exists: sets candle's compute thread count.
+            engine_cli::set_threads(config.threads)?;
+            let runtime = tokio::runtime::Runtime::new().context("starting the async runtime")?;
+            runtime.block_on(async {
+                let node = Node::build(config).await.context("starting the node")?;
+                println!("node {}", node.node_id());
+                node.run_until_stopped().await?;
+                anyhow::Ok(())
+            })
+        }
+        Command::Id { config } => {
+            let config = load_config(&config, ConfigLayer::default())?;
+            let identity = Identity::load_or_create(&config.data_dir)?;
+            println!("{}", identity.node_id());
+            Ok(())
+        }
+        Command::Hardware => {
+            let profile = hardware::detect().context("profiling the hardware")?;
+            println!(
+                "{}",
+                serde_json::to_string_pretty(&hardware::to_json(&profile))?
+            );
+            Ok(())
+        }
+        Command::Generate(args) => engine_cli::generate(args),
+        Command::Bench(args) => engine_cli::bench(args),
+    }
+}
