@@ -60,6 +60,8 @@ pub struct Dispatcher {
     pub hub: EventHub,
     pub sessions: Sessions,
     pub metrics: Metrics,
+    /// The World page's view of the nodes (see [`crate::world`]).
+    pub world: crate::world::World,
     wake: Notify,
     running: Mutex<HashMap<JobId, CancellationToken>>,
     shutdown: CancellationToken,
@@ -83,6 +85,7 @@ impl Dispatcher {
             hub: EventHub::default(),
             sessions: Sessions::default(),
             metrics: Metrics::default(),
+            world: crate::world::World::new(),
             wake: Notify::new(),
             running: Mutex::new(HashMap::new()),
             shutdown: CancellationToken::new(),
@@ -217,6 +220,9 @@ impl Dispatcher {
     ) {
         let session = Arc::clone(reservation.session());
         let node_hex = session.node_id.to_string();
+        let _ = self
+            .world
+            .set_status(&node_hex, crate::world::Status::Serving);
         let outcome = self.drive(&job, &model, &session, &cancel).await;
         // A job has one attempt at a time, so the entry (if a cancel did not
         // already take it) is this attempt's.
@@ -233,6 +239,14 @@ impl Dispatcher {
             warn!(error = %error_chain(&e), "recording the attempt's end failed");
         }
         drop(reservation);
+        if session.running_jobs() == 0
+            && self
+                .sessions
+                .get(&session.node_id)
+                .is_some_and(|s| s.serial == session.serial)
+        {
+            let _ = self.world.set_status(&node_hex, crate::world::Status::Idle);
+        }
         self.wake();
     }
 
@@ -254,6 +268,14 @@ impl Dispatcher {
         }
         Metrics::inc(&self.metrics.jobs_completed);
         info!("completed with a verified result");
+        let tokens = completion
+            .result
+            .claim
+            .as_ref()
+            .map_or(0, |c| u64::from(c.completion_tokens));
+        if let Err(e) = self.world.record_job(node_hex, tokens) {
+            debug!(error = %e, "world map: job of a node it does not show");
+        }
         if let Some(done) = self.store.get_job(job.id).await? {
             if let Some(event) = jobs::terminal_event(&done).and_then(|e| e.event) {
                 self.hub.publish(job.id, event);

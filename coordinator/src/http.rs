@@ -1,5 +1,6 @@
 //! Operational HTTP (axum): `/healthz` (the process answers), `/readyz` (the
-//! database answers), `/metrics` (Prometheus text).
+//! database answers), `/metrics` (Prometheus text); and the World page
+//! ([`crate::world::router`]), whose live streams it ends at shutdown.
 
 use std::{future::Future, sync::Arc};
 
@@ -14,7 +15,8 @@ pub fn router(d: Arc<Dispatcher>) -> Router {
         .route("/healthz", get(|| async { "ok\n" }))
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics))
-        .with_state(d)
+        .with_state(Arc::clone(&d))
+        .merge(crate::world::router(d.world.clone()))
 }
 
 /// Serves the routes on `listener` until `shutdown` resolves.
@@ -23,8 +25,13 @@ pub async fn serve(
     d: Arc<Dispatcher>,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
+    let world = d.world.clone();
     axum::serve(listener, router(d))
-        .with_graceful_shutdown(shutdown)
+        .with_graceful_shutdown(async move {
+            shutdown.await;
+            // Open World event streams would hold the graceful shutdown open.
+            world.close();
+        })
         .await
 }
 

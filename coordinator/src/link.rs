@@ -113,6 +113,9 @@ async fn serve_connection(conn: quinn::Connection, d: Arc<Dispatcher>) {
             .close(CLOSE_REPLACED.into(), b"replaced by a newer session");
     }
     Metrics::inc(&d.metrics.handshakes_accepted);
+    if let Err(e) = d.world.upsert_node(registration.world.clone()) {
+        warn!(error = %e, "world map: node not shown");
+    }
     info!(node = %session.node_id, name = %session.name, models = session.models.len(), "node registered");
     let welcome = CoordinatorControl {
         msg: Some(coordinator_control::Msg::Welcome(Welcome {
@@ -130,6 +133,9 @@ async fn serve_connection(conn: quinn::Connection, d: Arc<Dispatcher>) {
         if let Err(e) = d.store.set_node_offline(&session.node_id.to_string()).await {
             warn!(error = %error_chain(&e), "recording the node offline failed");
         }
+        let _ = d
+            .world
+            .set_status(&session.node_id.to_string(), crate::world::Status::Offline);
         info!(node = %session.node_id.short(), "node offline");
     }
     d.wake();

@@ -155,6 +155,9 @@ pub struct World {
 struct Inner {
     state: RwLock<State>,
     changes: broadcast::Sender<Change>,
+    /// Cancelled by [`World::close`]: live streams end, so a graceful HTTP
+    /// shutdown is not held open by browsers watching the page.
+    closed: tokio_util::sync::CancellationToken,
 }
 
 #[derive(Default)]
@@ -206,6 +209,7 @@ impl World {
             inner: Arc::new(Inner {
                 state: RwLock::new(State::default()),
                 changes,
+                closed: tokio_util::sync::CancellationToken::new(),
             }),
         }
     }
@@ -435,6 +439,17 @@ impl World {
     /// A receiver of every change from now on.
     pub fn subscribe(&self) -> broadcast::Receiver<Change> {
         self.inner.changes.subscribe()
+    }
+
+    /// Ends every live stream (now and later). Call when the HTTP server
+    /// starts its graceful shutdown: open event streams would hold it open.
+    pub fn close(&self) {
+        self.inner.closed.cancel();
+    }
+
+    /// Resolves once [`World::close`] was called.
+    pub async fn closed(&self) {
+        self.inner.closed.cancelled().await
     }
 }
 

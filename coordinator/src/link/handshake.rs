@@ -58,6 +58,8 @@ pub struct Registration {
     pub free_memory_bytes: u64,
     /// The row the store keeps for it.
     pub record: NodeRecord,
+    /// What the World page shows of it (location already snapped).
+    pub world: crate::world::NodeView,
 }
 
 /// A node that proved its key, with its control stream.
@@ -182,6 +184,7 @@ fn registration(node_id: NodeId, hello: &Hello, catalogue: &Catalogue) -> Regist
             models: serde_json::Value::Array(reported).to_string(),
             version: hello.version.chars().take(64).collect(),
         },
+        world: crate::world::NodeView::from_hello(node_id.to_string(), hello),
     }
 }
 

@@ -11,7 +11,8 @@
 //! - `GET /api/world/events`: `hello` (totals), then `changes` (changed drawn
 //!   nodes, nodes no longer drawn, totals) batched every
 //!   [`BATCH_WINDOW`], `totals` when only they moved, `resync` when this
-//!   stream fell behind and should refetch.
+//!   stream fell behind and should refetch. Streams end when
+//!   [`World::close`] is called (at shutdown).
 //!
 //! # Invariants
 //! - Nothing here computes: handlers parse, call the [`World`], serialise.
@@ -273,6 +274,14 @@ fn json_event(name: &str, data: &impl Serialize) -> Event {
 impl Live {
     /// The next event of this stream, or `None` when the World is gone.
     async fn next(&mut self) -> Option<Event> {
+        let world = self.world.clone();
+        tokio::select! {
+            _ = world.closed() => None,
+            e = self.advance() => e,
+        }
+    }
+
+    async fn advance(&mut self) -> Option<Event> {
         if let Step::Hello = self.step {
             self.step = Step::Live;
             let totals = self.world.totals();

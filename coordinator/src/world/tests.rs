@@ -263,3 +263,40 @@ async fn the_page_and_its_assets_are_served_from_the_binary() {
     }
     assert_eq!(get(&w, "/world/secret.txt").await.0, 404);
 }
+
+#[tokio::test]
+async fn live_streams_end_when_the_world_is_closed() {
+    let w = World::new();
+    let res = router(w.clone())
+        .oneshot(
+            axum::http::Request::builder()
+                .uri("/api/world/events")
+                .body(Body::empty())
+                .unwrap(),
+        )
+        .await
+        .unwrap();
+    assert_eq!(res.status().as_u16(), 200);
+    let mut body = res.into_body();
+    // The first event is `hello` with the totals.
+    let first = body.frame().await.unwrap().unwrap().into_data().unwrap();
+    assert!(String::from_utf8_lossy(&first).contains("event: hello"));
+    w.upsert_node(mac(1, "Apple M5", 32).at("Nairobi", -1.29, 36.82))
+        .unwrap();
+    let next = body.frame().await.unwrap().unwrap().into_data().unwrap();
+    let text = String::from_utf8_lossy(&next);
+    assert!(
+        text.contains("event: changes") && text.contains(&id(1)),
+        "{text}"
+    );
+    w.close();
+    let end = tokio::time::timeout(std::time::Duration::from_secs(5), async {
+        while let Some(frame) = body.frame().await {
+            if frame.is_err() {
+                break;
+            }
+        }
+    })
+    .await;
+    assert!(end.is_ok(), "the stream did not end after close");
+}
