@@ -279,3 +279,57 @@ async fn a_job_streams_tokens_and_completes_only_with_a_verified_result() {
     assert!(late.message().await.unwrap().is_none());
     app.stop().await;
 }
+
+#[tokio::test]
+async fn cancelling_a_running_job_resets_its_stream_and_ends_its_watch() {
+    let app = spawn_app(|_| {}).await;
+    let mut client = jobs(&app).await;
+    let node = FakeNode::register(&app, 12).await;
+    let job = client
+        .submit(prompt_job("Count to a million", 64))
+        .await
+        .unwrap()
+        .into_inner();
+    let (_send, mut recv, a) = node.next_assignment().await;
+    assert_eq!(a.job_id, job.id);
+    let mut watch = client
+        .watch(WatchJobRequest {
+            job_id: job.id.clone(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+
+    let cancelled = client
+        .cancel(mlxnet_proto::v1::CancelJobRequest {
+            job_id: job.id.clone(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(cancelled.state, JobState::Cancelled as i32);
+
+    // The node sees its assignment stream reset by the coordinator.
+    let mut buf = [0u8; 16];
+    let read = recv.read(&mut buf).await;
+    assert!(matches!(read, Err(quinn::ReadError::Reset(_))), "{read:?}");
+
+    let mut ended_cancelled = false;
+    while let Some(event) = watch.message().await.unwrap() {
+        if matches!(event.event, Some(job_event::Event::Cancelled(_))) {
+            ended_cancelled = true;
+        }
+    }
+    assert!(ended_cancelled, "the watch did not end with Cancelled");
+
+    // Cancelling again is harmless; the job stays cancelled.
+    let again = client
+        .cancel(mlxnet_proto::v1::CancelJobRequest {
+            job_id: job.id.clone(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(again.state, JobState::Cancelled as i32);
+    app.stop().await;
+}
