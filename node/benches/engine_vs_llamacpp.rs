@@ -1,0 +1,289 @@
+//! Engine benchmark against llama.cpp: prefill and decode tokens/s on the same
+//! GGUF, prompt and thread counts, measured in the same run.
+//!
+//! `cargo bench -p mlx-node --bench engine_vs_llamacpp`
+//!
+//! For each thread count (1 and 2 by default) this binary runs, as child
+//! processes so each gets its own thread pools:
+//! - our engine (`Engine::load` + `Engine::generate`, greedy, the fixed
+//!   128-token prompt of `prompt-128.txt`, 128 new tokens), one warm-up then
+//!   `runs` measured generations;
+//! - llama.cpp through llama-cpp-python (`scripts/bench-vs-llama-cpp.py`):
+//!   same file, prompt, threads, prefill in one batch, 128 greedy tokens;
+//!
+//! then prints a table with the medians and the ratios ours / llama.cpp.
+//! Without llama-cpp-python it says how to install it and prints our numbers.
+//!
+//! Settings (environment, all optional): `MLXNET_BENCH_MODEL` (GGUF path,
+//! default `models/SmolLM2-135M-Instruct.Q4_1.gguf` in the workspace),
+//! `MLXNET_BENCH_THREADS` (comma-separated, default `1,2`),
+//! `MLXNET_BENCH_RUNS` (default 3), `MLXNET_BENCH_PYTHON` (default `python3`).
+//!
+//! Decode tokens/s counts the forward passes after the first sampled token:
+//! `(generated - 1) / decode time`, on both sides. Our engine stops at EOS;
+//! the table says so when that happened before 128 tokens.
+
+use std::ops::ControlFlow;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Instant;
+
+use anyhow::{bail, Context};
+use mlx_node::engine::{Engine, GenerateRequest, PromptInput, Sampling};
+use serde_json::{json, Value};
+
+const GEN_TOKENS: usize = 128;
+const PROMPT: &str = include_str!("prompt-128.txt");
+
+fn workspace() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .map(Path::to_path_buf)
+        .unwrap_or_else(|| PathBuf::from("."))
+}
+
+fn setting(name: &str) -> Option<String> {
+    std::env::var(name).ok().filter(|v| !v.is_empty())
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    if v.is_empty() {
+        return f64::NAN;
+    }
+    v.sort_by(|a, b| a.total_cmp(b));
+    let n = v.len();
+    if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        (v[n / 2 - 1] + v[n / 2]) / 2.0
+    }
+}
+
+fn numbers(v: &Value, key: &str) -> Vec<f64> {
+    v[key]
+        .as_array()
+        .map(|a| a.iter().filter_map(Value::as_f64).collect())
+        .unwrap_or_default()
+}
+
+/// Child mode: our engine at the thread count the parent set in the environment.
+fn run_ours(model: &Path, runs: usize) -> anyhow::Result<Value> {
+    let t = Instant::now();
+    let mut engine = Engine::load(model).with_context(|| format!("loading {}", model.display()))?;
+    let load_s = t.elapsed().as_secs_f64();
+    let request = GenerateRequest {
+        input: PromptInput::Text(PROMPT.trim_end_matches('\n').to_string()),
+        sampling: Sampling {
+            max_tokens: GEN_TOKENS,
+            ..Sampling::default()
+        },
+    };
+    let prompt_ids = engine.prompt_tokens(&request.input)?;
+    let (mut prefill, mut decode) = (Vec::new(), Vec::new());
+    let mut first_ids = Vec::new();
+    let mut generated = 0;
+    let mut finish = String::new();
+    for run in 0..=runs {
+        let g = engine.generate(&request, &mut |_| ControlFlow::Continue(()))?;
+        if run == 0 {
+            first_ids = g.output_token_ids.iter().take(16).copied().collect();
+            continue;
+        }
+        generated = g.output_token_ids.len();
+        finish = g.finish.as_str().to_string();
+        prefill.push(g.prompt_tokens as f64 / g.prefill.as_secs_f64());
+        decode.push(generated.saturating_sub(1) as f64 / g.decode.as_secs_f64());
+    }
+    Ok(json!({
+        "engine": "mlx-node",
+        "load_s": load_s,
+        "prompt_tokens": prompt_ids.len(),
+        "prompt_ids": prompt_ids,
+        "gen_tokens": generated,
+        "finish": finish,
+        "prefill_tok_s": prefill,
+        "decode_tok_s": decode,
+        "first_ids": first_ids,
+    }))
+}
+
+/// Runs a child and parses the last line of its stdout as JSON.
+fn child_json(mut cmd: Command, what: &str) -> anyhow::Result<(Value, Option<i32>)> {
+    let out = cmd.output().with_context(|| format!("starting {what}"))?;
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let line = stdout
+        .lines()
+        .rev()
+        .find(|l| l.trim_start().starts_with('{'));
+    match line {
+        Some(l) => Ok((
+            serde_json::from_str(l).with_context(|| format!("{what} printed {l}"))?,
+            out.status.code(),
+        )),
+        None => bail!(
+            "{what} failed ({}): {}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+                .lines()
+                .rev()
+                .take(5)
+                .collect::<Vec<_>>()
+                .join(" | ")
+        ),
+    }
+}
+
+fn ours(model: &Path, threads: usize, runs: usize) -> anyhow::Result<Value> {
+    let mut cmd = Command::new(std::env::current_exe()?);
+    cmd.args([
+        "--child-ours",
+        &model.display().to_string(),
+        &runs.to_string(),
+    ])
+    .env("CANDLE_NUM_THREADS", threads.to_string())
+    .env("RAYON_NUM_THREADS", threads.to_string());
+    Ok(child_json(cmd, "our engine")?.0)
+}
+
+fn llama(model: &Path, threads: usize, runs: usize, prompt_file: &Path) -> anyhow::Result<Value> {
+    let python = setting("MLXNET_BENCH_PYTHON").unwrap_or_else(|| "python3".into());
+    let script = workspace().join("scripts/bench-vs-llama-cpp.py");
+    let make = |extra: bool| {
+        let mut cmd = Command::new(&python);
+        cmd.arg(&script)
+            .args(["--model", &model.display().to_string()])
+            .args(["--threads", &threads.to_string()])
+            .args(["--prompt-file", &prompt_file.display().to_string()])
+            .args(["--gen-tokens", &GEN_TOKENS.to_string()])
+            .args(["--runs", &runs.to_string()]);
+        if !extra {
+            cmd.arg("--no-extra-bufts");
+        }
+        cmd
+    };
+    match child_json(make(true), "llama.cpp") {
+        Ok((v, _)) => Ok(v),
+        // A default llama-cpp-python build can die with SIGILL in ggml's AMX
+        // code on CPUs that list AMX but do not allow it: retry without the
+        // extra buffer types (the table says so).
+        Err(first) => child_json(make(false), "llama.cpp without extra buffer types")
+            .map(|(v, _)| v)
+            .map_err(|e| e.context(format!("first attempt: {first:#}"))),
+    }
+}
+
+fn ratio(a: f64, b: f64) -> String {
+    if a.is_finite() && b.is_finite() && b > 0.0 {
+        format!("{:.2}x", a / b)
+    } else {
+        "-".into()
+    }
+}
+
+fn main() -> anyhow::Result<()> {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    if args.first().map(String::as_str) == Some("--child-ours") {
+        let model = PathBuf::from(args.get(1).context("--child-ours <model> <runs>")?);
+        let runs = args.get(2).and_then(|r| r.parse().ok()).unwrap_or(3);
+        println!("{}", run_ours(&model, runs)?);
+        return Ok(());
+    }
+    let model = setting("MLXNET_BENCH_MODEL")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| workspace().join("models/SmolLM2-135M-Instruct.Q4_1.gguf"));
+    if !model.exists() {
+        bail!(
+            "model {} not found: fetch it with scripts/fetch-test-model.sh or set MLXNET_BENCH_MODEL",
+            model.display()
+        );
+    }
+    let threads: Vec<usize> = setting("MLXNET_BENCH_THREADS")
+        .unwrap_or_else(|| "1,2".into())
+        .split(',')
+        .filter_map(|t| t.trim().parse().ok())
+        .filter(|&t| t > 0)
+        .collect();
+    let runs: usize = setting("MLXNET_BENCH_RUNS")
+        .and_then(|r| r.parse().ok())
+        .unwrap_or(3)
+        .max(1);
+    let prompt_file = Path::new(env!("CARGO_MANIFEST_DIR")).join("benches/prompt-128.txt");
+
+    let name = model
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    println!("engine vs llama.cpp: {name}, greedy, {GEN_TOKENS} new tokens, median of {runs} runs after 1 warm-up");
+    let mut rows = Vec::new();
+    let mut notes = Vec::new();
+    for &t in &threads {
+        let o = ours(&model, t, runs)?;
+        let l = match llama(&model, t, runs, &prompt_file) {
+            Ok(v) if v.get("error").is_some() => {
+                notes.push(format!(
+                    "llama.cpp not measured: {}. Install: {}",
+                    v["error"].as_str().unwrap_or("?"),
+                    v["install"]
+                        .as_str()
+                        .unwrap_or("pip install llama-cpp-python")
+                ));
+                None
+            }
+            Ok(v) => Some(v),
+            Err(e) => {
+                notes.push(format!("llama.cpp failed at {t} threads: {e:#}"));
+                None
+            }
+        };
+        let (op, od) = (
+            median(numbers(&o, "prefill_tok_s")),
+            median(numbers(&o, "decode_tok_s")),
+        );
+        let (lp, ld) = match &l {
+            Some(l) => (
+                median(numbers(l, "prefill_tok_s")),
+                median(numbers(l, "decode_tok_s")),
+            ),
+            None => (f64::NAN, f64::NAN),
+        };
+        if let Some(l) = &l {
+            if l["prompt_tokens"] != o["prompt_tokens"] {
+                notes.push(format!(
+                    "prompt lengths differ: ours {} tokens, llama.cpp {}",
+                    o["prompt_tokens"], l["prompt_tokens"]
+                ));
+            }
+            if l["first_ids"] != o["first_ids"] {
+                notes.push(format!(
+                    "greedy ids differ at {t} threads: ours {} vs llama.cpp {}",
+                    o["first_ids"], l["first_ids"]
+                ));
+            }
+            if l["extra_bufts"] == json!(false) {
+                notes.push(format!("llama.cpp at {t} threads ran with use_extra_bufts=False (its default build died)"));
+            }
+        }
+        if o["gen_tokens"] != json!(GEN_TOKENS) {
+            notes.push(format!(
+                "our engine generated {} tokens at {t} threads (finish: {})",
+                o["gen_tokens"], o["finish"]
+            ));
+        }
+        rows.push((t, o["prompt_tokens"].clone(), op, lp, od, ld));
+    }
+    println!();
+    println!("| threads | prompt | prefill ours | prefill llama.cpp | ratio | decode ours | decode llama.cpp | ratio |");
+    println!("|--------:|-------:|-------------:|------------------:|------:|------------:|-----------------:|------:|");
+    for (t, p, op, lp, od, ld) in rows {
+        println!(
+            "| {t} | {p} | {op:.1} | {lp:.1} | {} | {od:.1} | {ld:.1} | {} |",
+            ratio(op, lp),
+            ratio(od, ld)
+        );
+    }
+    println!("(tokens/s; ratio = ours / llama.cpp, above 1.00x means faster)");
+    for n in notes {
+        println!("note: {n}");
+    }
+    Ok(())
+}

@@ -1,0 +1,254 @@
+//! Every instruction-set path against the scalar reference, the reference against
+//! a plain f32 product, and `QuantLinear` against candle's own quantized matmul.
+
+use super::*;
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+const FORMATS: [QuantFormat; 3] = [QuantFormat::Q4_0, QuantFormat::Q4_1, QuantFormat::Q8_0];
+
+/// Random GGUF blocks for an `n x k` matrix: small positive scales, signed
+/// minimums, every quant value (including -128 for `Q8_0`).
+fn random_weights(rng: &mut StdRng, format: QuantFormat, n: usize, k: usize) -> Vec<u8> {
+    let blocks = n * k / BLOCK;
+    let mut bytes = Vec::with_capacity(blocks * format.block_bytes());
+    for _ in 0..blocks {
+        let d = half::f16::from_f32(rng.gen_range(0.001f32..0.05));
+        bytes.extend_from_slice(&d.to_bits().to_le_bytes());
+        if format == QuantFormat::Q4_1 {
+            let m = half::f16::from_f32(rng.gen_range(-0.4f32..0.1));
+            bytes.extend_from_slice(&m.to_bits().to_le_bytes());
+        }
+        let quants = if format == QuantFormat::Q8_0 { 32 } else { 16 };
+        for _ in 0..quants {
+            bytes.push(rng.gen());
+        }
+    }
+    bytes
+}
+
+fn random_acts(rng: &mut StdRng, len: usize) -> Vec<f32> {
+    (0..len).map(|_| rng.gen_range(-2.0f32..2.0)).collect()
+}
+
+/// A bound on f32 rounding for each output: the sum of the magnitudes of its terms.
+fn magnitudes(w: &QuantMatrix<'_>, scratch: &Scratch) -> Vec<f32> {
+    let (m, n, k) = (scratch.rows, w.n, w.k);
+    let kb = k / BLOCK;
+    let bb = w.format.block_bytes();
+    let s = match w.format {
+        QuantFormat::Q4_0 => &scratch.sx,
+        QuantFormat::Q4_1 => &scratch.s81,
+        QuantFormat::Q8_0 => &scratch.sx,
+    };
+    let mut out = vec![0f32; m * n];
+    for a in 0..m {
+        for r in 0..n {
+            let mut sum = 0f32;
+            for b in 0..kb {
+                let off = r * w.row_bytes() + b * bb;
+                let x = &scratch.qs[a * k + b * BLOCK..a * k + (b + 1) * BLOCK];
+                let (dot, d, mw) = scalar::block_dot(w.format, &w.bytes[off..off + bb], x);
+                sum += (d * scratch.d[a * kb + b] * dot as f32).abs() + (mw * s[a * kb + b]).abs();
+            }
+            out[a * n + r] = sum;
+        }
+    }
+    out
+}
+
+fn product(w: &QuantMatrix<'_>, scratch: &mut Scratch, isa: Isa) -> Vec<f32> {
+    let mut out = vec![f32::NAN; scratch.rows * w.n];
+    matmul(w, scratch, &mut out, isa).expect("matmul");
+    out
+}
+
+#[test]
+fn every_available_isa_matches_the_scalar_reference() {
+    let mut rng = StdRng::seed_from_u64(7);
+    let mut checked = 0;
+    for format in FORMATS {
+        // k not divisible by 256 (576, 1536 = SmolLM2's), odd row counts for the
+        // tile tails, and both split modes (m < 8 by weight rows, m >= 8 by activations).
+        for &(n, k) in &[(13usize, 576usize), (9, 1536), (5, 64), (64, 576)] {
+            let bytes = random_weights(&mut rng, format, n, k);
+            let w = QuantMatrix::new(format, n, k, &bytes).expect("valid matrix");
+            for &m in &[1usize, 3, 9, 13] {
+                let x = random_acts(&mut rng, m * k);
+                let mut scratch = Scratch::new();
+                scratch.quantize(&x, m, k).expect("quantize");
+                let reference = product(&w, &mut scratch, Isa::Scalar);
+                let mags = magnitudes(&w, &scratch);
+                for &isa in Isa::available() {
+                    let got = product(&w, &mut scratch, isa);
+                    for i in 0..m * n {
+                        let tol = 1e-5 * mags[i] + 1e-6;
+                        assert!(
+                            (got[i] - reference[i]).abs() <= tol,
+                            "{isa:?} {format:?} n={n} k={k} m={m} out[{i}]: {} vs scalar {} (tol {tol})",
+                            got[i],
+                            reference[i]
+                        );
+                    }
+                    checked += 1;
+                }
+            }
+        }
+    }
+    // Every format, shape and row count ran on every path this CPU has.
+    assert_eq!(checked, FORMATS.len() * 4 * 4 * Isa::available().len());
+}
+
+/// Dequantizes the blocks to f32 (ggml's definitions), for the float reference.
+fn dequantize(format: QuantFormat, bytes: &[u8]) -> Vec<f32> {
+    let mut out = Vec::new();
+    for blk in bytes.chunks_exact(format.block_bytes()) {
+        let d = scalar::f16_at(blk, 0);
+        match format {
+            QuantFormat::Q4_0 | QuantFormat::Q4_1 => {
+                let (m, qs) = if format == QuantFormat::Q4_0 {
+                    (-8.0 * d, &blk[2..18])
+                } else {
+                    (scalar::f16_at(blk, 2), &blk[4..20])
+                };
+                let lo = qs.iter().map(|q| d * f32::from(q & 0x0f) + m);
+                let hi = qs.iter().map(|q| d * f32::from(q >> 4) + m);
+                out.extend(lo.collect::<Vec<_>>());
+                out.extend(hi.collect::<Vec<_>>());
+            }
+            QuantFormat::Q8_0 => out.extend(blk[2..34].iter().map(|&q| d * f32::from(q as i8))),
+        }
+    }
+    out
+}
+
+#[test]
+fn the_reference_is_close_to_the_float_product() {
+    let mut rng = StdRng::seed_from_u64(11);
+    let (n, k, m) = (7, 576, 2);
+    for format in FORMATS {
+        let bytes = random_weights(&mut rng, format, n, k);
+        let w = QuantMatrix::new(format, n, k, &bytes).expect("valid matrix");
+        let wf = dequantize(format, &bytes);
+        let x = random_acts(&mut rng, m * k);
+        let mut scratch = Scratch::new();
+        scratch.quantize(&x, m, k).expect("quantize");
+        let got = product(&w, &mut scratch, Isa::Scalar);
+        for a in 0..m {
+            for r in 0..n {
+                let row = &wf[r * k..(r + 1) * k];
+                let exact: f32 = row
+                    .iter()
+                    .zip(&x[a * k..(a + 1) * k])
+                    .map(|(w, x)| w * x)
+                    .sum();
+                let scale: f32 = row
+                    .iter()
+                    .zip(&x[a * k..(a + 1) * k])
+                    .map(|(w, x)| (w * x).abs())
+                    .sum();
+                // 8-bit activations: about 1/254 relative error per value, mostly cancelling.
+                assert!(
+                    (got[a * n + r] - exact).abs() <= 0.01 * scale,
+                    "{format:?} out[{a},{r}]: {} vs float {exact} (scale {scale})",
+                    got[a * n + r]
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn quant_linear_matches_candles_quantized_matmul() {
+    use candle_core::quantized::QMatMul;
+    use candle_core::Module;
+    let mut rng = StdRng::seed_from_u64(3);
+    let (n, k) = (40, 576);
+    for (dtype, format) in [
+        (GgmlDType::Q4_0, QuantFormat::Q4_0),
+        (GgmlDType::Q4_1, QuantFormat::Q4_1),
+        (GgmlDType::Q8_0, QuantFormat::Q8_0),
+    ] {
+        let wf = Tensor::from_vec(random_acts(&mut rng, n * k), (n, k), &Device::Cpu).expect("w");
+        let qt = Arc::new(QTensor::quantize(&wf, dtype).expect("quantize weights"));
+        let ours = QuantLinear::from_qtensor(qt.clone()).expect("supported");
+        assert_eq!(ours.format(), format);
+        let theirs = QMatMul::from_arc(qt).expect("qmatmul");
+        for rows in [1usize, 16] {
+            let x = Tensor::from_vec(random_acts(&mut rng, rows * k), (1, rows, k), &Device::Cpu)
+                .expect("x");
+            let a = ours.forward(&x).expect("ours");
+            let b = theirs.forward(&x).expect("candle");
+            assert_eq!(a.dims(), &[1, rows, n]);
+            let a: Vec<f32> = a.flatten_all().and_then(|t| t.to_vec1()).expect("a");
+            let b: Vec<f32> = b.flatten_all().and_then(|t| t.to_vec1()).expect("b");
+            let scale = b.iter().fold(0f32, |m, v| m.max(v.abs()));
+            for (i, (x, y)) in a.iter().zip(&b).enumerate() {
+                assert!(
+                    (x - y).abs() <= 2e-3 * scale,
+                    "{dtype:?} rows={rows} out[{i}]: {x} vs candle {y}"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn bad_inputs_are_typed_errors() {
+    let bytes = vec![0u8; 3 * 2 * 20];
+    assert!(matches!(
+        QuantMatrix::new(QuantFormat::Q4_1, 3, 64, &bytes[1..]),
+        Err(KernelError::ByteLength {
+            expected: 120,
+            got: 119,
+            ..
+        })
+    ));
+    assert!(matches!(
+        QuantMatrix::new(QuantFormat::Q4_1, 3, 60, &bytes),
+        Err(KernelError::RowNotBlocks { k: 60 })
+    ));
+    let w = QuantMatrix::new(QuantFormat::Q4_1, 3, 64, &bytes).expect("valid");
+    let mut scratch = Scratch::new();
+    scratch.quantize(&[0.5; 64 * 2], 2, 64).expect("quantize");
+    let mut short = vec![0f32; 5];
+    assert!(matches!(
+        matmul(&w, &mut scratch, &mut short, Isa::detect()),
+        Err(KernelError::Shape { .. })
+    ));
+    let k4 = Tensor::zeros((8, 256), DType::F32, &Device::Cpu).expect("zeros");
+    let qk = QTensor::quantize(&k4, GgmlDType::Q4K).expect("q4k");
+    assert!(matches!(
+        QuantLinear::from_qtensor(Arc::new(qk)),
+        Err(KernelError::UnsupportedFormat(_))
+    ));
+    let data: Arc<dyn AsRef<[u8]> + Send + Sync> = Arc::new(bytes);
+    assert!(matches!(
+        QuantLinear::from_bytes(QuantFormat::Q4_1, 4, 64, data.clone(), 0),
+        Err(KernelError::ByteLength {
+            expected: 160,
+            got: 120,
+            ..
+        })
+    ));
+    let lin = QuantLinear::from_bytes(QuantFormat::Q4_1, 3, 64, data, 0).expect("fits");
+    let wrong_k = Tensor::zeros((1, 32), DType::F32, &Device::Cpu).expect("zeros");
+    assert!(lin.forward(&wrong_k).is_err());
+}
+
+#[test]
+fn par_chunks_mut_visits_every_chunk_once_with_its_index() {
+    // More chunks than slots, and a short last chunk.
+    let mut out = vec![0f32; 1000 * 3 + 2];
+    par_chunks_mut(&mut out, 3, |i, chunk| {
+        for v in chunk.iter_mut() {
+            *v += i as f32 + 1.0;
+        }
+    });
+    for (i, chunk) in out.chunks(3).enumerate() {
+        assert!(
+            chunk.iter().all(|&v| v == i as f32 + 1.0),
+            "chunk {i}: {chunk:?}"
+        );
+    }
+}
