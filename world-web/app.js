@@ -295,14 +295,23 @@ function drawBase() {
   const W = worldWidth();
   const k = W / 360;
   const [ox, oy] = project(-180, 90);
+  ctx.save();
+  // Rings that cross the antimeridian are drawn twice, clipped to the world.
   ctx.beginPath();
+  ctx.rect(ox, oy, W, W / 2);
+  ctx.clip();
+  ctx.beginPath();
+  const trace = (r, shift) => {
+    for (let i = 0; i < r.length; i += 2) {
+      const x = ox + (r[i] + shift + 180) * k, y = oy + (90 - r[i + 1]) * k;
+      if (i === 0) ctx.moveTo(x, y); else ctx.lineTo(x, y);
+    }
+    ctx.closePath();
+  };
   for (const f of state.land) {
     for (const r of f.rings) {
-      for (let i = 0; i < r.length; i += 2) {
-        const x = ox + (r[i] + 180) * k, y = oy + (90 - r[i + 1]) * k;
-        if (i === 0) ctx.moveTo(x, y); else ctx.lineTo(x, y);
-      }
-      ctx.closePath();
+      trace(r, 0);
+      if (r.wrap) trace(r, r.wrap);
     }
   }
   ctx.fillStyle = "#1e293b";
@@ -310,6 +319,7 @@ function drawBase() {
   ctx.strokeStyle = "rgba(148,163,184,0.35)";
   ctx.lineWidth = 0.6;
   ctx.stroke();
+  ctx.restore();
 }
 
 function drawMarkers(now) {

@@ -42,7 +42,30 @@ function ring(arcs, indices) {
       out[k++] = arc[2 * j + 1];
     }
   });
-  return out.subarray(0, k);
+  return unwrap(out.subarray(0, k));
+}
+
+/**
+ * A ring that crosses the antimeridian (Russia, Fiji) jumps by ~360 degrees
+ * twice; make its longitudes continuous and note, in `wrap`, the shift of the
+ * copy that fills the other edge of the map (0 when none is needed).
+ */
+function unwrap(r) {
+  let jumps = 0;
+  for (let i = 2; i < r.length; i += 2) if (Math.abs(r[i] - r[i - 2]) > 180) jumps++;
+  r.wrap = 0;
+  if (jumps === 0 || jumps % 2 !== 0) return r; // Antarctica's edge: leave as is
+  let offset = 0, min = Infinity, max = -Infinity;
+  for (let i = 0; i < r.length; i += 2) {
+    if (i > 0) {
+      const d = r[i] + offset - r[i - 2];
+      if (d > 180) offset -= 360; else if (d < -180) offset += 360;
+    }
+    r[i] += offset;
+    min = Math.min(min, r[i]); max = Math.max(max, r[i]);
+  }
+  r.wrap = max > 180 ? -360 : min < -180 ? 360 : 0;
+  return r;
 }
 
 /**

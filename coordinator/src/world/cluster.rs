@@ -153,28 +153,18 @@ pub struct MapView {
     pub pods: Vec<PodLink>,
 }
 
-#[derive(Default)]
-struct Group<'a> {
-    members: Vec<&'a NodeView>,
+/// The nodes at one grid point (many nodes share a city's cell), so each
+/// clustering pass walks points, not nodes.
+struct Point<'a> {
+    lat: f64,
+    lon: f64,
     count: u64,
     online: u64,
     memory: u64,
-    sum_lat: f64,
-    sum_lon: f64,
     by_family: [u64; 6],
     by_status: [u64; 4],
-    first: Option<(f64, f64)>,
-    one_place: bool,
-}
-
-impl Group<'_> {
-    fn items(&self) -> usize {
-        if self.count == 1 || (self.one_place && self.count as usize <= SPIDER_MAX) {
-            self.count as usize
-        } else {
-            1
-        }
-    }
+    /// The first `SPIDER_MAX + 1` nodes (enough to know whether to fan out).
+    members: Vec<&'a NodeView>,
 }
 
 fn status_index(s: Status) -> usize {
@@ -186,35 +176,85 @@ fn status_index(s: Status) -> usize {
     }
 }
 
-fn group<'a>(nodes: &[&'a NodeView], side: f64) -> Vec<((i64, i64), Group<'a>)> {
-    let mut cells: HashMap<(i64, i64), Group<'a>> = HashMap::new();
+fn points<'a>(nodes: &[&'a NodeView]) -> Vec<Point<'a>> {
+    let mut index: HashMap<(u64, u64), usize> = HashMap::new();
+    let mut out: Vec<Point<'a>> = Vec::new();
     for node in nodes {
         let Some(place) = &node.location else {
             continue;
         };
+        let key = (place.lat.to_bits(), place.lon.to_bits());
+        let i = *index.entry(key).or_insert_with(|| {
+            out.push(Point {
+                lat: place.lat,
+                lon: place.lon,
+                count: 0,
+                online: 0,
+                memory: 0,
+                by_family: [0; 6],
+                by_status: [0; 4],
+                members: Vec::new(),
+            });
+            out.len() - 1
+        });
+        let p = &mut out[i];
+        p.count += 1;
+        if node.status.is_online() {
+            p.online += 1;
+            p.memory += node.memory_bytes;
+        }
+        p.by_family[node.family().index()] += 1;
+        p.by_status[status_index(node.status)] += 1;
+        if p.members.len() <= SPIDER_MAX {
+            p.members.push(node);
+        }
+    }
+    out
+}
+
+#[derive(Default)]
+struct Group {
+    points: Vec<usize>,
+    count: u64,
+    online: u64,
+    memory: u64,
+    sum_lat: f64,
+    sum_lon: f64,
+    by_family: [u64; 6],
+    by_status: [u64; 4],
+}
+
+impl Group {
+    /// Markers this group becomes: its nodes one by one when it is a single
+    /// node, or a few at one point; else one cluster.
+    fn items(&self) -> usize {
+        if self.count == 1 || (self.points.len() == 1 && self.count as usize <= SPIDER_MAX) {
+            self.count as usize
+        } else {
+            1
+        }
+    }
+}
+
+fn group(points: &[Point<'_>], side: f64) -> Vec<((i64, i64), Group)> {
+    let mut cells: HashMap<(i64, i64), Group> = HashMap::new();
+    for (i, p) in points.iter().enumerate() {
         let key = (
-            ((place.lon + 180.0) / side).floor() as i64,
-            ((place.lat + 90.0) / side).floor() as i64,
+            ((p.lon + 180.0) / side).floor() as i64,
+            ((p.lat + 90.0) / side).floor() as i64,
         );
         let g = cells.entry(key).or_default();
-        g.count += 1;
-        if node.status.is_online() {
-            g.online += 1;
-            g.memory += node.memory_bytes;
+        g.points.push(i);
+        g.count += p.count;
+        g.online += p.online;
+        g.memory += p.memory;
+        g.sum_lat += p.lat * p.count as f64;
+        g.sum_lon += p.lon * p.count as f64;
+        for (a, b) in g.by_family.iter_mut().zip(p.by_family) {
+            *a += b;
         }
-        g.sum_lat += place.lat;
-        g.sum_lon += place.lon;
-        g.by_family[node.family().index()] += 1;
-        g.by_status[status_index(node.status)] += 1;
-        match g.first {
-            None => {
-                g.first = Some((place.lat, place.lon));
-                g.one_place = true;
-            }
-            Some(first) => g.one_place &= first == (place.lat, place.lon),
-        }
-        if g.members.len() <= SPIDER_MAX {
-            g.members.push(node);
+        for (a, b) in g.by_status.iter_mut().zip(p.by_status) {
+            *a += b;
         }
     }
     let mut cells: Vec<_> = cells.into_iter().collect();
@@ -226,11 +266,12 @@ fn group<'a>(nodes: &[&'a NodeView], side: f64) -> Vec<((i64, i64), Group<'a>)> 
 /// for `zoom`.
 pub fn cluster(nodes: &[&NodeView], zoom: u8) -> MapView {
     let zoom = zoom.min(MAX_ZOOM);
+    let points = points(nodes);
     let mut side = cell_deg(zoom);
-    let mut cells = group(nodes, side);
+    let mut cells = group(&points, side);
     while cells.iter().map(|(_, g)| g.items()).sum::<usize>() > MAX_ITEMS && side < 360.0 {
         side *= 2.0;
-        cells = group(nodes, side);
+        cells = group(&points, side);
     }
     let mut view = MapView {
         zoom,
@@ -245,7 +286,7 @@ pub fn cluster(nodes: &[&NodeView], zoom: u8) -> MapView {
     for (_, g) in cells {
         view.matched += g.count;
         if g.items() as u64 == g.count {
-            for node in &g.members {
+            for node in g.points.iter().flat_map(|&i| &points[i].members) {
                 view.nodes.push(node_item(node));
                 if let Some(pod) = &node.pod {
                     match pods.iter_mut().find(|p| p.pod_id == pod.pod_id) {
@@ -260,11 +301,12 @@ pub fn cluster(nodes: &[&NodeView], zoom: u8) -> MapView {
         } else {
             let n = g.count as f64;
             // The centroid of cell centres is not one: snap it again.
+            let first = g.points.first().map(|&i| (points[i].lat, points[i].lon));
             let at = grid::snap(
                 (g.sum_lat / n).clamp(-90.0, 90.0),
                 (g.sum_lon / n).clamp(-180.0, 180.0),
             );
-            let (lat, lon) = match (at, g.first) {
+            let (lat, lon) = match (at, first) {
                 (Ok(s), _) => (s.lat, s.lon),
                 (Err(_), Some(first)) => first,
                 (Err(_), None) => continue,

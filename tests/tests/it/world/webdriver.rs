@@ -19,7 +19,7 @@ use std::{process::Stdio, time::Duration};
 use anyhow::{anyhow, bail, Context};
 use serde_json::{json, Value};
 use tokio::{
-    io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader},
+    io::{AsyncReadExt, AsyncWriteExt},
     net::TcpStream,
     process::{Child, Command},
 };
@@ -39,7 +39,7 @@ pub struct Browser {
 /// A reference to an element of the page.
 pub struct Element(String);
 
-const ELEMENT_KEY: &str = "element-6066-11e4-a52f-4a52f4a52f4a";
+const ELEMENT_KEY: &str = "element-6066-11e4-a52e-4f735466cecf";
 
 impl Browser {
     /// Starts chromedriver and a headless Chromium of `width` x `height` CSS px.
@@ -52,21 +52,38 @@ impl Browser {
             .kill_on_drop(true)
             .spawn()
             .with_context(|| format!("starting chromedriver ({INSTALL_HINT})"))?;
-        let stdout = child.stdout.take().context("chromedriver stdout")?;
-        let mut lines = BufReader::new(stdout).lines();
+        let mut stdout = child.stdout.take().context("chromedriver stdout")?;
+        // Its ready line ("... started successfully on port N.") ends with a
+        // period but no newline, so read bytes, not lines.
         let port = tokio::time::timeout(Duration::from_secs(30), async {
-            while let Some(line) = lines.next_line().await? {
-                if let Some(rest) = line.split("started successfully on port ").nth(1) {
+            let mut seen = Vec::new();
+            let mut buf = [0u8; 1024];
+            loop {
+                let n = stdout.read(&mut buf).await?;
+                if n == 0 {
+                    bail!("chromedriver exited before it was ready");
+                }
+                seen.extend_from_slice(&buf[..n]);
+                let text = String::from_utf8_lossy(&seen);
+                if let Some(rest) = text.split("started successfully on port ").nth(1) {
                     let digits: String = rest.chars().take_while(|c| c.is_ascii_digit()).collect();
-                    return Ok::<u16, anyhow::Error>(digits.parse()?);
+                    if rest.len() > digits.len() && !digits.is_empty() {
+                        return Ok::<u16, anyhow::Error>(digits.parse()?);
+                    }
                 }
             }
-            bail!("chromedriver exited before it was ready")
         })
         .await
         .context("chromedriver did not start within 30 s")??;
         // Keep draining its output so it never blocks on a full pipe.
-        tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
+        tokio::spawn(async move {
+            let mut buf = [0u8; 4096];
+            while let Ok(n) = stdout.read(&mut buf).await {
+                if n == 0 {
+                    break;
+                }
+            }
+        });
 
         let caps = json!({
             "capabilities": { "alwaysMatch": {
@@ -244,8 +261,7 @@ async fn request(
     );
     stream.write_all(head.as_bytes()).await?;
     stream.write_all(body.as_bytes()).await?;
-    let mut raw = Vec::new();
-    stream.read_to_end(&mut raw).await?;
+    let raw = read_response(&mut stream).await?;
     let (status, body) = split_response(&raw)?;
     let v: Value = serde_json::from_slice(&body)
         .with_context(|| format!("chromedriver sent non-JSON ({status}) for {method} {path}"))?;
@@ -262,6 +278,33 @@ async fn request(
         );
     }
     Ok(v["value"].clone())
+}
+
+/// Reads one HTTP/1.1 response: to its Content-Length when it has one (the
+/// server may keep the connection open), else to the end of the stream.
+async fn read_response(stream: &mut TcpStream) -> anyhow::Result<Vec<u8>> {
+    let mut raw = Vec::new();
+    let mut buf = [0u8; 16 * 1024];
+    loop {
+        if let Some(end) = raw.windows(4).position(|w| w == b"\r\n\r\n") {
+            let head = String::from_utf8_lossy(&raw[..end]).to_ascii_lowercase();
+            let length = head
+                .lines()
+                .find_map(|l| l.strip_prefix("content-length:"))
+                .and_then(|v| v.trim().parse::<usize>().ok());
+            if let Some(length) = length {
+                if raw.len() >= end + 4 + length {
+                    raw.truncate(end + 4 + length);
+                    return Ok(raw);
+                }
+            }
+        }
+        let n = stream.read(&mut buf).await?;
+        if n == 0 {
+            return Ok(raw);
+        }
+        raw.extend_from_slice(&buf[..n]);
+    }
 }
 
 /// Status code and body (de-chunked) of a raw HTTP/1.1 response.
@@ -340,8 +383,7 @@ pub async fn http_get(
     let mut stream = TcpStream::connect(addr).await?;
     let head = format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n");
     stream.write_all(head.as_bytes()).await?;
-    let mut raw = Vec::new();
-    stream.read_to_end(&mut raw).await?;
+    let raw = read_response(&mut stream).await?;
     let took = started.elapsed();
     let (status, body) = split_response(&raw)?;
     Ok((status, body, took))
