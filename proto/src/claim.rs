@@ -163,19 +163,19 @@ mod tests {
     fn tampering_with_any_field_breaks_the_signature() {
         let key = SigningKey::generate(&mut rand::rngs::OsRng);
         let good = sign(sample(&key), &key);
-        let edits: Vec<Box<dyn Fn(&mut ResultClaim)>> = vec![
-            Box::new(|c| c.job_id.push('x')),
-            Box::new(|c| c.attempt += 1),
-            Box::new(|c| c.model_sha256[0] ^= 1),
-            Box::new(|c| c.prompt_sha256[0] ^= 1),
-            Box::new(|c| c.output_token_ids[0] += 1),
-            Box::new(|c| c.output_token_ids.push(4)),
-            Box::new(|c| c.output_text.push('!')),
-            Box::new(|c| c.prompt_tokens += 1),
-            Box::new(|c| c.completion_tokens += 1),
-            Box::new(|c| c.prefill_micros += 1),
-            Box::new(|c| c.decode_micros += 1),
-            Box::new(|c| c.finish_reason = "length".into()),
+        let edits: Vec<fn(&mut ResultClaim)> = vec![
+            |c| c.job_id.push('x'),
+            |c| c.attempt += 1,
+            |c| c.model_sha256[0] ^= 1,
+            |c| c.prompt_sha256[0] ^= 1,
+            |c| c.output_token_ids[0] += 1,
+            |c| c.output_token_ids.push(4),
+            |c| c.output_text.push('!'),
+            |c| c.prompt_tokens += 1,
+            |c| c.completion_tokens += 1,
+            |c| c.prefill_micros += 1,
+            |c| c.decode_micros += 1,
+            |c| c.finish_reason = "length".into(),
         ];
         for (i, edit) in edits.iter().enumerate() {
             let mut bad = good.clone();

@@ -33,10 +33,9 @@ use mlxnet_coordinator::{app::Application, config::CoordinatorConfig};
 use mlxnet_proto::{
     ids::NodeId,
     v1::{
-        accounts_client::AccountsClient, job_event, job_input,
-        jobs_client::JobsClient, models_client::ModelsClient, network_client::NetworkClient,
-        ChatMessage, ChatMessages, Job, JobInput, JobState, SamplingParams, SubmitJobRequest,
-        WatchJobRequest,
+        accounts_client::AccountsClient, job_event, job_input, jobs_client::JobsClient,
+        models_client::ModelsClient, network_client::NetworkClient, ChatMessage, ChatMessages, Job,
+        JobInput, JobState, SamplingParams, SubmitJobRequest, WatchJobRequest,
     },
 };
 use tokio::{sync::oneshot, task::JoinHandle};
@@ -362,16 +361,28 @@ impl Client {
     }
 }
 
-/// A chat job for the test model: one user message, greedy.
+/// The system prompt of [`chat_job`]. SmolLM2-135M answers plain questions
+/// well with it; under its template's default system prompt it rambles (so
+/// does llama.cpp on the same file).
+pub const SYSTEM_PROMPT: &str = "You are a helpful assistant.";
+
+/// A chat job for the test model: a short system prompt and one user
+/// message, greedy.
 pub fn chat_job(question: &str, max_tokens: u32) -> SubmitJobRequest {
     SubmitJobRequest {
         model: TEST_MODEL_ID.to_string(),
         input: Some(JobInput {
             kind: Some(job_input::Kind::Chat(ChatMessages {
-                messages: vec![ChatMessage {
-                    role: "user".into(),
-                    content: question.into(),
-                }],
+                messages: vec![
+                    ChatMessage {
+                        role: "system".into(),
+                        content: SYSTEM_PROMPT.into(),
+                    },
+                    ChatMessage {
+                        role: "user".into(),
+                        content: question.into(),
+                    },
+                ],
             })),
         }),
         sampling: Some(SamplingParams {

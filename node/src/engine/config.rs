@@ -97,13 +97,16 @@ impl ModelConfig {
                 return bad(format!("{name} is 0"));
             }
         }
-        if self.heads % self.kv_heads != 0 {
+        if !self.heads.is_multiple_of(self.kv_heads) {
             return bad(format!(
                 "{} heads are not a multiple of {} kv heads",
                 self.heads, self.kv_heads
             ));
         }
-        if self.rope_dims == 0 || self.rope_dims % 2 != 0 || self.rope_dims > self.head_dim {
+        if self.rope_dims == 0
+            || !self.rope_dims.is_multiple_of(2)
+            || self.rope_dims > self.head_dim
+        {
             return bad(format!(
                 "rotary dimension {} must be even and at most the head dimension {}",
                 self.rope_dims, self.head_dim
@@ -230,7 +233,7 @@ impl ModelConfig {
         let heads = c.num_attention_heads;
         let head_dim = match c.head_dim {
             Some(d) => d,
-            None if heads > 0 && c.hidden_size % heads == 0 => c.hidden_size / heads,
+            None if heads > 0 && c.hidden_size.is_multiple_of(heads) => c.hidden_size / heads,
             None => {
                 return Err(EngineError::Config(format!(
                     "config.json: hidden_size {} is not a multiple of {heads} heads",

@@ -101,7 +101,9 @@ async fn main() -> anyhow::Result<()> {
         }
     }
     let job = done.context("the job's stream ended without a result")?;
-    let signed = job.result.context("completed job carries no signed claim")?;
+    let signed = job
+        .result
+        .context("completed job carries no signed claim")?;
     let signer = claim::verify(&signed).context("the result's signature does not verify")?;
     let c = signed.claim.unwrap_or_default();
     if c.prompt_sha256 != claim::input_digest(&sent_input) {

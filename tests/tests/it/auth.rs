@@ -70,7 +70,11 @@ impl Rogue {
             msg: Some(node_control::Msg::Hello(hello)),
         };
         write_frame(send, &msg).await?;
-        let reply = within("the coordinator's verdict", read_frame::<_, CoordinatorControl>(recv)).await?;
+        let reply = within(
+            "the coordinator's verdict",
+            read_frame::<_, CoordinatorControl>(recv),
+        )
+        .await?;
         Ok(matches!(
             reply,
             Ok(CoordinatorControl {
@@ -101,12 +105,19 @@ fn hello(node: &SigningKey, signature: Vec<u8>) -> Hello {
         version: "rogue".into(),
         max_concurrent_jobs: 1,
         name: "rogue".into(),
+        location: None,
+        mode: "dedicated".into(),
     }
 }
 
 async fn nodes_online(coord: &TestCoordinator) -> anyhow::Result<u32> {
     let mut client = coord.client().await?;
-    Ok(client.network.stats(NetworkStatsRequest {}).await?.into_inner().nodes_online)
+    Ok(client
+        .network
+        .stats(NetworkStatsRequest {})
+        .await?
+        .into_inner()
+        .nodes_online)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -120,7 +131,10 @@ async fn proofs_signed_by_another_key_or_replayed_are_refused() -> anyhow::Resul
     let mut r = Rogue::dial(&coord).await?;
     let nonce = r.challenge().await?;
     let sig = thief.sign(&auth::transcript(&nonce, &r.exporter()?));
-    assert!(!r.hello(hello(&node, sig.to_bytes().to_vec())).await?, "forged proof accepted");
+    assert!(
+        !r.hello(hello(&node, sig.to_bytes().to_vec())).await?,
+        "forged proof accepted"
+    );
 
     // A proof made on one connection, replayed on another.
     let mut first = Rogue::dial(&coord).await?;
@@ -129,7 +143,9 @@ async fn proofs_signed_by_another_key_or_replayed_are_refused() -> anyhow::Resul
     let mut second = Rogue::dial(&coord).await?;
     let _nonce2 = second.challenge().await?;
     assert!(
-        !second.hello(hello(&node, proof.to_bytes().to_vec())).await?,
+        !second
+            .hello(hello(&node, proof.to_bytes().to_vec()))
+            .await?,
         "replayed proof accepted"
     );
     assert_eq!(nodes_online(&coord).await?, 0, "a refused node went online");
@@ -149,7 +165,11 @@ async fn next_assignment(
     Ok((send, recv, a))
 }
 
-fn claim_for(a: &Assignment, job_input: &mlxnet_proto::v1::JobInput, key: &SigningKey) -> ResultClaim {
+fn claim_for(
+    a: &Assignment,
+    job_input: &mlxnet_proto::v1::JobInput,
+    key: &SigningKey,
+) -> ResultClaim {
     ResultClaim {
         job_id: a.job_id.clone(),
         attempt: a.attempt,
@@ -166,7 +186,10 @@ fn claim_for(a: &Assignment, job_input: &mlxnet_proto::v1::JobInput, key: &Signi
     }
 }
 
-async fn send_result(send: &mut quinn::SendStream, signed: mlxnet_proto::v1::SignedClaim) -> anyhow::Result<()> {
+async fn send_result(
+    send: &mut quinn::SendStream,
+    signed: mlxnet_proto::v1::SignedClaim,
+) -> anyhow::Result<()> {
     let update = JobUpdate {
         msg: Some(job_update::Msg::Result(signed)),
     };
@@ -186,7 +209,9 @@ async fn forged_or_misdirected_results_are_refused_and_change_nothing() -> anyho
     // An honest node completes job X, then leaves.
     let mut honest = spawn_node(coord.node_config(&dir.path().join("h"), "h")).await?;
     honest.registered().await?;
-    let x = client.run_job(chat_job("What is the capital of France?", 8)).await?;
+    let x = client
+        .run_job(chat_job("What is the capital of France?", 8))
+        .await?;
     assert_eq!(state(&x.job), JobState::Completed);
     honest.stop().await?;
 
@@ -222,7 +247,11 @@ async fn forged_or_misdirected_results_are_refused_and_change_nothing() -> anyho
     // 3. A claim signed by a key that is not the rogue's.
     let (mut send, _recv, a) = next_assignment(&r).await?;
     let other = SigningKey::generate(&mut OsRng);
-    send_result(&mut send, claim::sign(claim_for(&a, &y_input, &other), &other)).await?;
+    send_result(
+        &mut send,
+        claim::sign(claim_for(&a, &y_input, &other), &other),
+    )
+    .await?;
 
     // Nothing changed: X still holds the honest node's result; Y is unfinished.
     let x_now = get(x.job_id.clone()).await?;

@@ -15,6 +15,9 @@ fn devnet_runs_a_sample_job_and_prints_the_answer() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "devnet failed: {stdout}\n{stderr}");
     assert!(stdout.contains("Paris"), "no answer in: {stdout}");
-    assert!(stdout.contains("verified: signed by "), "no verified claim in: {stdout}");
+    assert!(
+        stdout.contains("verified: signed by "),
+        "no verified claim in: {stdout}"
+    );
     assert!(stdout.contains("registered"), "{stdout}");
 }

@@ -25,7 +25,8 @@ async fn two_nodes_stream_real_answers_with_verifiable_claims() -> anyhow::Resul
     // a time, so the two jobs must land on the two nodes.
     let j1 = client.jobs.submit(first).await?.into_inner();
     let j2 = client.jobs.submit(second).await?.into_inner();
-    let (r1, r2) = tokio::join!(client.clone().follow(j1.id), client.clone().follow(j2.id));
+    let (mut c1, mut c2) = (client.clone(), client.clone());
+    let (r1, r2) = tokio::join!(c1.follow(j1.id), c2.follow(j2.id));
     let runs = [r1?, r2?];
 
     let nodes = [a.id, b.id];
@@ -33,9 +34,16 @@ async fn two_nodes_stream_real_answers_with_verifiable_claims() -> anyhow::Resul
     for (run, input) in runs.iter().zip(&sent) {
         assert_eq!(state(&run.job), JobState::Completed, "job {:?}", run.job);
         assert!(!run.streamed_ids.is_empty(), "no tokens were streamed");
-        assert_eq!(run.streamed_text, run.job.output_text, "stream and result differ");
+        assert_eq!(
+            run.streamed_text, run.job.output_text,
+            "stream and result differ"
+        );
 
-        let signed = run.job.result.clone().expect("completed job has a signed claim");
+        let signed = run
+            .job
+            .result
+            .clone()
+            .expect("completed job has a signed claim");
         let signer = claim::verify(&signed).expect("stored claim verifies");
         assert!(nodes.contains(&signer), "claim signed by an unknown node");
         assert_eq!(run.job.node_id, signer.to_string());

@@ -7,3 +7,4 @@ mod devnet;
 mod jobs;
 mod restart;
 mod validation;
+mod world;

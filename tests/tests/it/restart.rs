@@ -32,10 +32,17 @@ async fn completed_jobs_survive_a_restart_and_nodes_reconnect() -> anyhow::Resul
         .into_inner();
     assert_eq!(state(&stored), JobState::Completed);
     assert_eq!(stored.output_text, before.job.output_text);
-    assert_eq!(stored.result, before.job.result, "the signed claim survives");
+    assert_eq!(
+        stored.result, before.job.result,
+        "the signed claim survives"
+    );
 
     node.registered().await?;
-    let stats = client.network.stats(NetworkStatsRequest {}).await?.into_inner();
+    let stats = client
+        .network
+        .stats(NetworkStatsRequest {})
+        .await?
+        .into_inner();
     assert_eq!(stats.nodes_online, 1);
     assert_eq!(stats.jobs_completed, 1);
 

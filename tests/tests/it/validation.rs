@@ -35,12 +35,26 @@ async fn bad_requests_are_refused_and_create_nothing() -> anyhow::Result<()> {
         ("unknown model", unknown, vec![Code::NotFound], "gpt-17"),
         ("empty prompt", empty, vec![Code::InvalidArgument], "empty"),
         ("no input", no_input, vec![Code::InvalidArgument], ""),
-        ("max_tokens", too_many, vec![Code::InvalidArgument], "max_tokens"),
-        ("temperature", bad_temp, vec![Code::InvalidArgument], "temperature"),
+        (
+            "max_tokens",
+            too_many,
+            vec![Code::InvalidArgument],
+            "max_tokens",
+        ),
+        (
+            "temperature",
+            bad_temp,
+            vec![Code::InvalidArgument],
+            "temperature",
+        ),
         (
             "oversized request",
             huge,
-            vec![Code::ResourceExhausted, Code::OutOfRange, Code::InvalidArgument],
+            vec![
+                Code::ResourceExhausted,
+                Code::OutOfRange,
+                Code::InvalidArgument,
+            ],
             "",
         ),
     ];

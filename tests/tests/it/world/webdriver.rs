@@ -36,8 +36,8 @@ pub struct Browser {
     _profile: tempfile::TempDir,
 }
 
-/// A reference to an element of the page.
-pub struct Element(String);
+/// A reference to an element of the page (its WebDriver id).
+pub struct Element(#[allow(dead_code)] String);
 
 const ELEMENT_KEY: &str = "element-6066-11e4-a52e-4f735466cecf";
 
@@ -172,12 +172,6 @@ impl Browser {
             .as_str()
             .ok_or_else(|| anyhow!("no element for {css}: {v}"))?;
         Ok(Element(id.to_owned()))
-    }
-
-    pub async fn click(&self, el: &Element) -> anyhow::Result<()> {
-        self.cmd("POST", &format!("/element/{}/click", el.0), Some(json!({})))
-            .await?;
-        Ok(())
     }
 
     /// A real mouse click at viewport point (x, y): move, press, release.
