@@ -337,7 +337,7 @@ fn parse_bytes(buf: &[u8]) -> Result<Parsed, EngineError> {
     let max_entries = (buf.len() / 8) as u64;
     if tensor_count > max_entries || kv_count > max_entries {
         return Err(err(format!(
-            "corrupt header: {tensor_count} tensors and {kv_count} metadata entries cannot fit in {} bytes",
+            "truncated or corrupt header: {tensor_count} tensors and {kv_count} metadata entries cannot fit in {} bytes",
             buf.len()
         )));
     }
