@@ -43,6 +43,7 @@ use std::time::{Duration, Instant};
 pub mod cli;
 mod config;
 mod gguf;
+pub mod kernels;
 mod linear;
 mod model;
 mod ops;
