@@ -3,6 +3,15 @@
 
 use std::{net::SocketAddr, sync::Arc};
 
+use ed25519_dalek::{Signer, SigningKey};
+use mlxnet_proto::{
+    auth,
+    frame::{read_frame, write_frame},
+    v1::{
+        coordinator_control, node_control, CachedModel, CoordinatorControl, HardwareProfile, Hello,
+        NodeControl, Open,
+    },
+};
 use rustls::{
     client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier},
     crypto::{verify_tls12_signature, verify_tls13_signature, CryptoProvider},
@@ -150,28 +159,19 @@ pub fn client_config(fingerprint: &str) -> quinn::ClientConfig {
     ))
 }
 
-/// A node made by hand: registered with the test model, speaking the wire
-/// protocol directly so tests control every frame.
-pub struct FakeNode {
-    pub key: ed25519_dalek::SigningKey,
-    pub conn: quinn::Connection,
+/// A hand-made node's connection, stopped at the challenge: tests choose
+/// the proof and the Hello.
+pub struct Dialer {
     _endpoint: quinn::Endpoint,
-    _control: (quinn::SendStream, quinn::RecvStream),
+    pub conn: quinn::Connection,
+    pub send: quinn::SendStream,
+    pub recv: quinn::RecvStream,
+    pub nonce: Vec<u8>,
 }
 
-impl FakeNode {
-    pub async fn register(app: &TestApp, seed: u64) -> Self {
-        use ed25519_dalek::Signer;
-        use mlxnet_proto::{
-            auth,
-            frame::{read_frame, write_frame},
-            v1::{
-                coordinator_control, node_control, CachedModel, CoordinatorControl,
-                HardwareProfile, Hello, NodeControl, Open,
-            },
-        };
-        use rand::SeedableRng;
-        let key = ed25519_dalek::SigningKey::generate(&mut rand::rngs::StdRng::seed_from_u64(seed));
+impl Dialer {
+    /// Connects, opens the control stream and reads the challenge.
+    pub async fn connect(app: &TestApp) -> Self {
         let mut endpoint = quinn::Endpoint::client("127.0.0.1:0".parse().unwrap()).unwrap();
         endpoint.set_default_client_config(client_config(&app.fingerprint));
         let conn = endpoint
@@ -182,23 +182,45 @@ impl FakeNode {
         let (mut send, mut recv) = conn.open_bi().await.unwrap();
         let open = NodeControl {
             msg: Some(node_control::Msg::Open(Open {
-                version: "fake".into(),
+                version: "test".into(),
             })),
         };
         write_frame(&mut send, &open).await.unwrap();
-        let c: CoordinatorControl = read_frame(&mut recv).await.unwrap();
-        let Some(coordinator_control::Msg::Challenge(c)) = c.msg else {
-            panic!("expected a challenge");
+        let challenge: CoordinatorControl = read_frame(&mut recv).await.unwrap();
+        let Some(coordinator_control::Msg::Challenge(c)) = challenge.msg else {
+            panic!("expected a challenge, got {challenge:?}");
         };
+        assert_eq!(c.nonce.len(), auth::NONCE_LEN);
+        Self {
+            _endpoint: endpoint,
+            conn,
+            send,
+            recv,
+            nonce: c.nonce,
+        }
+    }
+
+    /// This connection's proof of `key`.
+    pub fn proof(&self, key: &SigningKey) -> Vec<u8> {
         let mut exporter = [0u8; auth::EXPORTER_LEN];
-        conn.export_keying_material(&mut exporter, auth::EXPORTER_LABEL, b"")
+        self.conn
+            .export_keying_material(&mut exporter, auth::EXPORTER_LABEL, b"")
             .unwrap();
+        key.sign(&auth::transcript(&self.nonce, &exporter))
+            .to_bytes()
+            .to_vec()
+    }
+
+    /// Sends a Hello naming `node` with `signature`; returns the reply, or
+    /// `None` if the connection ended without one.
+    pub async fn hello(
+        &mut self,
+        node: &SigningKey,
+        signature: Vec<u8>,
+    ) -> Option<coordinator_control::Msg> {
         let hello = Hello {
-            node_id: key.verifying_key().to_bytes().to_vec(),
-            signature: key
-                .sign(&auth::transcript(&c.nonce, &exporter))
-                .to_bytes()
-                .to_vec(),
+            node_id: node.verifying_key().to_bytes().to_vec(),
+            signature,
             hardware: Some(HardwareProfile {
                 memory_bytes: 16 << 30,
                 free_memory_bytes: 8 << 30,
@@ -209,28 +231,52 @@ impl FakeNode {
                 sha256: hex::decode(crate::config::smollm2_135m_instruct().sha256).unwrap(),
                 size_bytes: 1,
             }],
+            version: "test".into(),
             max_concurrent_jobs: 1,
-            name: "fake".into(),
+            name: "test".into(),
             ..Default::default()
         };
         write_frame(
-            &mut send,
+            &mut self.send,
             &NodeControl {
                 msg: Some(node_control::Msg::Hello(hello)),
             },
         )
         .await
         .unwrap();
-        let w: CoordinatorControl = read_frame(&mut recv).await.unwrap();
+        read_frame::<_, CoordinatorControl>(&mut self.recv)
+            .await
+            .ok()
+            .and_then(|m| m.msg)
+    }
+}
+
+/// A node made by hand: registered with the test model, speaking the wire
+/// protocol directly so tests control every frame.
+pub struct FakeNode {
+    pub key: ed25519_dalek::SigningKey,
+    pub conn: quinn::Connection,
+    _dialer: Dialer,
+}
+
+impl FakeNode {
+    pub async fn register(app: &TestApp, seed: u64) -> Self {
+        use rand::SeedableRng;
+        let key = ed25519_dalek::SigningKey::generate(&mut rand::rngs::StdRng::seed_from_u64(seed));
+        let mut dialer = Dialer::connect(app).await;
+        let proof = dialer.proof(&key);
+        let reply = dialer.hello(&key, proof).await;
         assert!(
-            matches!(w.msg, Some(coordinator_control::Msg::Welcome(_))),
-            "{w:?}"
+            matches!(
+                reply,
+                Some(mlxnet_proto::v1::coordinator_control::Msg::Welcome(_))
+            ),
+            "{reply:?}"
         );
         Self {
             key,
-            conn,
-            _endpoint: endpoint,
-            _control: (send, recv),
+            conn: dialer.conn.clone(),
+            _dialer: dialer,
         }
     }
 

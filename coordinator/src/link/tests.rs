@@ -2,108 +2,17 @@
 //! is welcome; a proof signed by another key, or made on another connection,
 //! is refused and the node never shows as online.
 
-use ed25519_dalek::{Signer, SigningKey};
+use ed25519_dalek::SigningKey;
 use mlxnet_proto::{
-    auth,
     frame::{read_frame, write_frame},
     v1::{
-        coordinator_control, network_client::NetworkClient, node_control, CachedModel,
-        CoordinatorControl, HardwareProfile, Heartbeat, Hello, NetworkStatsRequest, NodeControl,
-        Open,
+        coordinator_control, network_client::NetworkClient, node_control, CoordinatorControl,
+        Heartbeat, NetworkStatsRequest, NodeControl,
     },
 };
 use rand::{rngs::StdRng, SeedableRng};
 
-use crate::test_utils::{client_config, spawn_app, TestApp};
-
-struct Dialer {
-    _endpoint: quinn::Endpoint,
-    conn: quinn::Connection,
-    send: quinn::SendStream,
-    recv: quinn::RecvStream,
-    nonce: Vec<u8>,
-}
-
-impl Dialer {
-    /// Connects, opens the control stream and reads the challenge.
-    async fn connect(app: &TestApp) -> Self {
-        let mut endpoint = quinn::Endpoint::client("127.0.0.1:0".parse().unwrap()).unwrap();
-        endpoint.set_default_client_config(client_config(&app.fingerprint));
-        let conn = endpoint
-            .connect(app.quic_addr, "localhost")
-            .unwrap()
-            .await
-            .unwrap();
-        let (mut send, mut recv) = conn.open_bi().await.unwrap();
-        let open = NodeControl {
-            msg: Some(node_control::Msg::Open(Open {
-                version: "test".into(),
-            })),
-        };
-        write_frame(&mut send, &open).await.unwrap();
-        let challenge: CoordinatorControl = read_frame(&mut recv).await.unwrap();
-        let Some(coordinator_control::Msg::Challenge(c)) = challenge.msg else {
-            panic!("expected a challenge, got {challenge:?}");
-        };
-        assert_eq!(c.nonce.len(), auth::NONCE_LEN);
-        Self {
-            _endpoint: endpoint,
-            conn,
-            send,
-            recv,
-            nonce: c.nonce,
-        }
-    }
-
-    fn proof(&self, key: &SigningKey) -> Vec<u8> {
-        let mut exporter = [0u8; auth::EXPORTER_LEN];
-        self.conn
-            .export_keying_material(&mut exporter, auth::EXPORTER_LABEL, b"")
-            .unwrap();
-        key.sign(&auth::transcript(&self.nonce, &exporter))
-            .to_bytes()
-            .to_vec()
-    }
-
-    /// Sends a Hello naming `node` with `signature`; returns the reply, or
-    /// `None` if the connection ended without one.
-    async fn hello(
-        &mut self,
-        node: &SigningKey,
-        signature: Vec<u8>,
-    ) -> Option<coordinator_control::Msg> {
-        let hello = Hello {
-            node_id: node.verifying_key().to_bytes().to_vec(),
-            signature,
-            hardware: Some(HardwareProfile {
-                memory_bytes: 16 << 30,
-                free_memory_bytes: 8 << 30,
-                ..Default::default()
-            }),
-            models: vec![CachedModel {
-                model: "smollm2-135m-instruct".into(),
-                sha256: hex::decode(crate::config::smollm2_135m_instruct().sha256).unwrap(),
-                size_bytes: 1,
-            }],
-            version: "test".into(),
-            max_concurrent_jobs: 1,
-            name: "test".into(),
-            ..Default::default()
-        };
-        write_frame(
-            &mut self.send,
-            &NodeControl {
-                msg: Some(node_control::Msg::Hello(hello)),
-            },
-        )
-        .await
-        .unwrap();
-        read_frame::<_, CoordinatorControl>(&mut self.recv)
-            .await
-            .ok()
-            .and_then(|m| m.msg)
-    }
-}
+use crate::test_utils::{spawn_app, Dialer, TestApp};
 
 async fn nodes_online(app: &TestApp) -> u32 {
     let mut client = NetworkClient::new(app.grpc().await);
