@@ -9,6 +9,9 @@ PyPI package llama-cpp-python and writes node/src/engine/testdata/llama_cpp_refe
   stopping at an end-of-generation token, which is not recorded). The third
   prompt is the model's chat template rendered (jinja2, as Hugging Face does)
   for a short system prompt and the question "What is the capital of France?".
+  With each step's "top2_margins": llama.cpp's best minus second-best logit,
+  so a test can tell a near tie (where llama.cpp's own variants, e.g. flash
+  attention or token-by-token prefill, pick differently) from a real mismatch.
 - "tokenize": llama.cpp's ids for tricky strings (digits, spaces, tabs,
   newlines, special tokens, non-ASCII), tokenized without BOS and with
   special tokens recognised.
@@ -78,17 +81,21 @@ def load():
 
 
 def greedy(llm, tokens, eog):
+    """The greedy continuation and, at each step, llama.cpp's margin between
+    its best and second-best logit (a small margin is a near tie)."""
     llm.reset()
     llm.eval(tokens)
-    out = []
+    out, margins = [], []
     for _ in range(N_PREDICT):
-        logits = llm.scores[llm.n_tokens - 1]
-        tok = int(max(range(len(logits)), key=lambda i: logits[i]))
+        logits = list(llm.scores[llm.n_tokens - 1])
+        order = sorted(range(len(logits)), key=lambda i: -logits[i])
+        tok = int(order[0])
         if tok in eog:
             break
         out.append(tok)
+        margins.append(round(float(logits[order[0]] - logits[order[1]]), 4))
         llm.eval([tok])
-    return out
+    return out, margins
 
 
 def main():
@@ -114,11 +121,13 @@ def main():
     greedy_runs = []
     for prompt in TEXT_PROMPTS + [chat_text]:
         toks = llm.tokenize(prompt.encode("utf-8"), add_bos=True, special=True)
+        output, margins = greedy(llm, toks, eog)
         greedy_runs.append(
             {
                 "prompt": prompt,
                 "prompt_tokens": toks,
-                "output_tokens": greedy(llm, toks, eog),
+                "output_tokens": output,
+                "top2_margins": margins,
             }
         )
     tokenize = [

@@ -10,8 +10,10 @@
 //! - Every function checks slice lengths against the dimensions it is given
 //!   through the types of its callers; callers pass consistent shapes (the
 //!   model config is validated), so the indexing below cannot go out of bounds.
-//! - Arithmetic mirrors llama.cpp's CPU path (f32 accumulation, the same RoPE
-//!   angle recurrence) so greedy decoding gives the same tokens.
+//! - Arithmetic mirrors llama.cpp's CPU path (f32 accumulation with f64 sums
+//!   in norms and softmax, K/V and attention operands rounded to f16 as in its
+//!   default f16 cache, the same RoPE angle recurrence) so greedy decoding
+//!   gives the same tokens.
 
 use candle_core::{Device, Tensor};
 use rayon::prelude::*;
@@ -30,11 +32,13 @@ pub fn from_vec(v: Vec<f32>, rows: usize, cols: usize) -> candle_core::Result<Te
 pub fn rms_norm(x: &mut [f32], w: &[f32], eps: f32) {
     let n = w.len();
     for row in x.chunks_exact_mut(n) {
-        let mut sum = 0.0f32;
+        // ggml sums the squares in f64.
+        let mut sum = 0.0f64;
         for v in row.iter() {
-            sum += v * v;
+            sum += f64::from(v * v);
         }
-        let scale = 1.0 / (sum / n as f32 + eps).sqrt();
+        let mean = (sum / n as f64) as f32;
+        let scale = 1.0 / (mean + eps).sqrt();
         for (v, wi) in row.iter_mut().zip(w) {
             *v = *v * scale * wi;
         }
@@ -117,6 +121,11 @@ pub fn add_assign(x: &mut [f32], y: &[f32]) {
     }
 }
 
+/// `x` rounded to the nearest f16, back as f32.
+fn round_f16(x: f32) -> f32 {
+    half::f16::from_f32(x).to_f32()
+}
+
 fn dot(a: &[f32], b: &[f32]) -> f32 {
     // Eight independent accumulators let the compiler vectorise the loop.
     let mut acc = [0.0f32; 8];
@@ -161,7 +170,8 @@ impl LayerCache {
     }
 
     /// Writes the keys/values of `s` new tokens (`[s][kv_heads][head_dim]`)
-    /// at positions `pos..pos + s`.
+    /// at positions `pos..pos + s`, rounded to f16 as llama.cpp's default
+    /// (f16) cache stores them.
     pub fn store(&mut self, shape: AttnShape, pos: usize, k: &[f32], v: &[f32]) {
         let hd = shape.head_dim;
         let s = k.len() / (shape.kv_heads * hd);
@@ -169,8 +179,12 @@ impl LayerCache {
             for h in 0..shape.kv_heads {
                 let src = (t * shape.kv_heads + h) * hd;
                 let dst = (h * shape.capacity + pos + t) * hd;
-                self.k[dst..dst + hd].copy_from_slice(&k[src..src + hd]);
-                self.v[dst..dst + hd].copy_from_slice(&v[src..src + hd]);
+                for (d, x) in self.k[dst..dst + hd].iter_mut().zip(&k[src..src + hd]) {
+                    *d = round_f16(*x);
+                }
+                for (d, x) in self.v[dst..dst + hd].iter_mut().zip(&v[src..src + hd]) {
+                    *d = round_f16(*x);
+                }
             }
         }
     }
@@ -190,24 +204,31 @@ pub fn attention(q: &[f32], cache: &LayerCache, shape: AttnShape, pos: usize) ->
         let h = idx % shape.heads;
         let kvh = h / group;
         let len = pos + t + 1;
-        let qv = &q[idx * hd..(idx + 1) * hd];
+        // llama.cpp multiplies f16 K by q converted to f16, and f16 V by the
+        // probabilities converted to f16; rounding the same way keeps greedy
+        // decoding on the same tokens.
+        let qv: Vec<f32> = q[idx * hd..(idx + 1) * hd]
+            .iter()
+            .map(|&x| round_f16(x))
+            .collect();
         let base = kvh * shape.capacity * hd;
         let mut scores = Vec::with_capacity(len);
         let mut max = f32::NEG_INFINITY;
         for j in 0..len {
             let kv = &cache.k[base + j * hd..base + (j + 1) * hd];
-            let sc = dot(qv, kv) * scale;
+            let sc = dot(&qv, kv) * scale;
             max = max.max(sc);
             scores.push(sc);
         }
-        let mut sum = 0.0f32;
+        // ggml accumulates the softmax denominator in f64.
+        let mut sum = 0.0f64;
         for sc in scores.iter_mut() {
             *sc = (*sc - max).exp();
-            sum += *sc;
+            sum += f64::from(*sc);
         }
-        let inv = 1.0 / sum;
+        let inv = (1.0 / sum) as f32;
         for (j, p) in scores.iter().enumerate() {
-            let w = p * inv;
+            let w = round_f16(p * inv);
             let vv = &cache.v[base + j * hd..base + (j + 1) * hd];
             for (oi, vi) in o.iter_mut().zip(vv) {
                 *oi += w * vi;

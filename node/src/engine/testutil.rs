@@ -399,6 +399,7 @@ pub fn write_spm_gguf(path: &Path) {
         "\u{2581}h",
         "\u{2581}w",
         "or",
+        "ld",
         "hell",
         "\u{2581}hell",
         "\u{2581}hello",
