@@ -97,6 +97,13 @@ impl ModelConfig {
                 return bad(format!("{name} is 0"));
             }
         }
+        if self.head_dim > super::ops::MAX_HEAD_DIM {
+            return bad(format!(
+                "head dimension {} is above the supported {}",
+                self.head_dim,
+                super::ops::MAX_HEAD_DIM
+            ));
+        }
         if !self.heads.is_multiple_of(self.kv_heads) {
             return bad(format!(
                 "{} heads are not a multiple of {} kv heads",

@@ -647,6 +647,16 @@ impl QuantLinear {
         self.with_matrix(|w| matmul(w, scratch, out, self.isa))
     }
 
+    /// [`QuantLinear::forward_slice`] with this thread's reusable scratch.
+    pub fn forward_local(
+        &self,
+        x: &[f32],
+        rows: usize,
+        out: &mut [f32],
+    ) -> Result<(), KernelError> {
+        SCRATCH.with(|scratch| self.forward_slice(x, rows, out, &mut scratch.borrow_mut()))
+    }
+
     /// `x Wᵀ` for `x` of shape `[.., k]` (any float dtype, converted to f32), giving `[.., n]` in f32.
     pub fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
         self.forward_tensor(x).map_err(candle_core::Error::wrap)

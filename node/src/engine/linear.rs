@@ -2,23 +2,38 @@
 //!
 //! Every weight multiplication of the model goes through [`Linear`], so a
 //! faster kernel for a quantized format is swapped in here and nowhere else.
-//! Quantized weights (GGUF Q4_0, Q4_1, Q8_0, K-quants) stay quantized and go
-//! through candle's `QMatMul`; float weights (F32/F16/BF16) are kept as f32.
+//! GGUF Q4_0, Q4_1 and Q8_0 weights go through our SIMD kernels
+//! ([`super::kernels::QuantLinear`]); other quantized weights (K-quants) stay
+//! quantized and go through candle's `QMatMul`; float weights (F32/F16/BF16)
+//! are kept as f32.
 //!
 //! # Invariants
 //! - The weight is `[out_features, in_features]`; the input's last dimension is
 //!   `in_features` (checked at construction against the model config).
 
+use std::sync::Arc;
+
 use candle_core::quantized::{QMatMul, QTensor};
 use candle_core::{DType, Module, Tensor};
 
+use super::kernels::QuantLinear;
 use super::EngineError;
+
+/// How the weight is multiplied.
+#[derive(Debug, Clone)]
+enum Weight {
+    /// Q4_0 / Q4_1 / Q8_0 blocks, through our kernels.
+    Fast(QuantLinear),
+    /// Anything else, through candle.
+    Candle(QMatMul),
+}
 
 /// One projection with an optional bias.
 #[derive(Debug, Clone)]
 pub struct Linear {
-    weight: QMatMul,
-    bias: Option<Tensor>,
+    weight: Weight,
+    /// The bias as f32 values.
+    bias: Option<Vec<f32>>,
     out_features: usize,
     in_features: usize,
 }
@@ -27,9 +42,16 @@ impl Linear {
     /// From a (possibly quantized) GGUF tensor.
     pub fn from_qtensor(weight: QTensor, bias: Option<Tensor>) -> Result<Self, EngineError> {
         let (out_features, in_features) = weight.shape().dims2()?;
+        let weight = if QuantLinear::supports(weight.dtype()) && in_features.is_multiple_of(32) {
+            Weight::Fast(
+                QuantLinear::from_qtensor(Arc::new(weight)).map_err(candle_core::Error::wrap)?,
+            )
+        } else {
+            Weight::Candle(QMatMul::from_qtensor(weight)?)
+        };
         Ok(Linear {
-            weight: QMatMul::from_qtensor(weight)?,
-            bias,
+            weight,
+            bias: bias_values(&bias)?,
             out_features,
             in_features,
         })
@@ -40,8 +62,8 @@ impl Linear {
         let (out_features, in_features) = weight.dims2()?;
         let weight = weight.to_dtype(DType::F32)?.contiguous()?;
         Ok(Linear {
-            weight: QMatMul::Tensor(weight),
-            bias,
+            weight: Weight::Candle(QMatMul::Tensor(weight)),
+            bias: bias_values(&bias)?,
             out_features,
             in_features,
         })
@@ -55,12 +77,37 @@ impl Linear {
         self.in_features
     }
 
-    /// `x`: `[.., in_features]` f32 → `[.., out_features]`.
-    pub fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        let y = self.weight.forward(x)?;
-        match &self.bias {
-            Some(b) => y.broadcast_add(b),
-            None => Ok(y),
+    /// `x`: `[rows][in_features]` → `[rows][out_features]`, on plain slices.
+    /// The fast kernels run straight on `x` (no tensor is built), which is what
+    /// single-token decoding needs: per call it allocates only the output.
+    pub fn forward_slice(&self, x: &[f32], rows: usize) -> candle_core::Result<Vec<f32>> {
+        let n = self.out_features;
+        let mut y = match &self.weight {
+            Weight::Fast(w) => {
+                let mut out = vec![0f32; rows * n];
+                w.forward_local(x, rows, &mut out)
+                    .map_err(candle_core::Error::wrap)?;
+                out
+            }
+            Weight::Candle(w) => {
+                let x = Tensor::from_slice(x, (rows, self.in_features), &candle_core::Device::Cpu)?;
+                w.forward(&x)?.flatten_all()?.to_vec1::<f32>()?
+            }
+        };
+        if let Some(b) = &self.bias {
+            for row in y.chunks_exact_mut(n) {
+                for (v, bi) in row.iter_mut().zip(b) {
+                    *v += bi;
+                }
+            }
         }
+        Ok(y)
     }
+}
+
+fn bias_values(bias: &Option<Tensor>) -> Result<Option<Vec<f32>>, EngineError> {
+    Ok(match bias {
+        Some(b) => Some(b.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?),
+        None => None,
+    })
 }

@@ -207,11 +207,10 @@ impl Model {
             // Attention.
             let mut hn = x.clone();
             ops::rms_norm(&mut hn, &block.attn_norm, eps);
-            let hn = ops::from_vec(hn, s, h)?;
             let a = &block.attn;
-            let mut q = ops::to_vec(&a.q.forward(&hn)?)?;
-            let mut k = ops::to_vec(&a.k.forward(&hn)?)?;
-            let v = ops::to_vec(&a.v.forward(&hn)?)?;
+            let mut q = a.q.forward_slice(&hn, s)?;
+            let mut k = a.k.forward_slice(&hn, s)?;
+            let v = a.v.forward_slice(&hn, s)?;
             if let Some(w) = &a.q_norm {
                 ops::rms_norm(&mut q, w, eps);
             }
@@ -232,25 +231,21 @@ impl Model {
             }
             cache.store(shape, pos, &k, &v);
             let att = ops::attention(&q, cache, shape, pos);
-            let att = ops::from_vec(att, s, shape.heads * hd)?;
-            let o = ops::to_vec(&a.o.forward(&att)?)?;
+            let o = a.o.forward_slice(&att, s)?;
             ops::add_assign(&mut x, &o);
 
             // Feed-forward.
             let mut hn = x.clone();
             ops::rms_norm(&mut hn, &block.ffn_norm, eps);
-            let hn = ops::from_vec(hn, s, h)?;
-            let mut g = ops::to_vec(&block.mlp.gate.forward(&hn)?)?;
-            let u = ops::to_vec(&block.mlp.up.forward(&hn)?)?;
+            let mut g = block.mlp.gate.forward_slice(&hn, s)?;
+            let u = block.mlp.up.forward_slice(&hn, s)?;
             ops::swiglu(&mut g, &u);
-            let g = ops::from_vec(g, s, self.cfg.intermediate_size)?;
-            let d = ops::to_vec(&block.mlp.down.forward(&g)?)?;
+            let d = block.mlp.down.forward_slice(&g, s)?;
             ops::add_assign(&mut x, &d);
         }
         self.pos += s;
         let mut last = x[(s - 1) * h..].to_vec();
         ops::rms_norm(&mut last, &self.norm, eps);
-        let last = ops::from_vec(last, 1, h)?;
-        Ok(ops::to_vec(&self.lm_head.forward(&last)?)?)
+        Ok(self.lm_head.forward_slice(&last, 1)?)
     }
 }

@@ -15,17 +15,11 @@
 //!   default f16 cache, the same RoPE angle recurrence) so greedy decoding
 //!   gives the same tokens.
 
-use candle_core::{Device, Tensor};
-use rayon::prelude::*;
+use candle_core::Tensor;
 
 /// Copies a tensor's values out as f32 (contiguous, row-major).
 pub fn to_vec(t: &Tensor) -> candle_core::Result<Vec<f32>> {
     t.flatten_all()?.to_vec1::<f32>()
-}
-
-/// Builds a `[rows, cols]` f32 tensor from a vector.
-pub fn from_vec(v: Vec<f32>, rows: usize, cols: usize) -> candle_core::Result<Tensor> {
-    Tensor::from_vec(v, (rows, cols), &Device::Cpu)
 }
 
 /// In place: each row of `x` (length `w.len()`) ← row / rms(row) · w.
@@ -121,6 +115,10 @@ pub fn add_assign(x: &mut [f32], y: &[f32]) {
     }
 }
 
+/// Largest head dimension [`attention`] handles (the config check rejects
+/// larger ones).
+pub const MAX_HEAD_DIM: usize = 512;
+
 /// `x` rounded to the nearest f16, back as f32.
 fn round_f16(x: f32) -> f32 {
     half::f16::from_f32(x).to_f32()
@@ -199,7 +197,7 @@ pub fn attention(q: &[f32], cache: &LayerCache, shape: AttnShape, pos: usize) ->
     let s = q.len() / (shape.heads * hd);
     let scale = 1.0 / (hd as f32).sqrt();
     let mut out = vec![0.0f32; q.len()];
-    let work = |(idx, o): (usize, &mut [f32])| {
+    let work = |idx: usize, o: &mut [f32]| {
         let t = idx / shape.heads;
         let h = idx % shape.heads;
         let kvh = h / group;
@@ -207,16 +205,17 @@ pub fn attention(q: &[f32], cache: &LayerCache, shape: AttnShape, pos: usize) ->
         // llama.cpp multiplies f16 K by q converted to f16, and f16 V by the
         // probabilities converted to f16; rounding the same way keeps greedy
         // decoding on the same tokens.
-        let qv: Vec<f32> = q[idx * hd..(idx + 1) * hd]
-            .iter()
-            .map(|&x| round_f16(x))
-            .collect();
+        let mut qv = [0f32; MAX_HEAD_DIM];
+        let qv = &mut qv[..hd];
+        for (d, &x) in qv.iter_mut().zip(&q[idx * hd..(idx + 1) * hd]) {
+            *d = round_f16(x);
+        }
         let base = kvh * shape.capacity * hd;
         let mut scores = Vec::with_capacity(len);
         let mut max = f32::NEG_INFINITY;
         for j in 0..len {
             let kv = &cache.k[base + j * hd..base + (j + 1) * hd];
-            let sc = dot(&qv, kv) * scale;
+            let sc = dot(qv, kv) * scale;
             max = max.max(sc);
             scores.push(sc);
         }
@@ -235,11 +234,13 @@ pub fn attention(q: &[f32], cache: &LayerCache, shape: AttnShape, pos: usize) ->
             }
         }
     };
-    // Parallel over (token, head) pairs; a single short row is not worth a fork.
+    // Parallel over (token, head) pairs on the kernels' pool (one pool for all
+    // the model's work, so two never compete for cores); a single short row
+    // is not worth a fork.
     if s * shape.heads > 1 && pos + s > 64 {
-        out.par_chunks_mut(hd).enumerate().for_each(work);
+        super::kernels::par_chunks_mut(&mut out, hd, work);
     } else {
-        out.chunks_mut(hd).enumerate().for_each(work);
+        out.chunks_mut(hd).enumerate().for_each(|(i, o)| work(i, o));
     }
     out
 }

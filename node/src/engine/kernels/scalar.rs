@@ -15,17 +15,19 @@ fn round_f16(x: f32) -> f32 {
     half::f16::from_f32(x).to_f32()
 }
 
-/// Quantizes one block of 32 values into `q` (ggml's `quantize_row_q8_1`):
+/// Quantizes one block of 32 values into `q` (ggml's `quantize_row_q8_1` as
+/// its x86 build computes it: `127 / max|x|` as the inverse scale, and
+/// rounding half to even like `_mm256_round_ps`):
 /// returns `(d, s81, sx)` = (scale rounded to f16, f16-rounded `d * sum(q)`,
 /// `d_rounded * sum(q)`).
 pub(crate) fn quantize_block(x: &[f32], q: &mut [i8]) -> (f32, f32, f32) {
     let amax = x.iter().fold(0f32, |m, v| m.max(v.abs()));
     let d = amax / 127.0;
-    let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+    let id = if amax != 0.0 { 127.0 / amax } else { 0.0 };
     let mut sum = 0i32;
     for (qi, xi) in q.iter_mut().zip(x) {
         // `as` saturates (and maps NaN to 0), so odd inputs cannot overflow.
-        let v = (xi * id).round() as i8;
+        let v = (xi * id).round_ties_even() as i8;
         *qi = v;
         sum += i32::from(v);
     }
