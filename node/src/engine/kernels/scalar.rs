@@ -15,6 +15,17 @@ fn round_f16(x: f32) -> f32 {
     half::f16::from_f32(x).to_f32()
 }
 
+/// `x` rounded half to even, for `|x| <= 127` (what quantization feeds it;
+/// larger values are clamped to ±128 first). Adding and subtracting 1.5 * 2^23
+/// makes the FPU round in its default mode, nearest-even, inline; `f32::
+/// round_ties_even` is a call into libm on x86-64 without SSE4.1 at build time.
+#[inline]
+fn round_even(x: f32) -> f32 {
+    const MAGIC: f32 = 12_582_912.0;
+    let x = x.clamp(-128.0, 128.0);
+    (x + MAGIC) - MAGIC
+}
+
 /// Quantizes one block of 32 values into `q` (ggml's `quantize_row_q8_1` as
 /// its x86 build computes it: `127 / max|x|` as the inverse scale, and
 /// rounding half to even like `_mm256_round_ps`):
@@ -27,7 +38,7 @@ pub(crate) fn quantize_block(x: &[f32], q: &mut [i8]) -> (f32, f32, f32) {
     let mut sum = 0i32;
     for (qi, xi) in q.iter_mut().zip(x) {
         // `as` saturates (and maps NaN to 0), so odd inputs cannot overflow.
-        let v = (xi * id).round_ties_even() as i8;
+        let v = round_even(xi * id) as i8;
         *qi = v;
         sum += i32::from(v);
     }
@@ -86,5 +97,26 @@ pub(crate) fn rect(rect: &Rect<'_>, acts: &Acts<'_>, out: &mut [f32]) {
             }
             out[a * rect.sa + r * rect.sr] = sum;
         }
+    }
+}
+
+#[cfg(test)]
+mod round_tests {
+    use super::round_even;
+
+    #[test]
+    fn round_even_matches_the_standard_library() {
+        let mut x = -130.0f32;
+        while x <= 130.0 {
+            assert_eq!(
+                round_even(x),
+                x.clamp(-128.0, 128.0).round_ties_even(),
+                "{x}"
+            );
+            x += 0.125;
+        }
+        assert_eq!(round_even(2.5), 2.0);
+        assert_eq!(round_even(-3.5), -4.0);
+        assert_eq!(round_even(f32::NAN) as i8, 0);
     }
 }
