@@ -13,6 +13,9 @@
 //! - the integer dots run on the best instruction set of the CPU, chosen at run
 //!   time ([`Isa::detect`]): AVX-512 VNNI (`vpdpbusd` on 256-bit registers), AVX2
 //!   (`vpmaddubsw`), NEON (widening multiplies), or portable scalar code;
+//! - on x86-64, weights whose row count is a multiple of 8 are repacked at load
+//!   time with 8 rows interleaved ([`packed`]), so one integer dot instruction
+//!   advances 8 rows; that layout replaces the original (same size);
 //! - work is split over candle's persistent barrier pool, the same threads that
 //!   candle's own CPU ops use, so the two never compete for cores.
 //!
@@ -50,6 +53,8 @@ use candle_core::{DType, Device, Storage, Tensor};
 
 #[cfg(target_arch = "aarch64")]
 mod neon;
+#[cfg(target_arch = "x86_64")]
+mod packed;
 mod scalar;
 #[cfg(test)]
 mod tests;
@@ -495,6 +500,74 @@ pub fn matmul(
     Ok(())
 }
 
+/// [`matmul`] for a repacked matrix (see [`packed`]): each part of the work
+/// owns a run of 8-row groups, all activation rows.
+#[cfg(target_arch = "x86_64")]
+fn matmul_packed(
+    w: &packed::Packed,
+    scratch: &mut Scratch,
+    out: &mut [f32],
+    isa: Isa,
+) -> Result<(), KernelError> {
+    use packed::GROUP;
+    isa.check()?;
+    let (m, n, k) = (scratch.rows, w.n, w.k);
+    if scratch.k != k || out.len() != m * n {
+        return Err(KernelError::Shape {
+            rows: m,
+            k: scratch.k,
+            n,
+            wk: k,
+            out: out.len(),
+        });
+    }
+    if m == 0 || n == 0 {
+        return Ok(());
+    }
+    let Scratch {
+        qs,
+        d,
+        s81,
+        sx,
+        out_t,
+        ..
+    } = scratch;
+    let acts = Acts {
+        k,
+        qs,
+        d,
+        s: match w.format {
+            QuantFormat::Q4_0 => sx,
+            QuantFormat::Q4_1 => s81,
+            QuantFormat::Q8_0 => &[],
+        },
+    };
+    let groups = n / GROUP;
+    let parts = (pool_threads() * 8).min(groups).clamp(1, MAX_PARTS);
+    let per_part = groups.div_ceil(parts);
+    let run = |part: usize, chunk: &mut [f32]| {
+        let g0 = part * per_part;
+        match isa {
+            Isa::Avx2 => packed::groups_avx2(w, &acts, m, g0, chunk),
+            Isa::Avx512Vnni => packed::groups_vnni(w, &acts, m, g0, chunk),
+            _ => packed::groups_scalar(w, &acts, m, g0, chunk),
+        }
+    };
+    if m == 1 {
+        par_chunks_mut(out, per_part * GROUP, run);
+    } else {
+        // Built as [group][activation row][8], then scattered to [row][n].
+        out_t.resize(m * n, 0.0);
+        par_chunks_mut(out_t, per_part * GROUP * m, run);
+        for (g, block) in out_t.chunks_exact(GROUP * m).enumerate() {
+            for (a, eight) in block.chunks_exact(GROUP).enumerate() {
+                out[a * n + g * GROUP..a * n + (g + 1) * GROUP].copy_from_slice(eight);
+            }
+        }
+    }
+    Ok(())
+}
+
 /// Where a [`QuantLinear`]'s bytes live.
 #[derive(Clone)]
 enum WeightBytes {
@@ -506,6 +579,9 @@ enum WeightBytes {
         start: usize,
         len: usize,
     },
+    /// Repacked at load time, 8 rows interleaved (x86-64; replaces the original bytes).
+    #[cfg(target_arch = "x86_64")]
+    Packed(Arc<packed::Packed>),
 }
 
 /// A linear layer without bias, `y = x Wᵀ`, over quantized weights `W` (`n x k`),
@@ -552,13 +628,26 @@ impl QuantLinear {
         if !device.is_cpu() {
             return Err(KernelError::NotCpu(device.location()));
         }
-        QuantMatrix::new(format, n, k, &tensor.data()?)?;
+        let isa = Isa::detect();
+        let bytes = tensor.data()?;
+        let matrix = QuantMatrix::new(format, n, k, &bytes)?;
+        #[cfg(target_arch = "x86_64")]
+        if let Some(p) = packed::Packed::new(&matrix)? {
+            return Ok(QuantLinear {
+                format,
+                n,
+                k,
+                weights: WeightBytes::Packed(Arc::new(p)),
+                isa,
+            });
+        }
+        drop(bytes);
         Ok(QuantLinear {
             format,
             n,
             k,
             weights: WeightBytes::QTensor(tensor),
-            isa: Isa::detect(),
+            isa,
         })
     }
 
@@ -632,6 +721,10 @@ impl QuantLinear {
                 let bytes = &(**data).as_ref()[*start..*start + *len];
                 f(&QuantMatrix::new(self.format, self.n, self.k, bytes)?)
             }
+            #[cfg(target_arch = "x86_64")]
+            WeightBytes::Packed(_) => Err(KernelError::UnsupportedFormat(
+                "repacked weights have no row-major view".into(),
+            )),
         }
     }
 
@@ -644,7 +737,11 @@ impl QuantLinear {
         scratch: &mut Scratch,
     ) -> Result<(), KernelError> {
         scratch.quantize(x, rows, self.k)?;
-        self.with_matrix(|w| matmul(w, scratch, out, self.isa))
+        match &self.weights {
+            #[cfg(target_arch = "x86_64")]
+            WeightBytes::Packed(p) => matmul_packed(p, scratch, out, self.isa),
+            _ => self.with_matrix(|w| matmul(w, scratch, out, self.isa)),
+        }
     }
 
     /// [`QuantLinear::forward_slice`] with this thread's reusable scratch.

@@ -99,6 +99,51 @@ fn every_available_isa_matches_the_scalar_reference() {
     assert_eq!(checked, FORMATS.len() * 4 * 4 * Isa::available().len());
 }
 
+#[cfg(target_arch = "x86_64")]
+#[test]
+fn repacked_weights_match_the_row_major_reference_on_every_isa() {
+    let mut rng = StdRng::seed_from_u64(11);
+    let mut checked = 0;
+    for format in FORMATS {
+        // One group, several groups, SmolLM2's k; activation rows that cover the
+        // 4-row tiles, their tails and the transposed output of m > 1.
+        for &(n, k) in &[(8usize, 32usize), (24, 576), (16, 1536)] {
+            let bytes = random_weights(&mut rng, format, n, k);
+            let w = QuantMatrix::new(format, n, k, &bytes).expect("valid matrix");
+            let p = packed::Packed::new(&w)
+                .expect("packs")
+                .expect("n is a multiple of 8");
+            assert_eq!(p.bytes.len(), bytes.len(), "repacking keeps the size");
+            for &m in &[1usize, 2, 5, 9] {
+                let x = random_acts(&mut rng, m * k);
+                let mut scratch = Scratch::new();
+                scratch.quantize(&x, m, k).expect("quantize");
+                let reference = product(&w, &mut scratch, Isa::Scalar);
+                let mags = magnitudes(&w, &scratch);
+                for &isa in Isa::available() {
+                    let mut got = vec![f32::NAN; m * n];
+                    matmul_packed(&p, &mut scratch, &mut got, isa).expect("packed matmul");
+                    for i in 0..m * n {
+                        let tol = 1e-5 * mags[i] + 1e-6;
+                        assert!(
+                            (got[i] - reference[i]).abs() <= tol,
+                            "packed {isa:?} {format:?} n={n} k={k} m={m} out[{i}]: {} vs {} (tol {tol})",
+                            got[i],
+                            reference[i]
+                        );
+                    }
+                    checked += 1;
+                }
+            }
+        }
+    }
+    assert_eq!(checked, FORMATS.len() * 3 * 4 * Isa::available().len());
+    // Rows not in groups of 8 keep the row-major layout.
+    let bytes = random_weights(&mut rng, QuantFormat::Q4_1, 12, 64);
+    let w = QuantMatrix::new(QuantFormat::Q4_1, 12, 64, &bytes).expect("valid matrix");
+    assert!(packed::Packed::new(&w).expect("checks").is_none());
+}
+
 /// Dequantizes the blocks to f32 (ggml's definitions), for the float reference.
 fn dequantize(format: QuantFormat, bytes: &[u8]) -> Vec<f32> {
     let mut out = Vec::new();
