@@ -123,11 +123,10 @@ pub fn to_json(p: &HardwareProfile) -> serde_json::Value {
     })
 }
 
-#[cfg(test)]
+#[cfg(all(test, target_os = "linux"))]
 mod tests {
     use super::*;
 
-    #[cfg(target_os = "linux")]
     #[test]
     fn this_machine_profiles_with_real_memory_and_cores() {
         let p = detect().unwrap();
