@@ -630,6 +630,7 @@ impl QuantLinear {
         }
         let isa = Isa::detect();
         let bytes = tensor.data()?;
+        #[cfg_attr(not(target_arch = "x86_64"), allow(unused_variables))]
         let matrix = QuantMatrix::new(format, n, k, &bytes)?;
         #[cfg(target_arch = "x86_64")]
         if let Some(p) = packed::Packed::new(&matrix)? {
