@@ -301,6 +301,23 @@ impl Ledger {
         .await
     }
 
+    /// One transfer by id.
+    pub async fn get_transfer(&self, id: &str) -> Result<Option<Transfer>, LedgerError> {
+        let mut conn = self.pool.acquire().await?;
+        transfer::get(&mut conn, id).await
+    }
+
+    /// Jobs submitted by `account`, newest first.
+    pub async fn jobs_of(&self, account: &str, limit: u32) -> Result<Vec<String>, LedgerError> {
+        Ok(sqlx::query_scalar(
+            "SELECT job_id FROM job_holds WHERE account_id = ? ORDER BY rowid DESC LIMIT ?",
+        )
+        .bind(account)
+        .bind(i64::from(limit))
+        .fetch_all(&self.pool)
+        .await?)
+    }
+
     /// The account's transfers, newest first.
     pub async fn history(&self, account: &str, limit: u32) -> Result<Vec<Transfer>, LedgerError> {
         let rows = sqlx::query(
@@ -417,5 +434,81 @@ impl Ledger {
         )
         .fetch_all(&self.pool)
         .await?)
+    }
+}
+
+/// Settles `job` now, logging (not returning) a failure: the sweep and the
+/// next start-up settle whatever is left open.
+pub async fn settle_logged(ledger: &Ledger, job: mlxnet_proto::ids::JobId) {
+    match ledger.settle_job(job, crate::store::now_ms()).await {
+        Ok(outcome) => tracing::debug!(job_id = %job, ?outcome, "settled"),
+        Err(e) => tracing::warn!(
+            job_id = %job,
+            error = %crate::error::error_chain(&e),
+            "settlement failed; the sweep retries it"
+        ),
+    }
+}
+
+/// Holds handled per sweep pass.
+const SWEEP_BATCH: u32 = 512;
+
+/// What one sweep pass did.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Swept {
+    /// Ended jobs whose settlement had not happened (a crash, an error).
+    pub settled: usize,
+    /// Unfinished jobs cancelled because their hold's deadline passed.
+    pub cancelled: usize,
+}
+
+/// Settles every ended job with an open hold, and cancels then settles every
+/// job whose hold is past its deadline. `cancel` cancels one job (the store's
+/// guarded transition, plus whatever the caller must tell watchers and
+/// nodes). Run at start-up (before anything is served) and periodically.
+pub async fn sweep<F, Fut>(ledger: &Ledger, now_ms: i64, cancel: F) -> Result<Swept, LedgerError>
+where
+    F: Fn(mlxnet_proto::ids::JobId) -> Fut,
+    Fut: std::future::Future<Output = Result<(), StoreError>>,
+{
+    let mut out = Swept::default();
+    for id in ledger.unsettled_jobs(SWEEP_BATCH).await? {
+        let Ok(job) = id.parse() else {
+            return Err(LedgerError::Corrupt(format!("hold of job {id:?}")));
+        };
+        ledger.settle_job(job, now_ms).await?;
+        out.settled += 1;
+    }
+    for id in ledger.due_holds(now_ms, SWEEP_BATCH).await? {
+        let Ok(job) = id.parse() else {
+            return Err(LedgerError::Corrupt(format!("hold of job {id:?}")));
+        };
+        if ledger.settle_job(job, now_ms).await? == settle::Settlement::Overdue {
+            cancel(job).await?;
+            out.cancelled += 1;
+            ledger.settle_job(job, now_ms).await?;
+        }
+    }
+    Ok(out)
+}
+
+/// Runs [`sweep`] every `sweep_interval_ms` until shutdown.
+pub async fn sweep_loop(d: std::sync::Arc<crate::dispatch::Dispatcher>) {
+    let every = std::time::Duration::from_millis(d.ledger.config().sweep_interval_ms);
+    loop {
+        tokio::select! {
+            _ = d.shutdown_token().cancelled() => return,
+            _ = tokio::time::sleep(every) => {}
+        }
+        let result = sweep(&d.ledger, crate::store::now_ms(), |job| {
+            let d = std::sync::Arc::clone(&d);
+            async move { d.cancel(job).await.map(|_| ()) }
+        })
+        .await;
+        match result {
+            Ok(s) if s != Swept::default() => tracing::info!(?s, "ledger sweep"),
+            Ok(_) => {}
+            Err(e) => tracing::warn!(error = %crate::error::error_chain(&e), "ledger sweep failed"),
+        }
     }
 }

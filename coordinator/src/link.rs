@@ -102,6 +102,29 @@ async fn serve_connection(conn: quinn::Connection, d: Arc<Dispatcher>) {
         reject(&conn, Some(send), "coordinator unavailable").await;
         return;
     }
+    let node_hex = registration.node_id.to_string();
+    match d
+        .ledger
+        .link_node(&node_hex, &registration.operator_account)
+        .await
+    {
+        Ok(_) => {}
+        Err(crate::ledger::LedgerError::NoSuchAccount(a)) => {
+            Metrics::inc(&d.metrics.handshakes_refused);
+            reject(
+                &conn,
+                Some(send),
+                &format!("unknown operator account {a:?}"),
+            )
+            .await;
+            return;
+        }
+        Err(e) => {
+            warn!(error = %error_chain(&e), "linking the node to its operator failed");
+            reject(&conn, Some(send), "coordinator unavailable").await;
+            return;
+        }
+    }
     let session = Arc::new(Session::new(
         d.sessions.next_serial(),
         conn.clone(),
