@@ -61,6 +61,11 @@ pub struct LedgerConfig {
     pub hold_ttl_ms: i64,
     /// How often the expiry sweep runs.
     pub sweep_interval_ms: u64,
+    /// Test knob for the crash-consistency test: the process stops dead
+    /// (prints `settlement paused at step N` and waits forever, holding its
+    /// transaction open) at the N-th settlement step since start. Never set
+    /// in production.
+    pub test_pause_at_step: Option<u32>,
 }
 
 impl Default for LedgerConfig {
@@ -69,6 +74,7 @@ impl Default for LedgerConfig {
             fee_bps: 500,
             hold_ttl_ms: 24 * 60 * 60 * 1000,
             sweep_interval_ms: 5_000,
+            test_pause_at_step: None,
         }
     }
 }
@@ -217,12 +223,27 @@ impl Ledger {
         Self { pool, config }
     }
 
+    /// The ledger in `store`'s database (tools and tests that open it).
+    pub fn of_store(store: &crate::store::Store, config: LedgerConfig) -> Self {
+        Self::new(store.pool().clone(), config)
+    }
+
     pub fn config(&self) -> &LedgerConfig {
         &self.config
     }
 
     pub(crate) fn pool(&self) -> &SqlitePool {
         &self.pool
+    }
+
+    /// A write transaction that holds SQLite's write lock from its start
+    /// (`BEGIN IMMEDIATE`): its reads and writes see one state, and a
+    /// concurrent writer waits (busy timeout) instead of failing the upgrade
+    /// from a read snapshot.
+    pub(crate) async fn write_tx(
+        &self,
+    ) -> Result<sqlx::Transaction<'static, sqlx::Sqlite>, LedgerError> {
+        Ok(self.pool.begin_with("BEGIN IMMEDIATE").await?)
     }
 
     /// Creates a client or operator account with a zero balance.
@@ -271,7 +292,7 @@ impl Ledger {
 
     /// Applies one transfer in its own transaction.
     pub async fn transfer(&self, t: &NewTransfer, now_ms: i64) -> Result<Applied, LedgerError> {
-        let mut tx = self.pool.begin().await?;
+        let mut tx = self.write_tx().await?;
         let applied = transfer::apply(&mut tx, t, now_ms).await?;
         tx.commit().await?;
         Ok(applied)
@@ -375,7 +396,7 @@ impl Ledger {
     /// `account` keeps the node's current link, or gives a new node an
     /// account of its own (`node <id prefix>`), so no payout is ever lost.
     pub async fn link_node(&self, node_id: &str, account: &str) -> Result<String, LedgerError> {
-        let mut tx = self.pool.begin().await?;
+        let mut tx = self.write_tx().await?;
         let linked = if account.is_empty() {
             settle::operator_of(&mut tx, node_id).await?
         } else {
@@ -414,6 +435,60 @@ impl Ledger {
             pending: row.try_get("pending")?,
             open_holds: row.try_get("open_holds")?,
         })
+    }
+
+    /// Every broken ledger invariant, described (empty when the books are
+    /// sound): stored balances that differ from the transfer rows; sums over
+    /// accounts that are not zero; a hold resolved twice; an open hold past
+    /// its deadline (at `now_ms`); an ended job whose hold is still open; a
+    /// paid job whose payouts and fee do not add up to what was posted; a
+    /// failed or cancelled job that paid anyone.
+    pub async fn violations(&self, now_ms: i64) -> Result<Vec<String>, LedgerError> {
+        let mut out: Vec<String> = self
+            .audit()
+            .await?
+            .into_iter()
+            .map(|a| format!("account {a}: stored balances differ from its transfers"))
+            .collect();
+        let t = self.totals().await?;
+        if t.posted != 0 || t.pending != 0 {
+            out.push(format!("sums over accounts are {t:?}, not zero"));
+        }
+        let checks: [(&str, &str); 5] = [
+            (
+                "resolved more than once",
+                "SELECT pending_id FROM transfers WHERE pending_id IS NOT NULL \
+                 GROUP BY pending_id HAVING COUNT(*) > 1",
+            ),
+            (
+                "open past its deadline",
+                "SELECT transfer_id FROM open_holds WHERE deadline_ms < ?1",
+            ),
+            (
+                "ended with its hold still open",
+                "SELECT h.job_id FROM open_holds h JOIN jobs j ON j.id = h.job_id \
+                 WHERE j.state IN ('completed', 'failed', 'cancelled') AND ?1 = ?1",
+            ),
+            (
+                "paid, but payouts and fee differ from the post",
+                "SELECT p.job_id FROM transfers p WHERE p.kind = 'post_pending' AND p.amount <> \
+                 (SELECT COALESCE(SUM(x.amount), 0) FROM transfers x \
+                  WHERE x.job_id = p.job_id AND x.memo IN ('payout', 'fee')) AND ?1 = ?1",
+            ),
+            (
+                "failed or cancelled, yet paid someone",
+                "SELECT DISTINCT x.job_id FROM transfers x JOIN jobs j ON j.id = x.job_id \
+                 WHERE x.memo = 'payout' AND j.state IN ('failed', 'cancelled') AND ?1 = ?1",
+            ),
+        ];
+        for (what, sql) in checks {
+            let ids: Vec<String> = sqlx::query_scalar(sql)
+                .bind(now_ms)
+                .fetch_all(&self.pool)
+                .await?;
+            out.extend(ids.into_iter().map(|id| format!("{id}: {what}")));
+        }
+        Ok(out)
     }
 
     /// Recomputes every account's balances from the transfer rows and

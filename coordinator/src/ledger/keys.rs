@@ -295,3 +295,22 @@ impl Ledger {
             .await
     }
 }
+
+/// Opens the database `config` names (creating and migrating it if needed),
+/// creates an admin account named `name` with an admin key, and closes the
+/// database. This is how the first key of a network is made: run
+/// `mlxnet-coordinator admin-key` on the coordinator's host (whoever can read
+/// the database can already do anything). SQLite allows it while the
+/// coordinator runs.
+pub async fn bootstrap_admin_key(
+    config: &crate::config::CoordinatorConfig,
+    name: &str,
+) -> Result<IssuedKey, LedgerError> {
+    std::fs::create_dir_all(&config.data_dir)
+        .map_err(|_| LedgerError::Invalid("cannot create the data directory"))?;
+    let store = crate::store::Store::connect(&config.database_url()).await?;
+    let ledger = Ledger::new(store.pool().clone(), config.ledger.clone());
+    let key = ledger.bootstrap_admin(name).await;
+    store.close().await;
+    key
+}

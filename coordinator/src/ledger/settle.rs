@@ -37,6 +37,21 @@ use super::{
 };
 use crate::store::{sqlite::insert_job_on, JobRecord, NewJob};
 
+/// Settlement steps since the process started (for the test pause knob).
+static STEPS: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+
+/// One step of a settlement: where the crash test may stop the process.
+async fn step(ledger: &Ledger) {
+    let Some(at) = ledger.config().test_pause_at_step else {
+        return;
+    };
+    let n = STEPS.fetch_add(1, std::sync::atomic::Ordering::SeqCst) + 1;
+    if n == at {
+        println!("settlement paused at step {n}");
+        std::future::pending::<()>().await;
+    }
+}
+
 /// Prompt tokens a chat template may add per message (role markers).
 const TEMPLATE_TOKENS_PER_MESSAGE: u64 = 8;
 /// Prompt tokens a chat template may add once (a default system prompt).
@@ -131,7 +146,7 @@ impl Ledger {
         now_ms: i64,
     ) -> Result<JobRecord, LedgerError> {
         let id = job.id.to_string();
-        let mut tx = self.pool().begin().await?;
+        let mut tx = self.write_tx().await?;
         if terms.max_price > 0 {
             let applied = transfer::apply(
                 &mut tx,
@@ -181,7 +196,8 @@ impl Ledger {
     /// Idempotent: once the hold is resolved, it returns `NothingOpen`.
     pub async fn settle_job(&self, job: JobId, now_ms: i64) -> Result<Settlement, LedgerError> {
         let id = job.to_string();
-        let mut tx = self.pool().begin().await?;
+        let mut tx = self.write_tx().await?;
+        step(self).await;
         let deadline: Option<i64> =
             sqlx::query_scalar("SELECT deadline_ms FROM open_holds WHERE transfer_id = ?")
                 .bind(hold_id(&id))
@@ -226,6 +242,7 @@ impl Ledger {
                             LedgerError::Corrupt(format!("job {id} has a hold but no terms"))
                         })?;
                         post(
+                            self,
                             &mut tx,
                             &id,
                             &terms.price,
@@ -243,7 +260,9 @@ impl Ledger {
                 }
             }
         };
+        step(self).await;
         tx.commit().await?;
+        step(self).await;
         Ok(outcome)
     }
 
@@ -257,7 +276,7 @@ impl Ledger {
         now_ms: i64,
     ) -> Result<Settlement, LedgerError> {
         let id = job.to_string();
-        let mut tx = self.pool().begin().await?;
+        let mut tx = self.write_tx().await?;
         let Some(terms) = terms(&mut tx, &id).await? else {
             return Ok(Settlement::NothingOpen);
         };
@@ -270,6 +289,7 @@ impl Ledger {
             return Ok(Settlement::NothingOpen);
         }
         let outcome = post(
+            self,
             &mut tx,
             &id,
             &terms.price,
@@ -358,6 +378,7 @@ async fn release_hold(
 /// Posts the price of `shares` (capped by the hold), pays each node's
 /// operator its share less the fee, and the fee to the network.
 async fn post(
+    ledger: &Ledger,
     conn: &mut SqliteConnection,
     job: &str,
     price: &Price,
@@ -393,6 +414,7 @@ async fn post(
         now_ms,
     )
     .await?;
+    step(ledger).await;
     for (share, pay) in payouts {
         if pay == 0 {
             continue;
@@ -421,6 +443,7 @@ async fn post(
                 share.node_id
             )));
         }
+        step(ledger).await;
     }
     if fee_total > 0 {
         transfer::apply(

@@ -690,6 +690,7 @@ impl Walk {
             .count() as i64;
         assert_eq!(t.open_holds, open, "open holds");
         assert_eq!(self.ledger.audit().await.unwrap(), Vec::<String>::new());
+
         for (id, want) in &self.expect {
             let a = self.ledger.account(id).await.unwrap().unwrap();
             assert_eq!(a.balance(), *want, "balance of {id}");
@@ -884,6 +885,11 @@ async fn random_job_lives_keep_the_books_balanced() {
             "seed {seed}"
         );
         walk.check_rows().await;
+        assert_eq!(
+            walk.ledger.violations(walk.now).await.unwrap(),
+            Vec::<String>::new(),
+            "seed {seed}"
+        );
         seen.completed += walk.jobs.iter().filter(|j| j.st == St::Completed).count();
         seen.handed_off += walk
             .jobs

@@ -3,6 +3,7 @@
 //! One binary; the harness is the `mlxnet_tests` library.
 
 mod auth;
+mod crash;
 mod devnet;
 mod jobs;
 mod restart;
