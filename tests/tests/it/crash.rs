@@ -80,7 +80,7 @@ fn spawn_child(data_dir: &std::path::Path, pause_at: Option<u32>) -> anyhow::Res
     .env("MLXNET__QUIC_ADDR", "127.0.0.1:0")
     .env("MLXNET__HTTP_ADDR", "127.0.0.1:0")
     .env("MLXNET__HEARTBEAT_TIMEOUT_MS", "60000")
-    .env("MLXNET__LEDGER__HOLD_TTL_MS", "3000")
+    .env("MLXNET__LEDGER__HOLD_TTL_MS", "400")
     // Expiry here is the start-up sweep's; the periodic one would race
     // the checks made while the child runs.
     .env("MLXNET__LEDGER__SWEEP_INTERVAL_MS", "600000")
@@ -315,6 +315,24 @@ async fn settlement_survives_sigkill_at_any_step() -> anyhow::Result<()> {
     check(&config, spawned_at, "after the last restart").await?;
     last.child.kill()?;
     last.child.wait()?;
+    // Every way a hold ends happened, many times over.
+    let (store, ledger) = open(&config).await?;
+    let history = ledger.history(&admin.account_id, 100_000).await?;
+    let open_holds = ledger.totals().await?.open_holds as usize;
+    store.close().await;
+    let count = |memo: &str| history.iter().filter(|t| t.memo == memo).count();
+    let (holds, posts, voids, expiries) =
+        (count("hold"), count("post"), count("void"), count("expire"));
+    eprintln!(
+        "{RUNS} kills ({paused} inside settlement); {submitted} jobs: {holds} holds, \
+         {posts} posted, {voids} voided, {expiries} expired, {open_holds} open (not yet due)"
+    );
+    assert_eq!(
+        holds,
+        posts + voids + expiries + open_holds,
+        "every hold resolved at most once"
+    );
+    assert!(posts > 0 && voids > 0 && expiries > 0);
     assert!(
         paused >= RUNS / 2,
         "only {paused} of {RUNS} runs stopped inside settlement"
