@@ -27,6 +27,7 @@
 //! source and never shown to clients.
 
 pub mod keys;
+pub mod rewards;
 pub mod settle;
 pub mod transfer;
 
@@ -66,6 +67,12 @@ pub struct LedgerConfig {
     /// transaction open) at the N-th settlement step since start. Never set
     /// in production.
     pub test_pause_at_step: Option<u32>,
+    /// Length of an availability reward epoch.
+    pub reward_epoch_ms: i64,
+    /// Micro-MLX a dedicated node earns per GiB offered per hour online.
+    pub reward_per_gib_hour: u64,
+    /// Most the reward pool pays out per epoch, in micro-MLX.
+    pub reward_pool_per_epoch: i64,
 }
 
 impl Default for LedgerConfig {
@@ -75,6 +82,9 @@ impl Default for LedgerConfig {
             hold_ttl_ms: 24 * 60 * 60 * 1000,
             sweep_interval_ms: 5_000,
             test_pause_at_step: None,
+            reward_epoch_ms: 60 * 60 * 1000,
+            reward_per_gib_hour: 1_000,
+            reward_pool_per_epoch: 100_000_000,
         }
     }
 }
@@ -215,12 +225,44 @@ pub struct NodeEarnings {
 pub struct Ledger {
     pool: SqlitePool,
     config: LedgerConfig,
+    /// One ledger write transaction at a time (see [`Ledger::write_tx`]).
+    writer: std::sync::Arc<tokio::sync::Mutex<()>>,
+}
+
+/// A ledger write transaction holding the in-process writer lock; commit
+/// with [`WriteTx::commit`], drop to roll back.
+pub(crate) struct WriteTx {
+    tx: sqlx::Transaction<'static, sqlx::Sqlite>,
+    _guard: tokio::sync::OwnedMutexGuard<()>,
+}
+
+impl WriteTx {
+    pub(crate) async fn commit(self) -> Result<(), LedgerError> {
+        Ok(self.tx.commit().await?)
+    }
+}
+
+impl std::ops::Deref for WriteTx {
+    type Target = sqlx::SqliteConnection;
+    fn deref(&self) -> &sqlx::SqliteConnection {
+        &self.tx
+    }
+}
+
+impl std::ops::DerefMut for WriteTx {
+    fn deref_mut(&mut self) -> &mut sqlx::SqliteConnection {
+        &mut self.tx
+    }
 }
 
 impl Ledger {
     /// The ledger in the database behind `pool` (migrated by the store).
     pub fn new(pool: SqlitePool, config: LedgerConfig) -> Self {
-        Self { pool, config }
+        Self {
+            pool,
+            config,
+            writer: std::sync::Arc::default(),
+        }
     }
 
     /// The ledger in `store`'s database (tools and tests that open it).
@@ -238,12 +280,13 @@ impl Ledger {
 
     /// A write transaction that holds SQLite's write lock from its start
     /// (`BEGIN IMMEDIATE`): its reads and writes see one state, and a
-    /// concurrent writer waits (busy timeout) instead of failing the upgrade
-    /// from a read snapshot.
-    pub(crate) async fn write_tx(
-        &self,
-    ) -> Result<sqlx::Transaction<'static, sqlx::Sqlite>, LedgerError> {
-        Ok(self.pool.begin_with("BEGIN IMMEDIATE").await?)
+    /// concurrent writer waits instead of failing the upgrade from a read
+    /// snapshot. Ledger writers queue on an in-process lock first, so they
+    /// never meet in SQLite's busy handler (which sleeps for milliseconds).
+    pub(crate) async fn write_tx(&self) -> Result<WriteTx, LedgerError> {
+        let guard = std::sync::Arc::clone(&self.writer).lock_owned().await;
+        let tx = self.pool.begin_with("BEGIN IMMEDIATE").await?;
+        Ok(WriteTx { tx, _guard: guard })
     }
 
     /// Creates a client or operator account with a zero balance.
@@ -363,7 +406,7 @@ impl Ledger {
         let rows = sqlx::query(
             "SELECT COALESCE(node_id, '') AS node_id, SUM(amount) AS micro_mlx, \
              COUNT(DISTINCT job_id) AS jobs, SUM(tokens) AS tokens FROM transfers \
-             WHERE credit_account = ? AND memo = 'payout' AND created_at_ms >= ? \
+             WHERE credit_account = ? AND memo IN ('payout', 'reward') AND created_at_ms >= ? \
              GROUP BY node_id ORDER BY node_id",
         )
         .bind(account)
@@ -580,6 +623,9 @@ pub async fn sweep_loop(d: std::sync::Arc<crate::dispatch::Dispatcher>) {
             async move { d.cancel(job).await.map(|_| ()) }
         })
         .await;
+        if let Err(e) = d.ledger.pay_rewards(crate::store::now_ms()).await {
+            tracing::warn!(error = %crate::error::error_chain(&e), "paying availability rewards failed");
+        }
         match result {
             Ok(s) if s != Swept::default() => tracing::info!(?s, "ledger sweep"),
             Ok(_) => {}

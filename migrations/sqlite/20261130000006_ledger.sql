@@ -103,3 +103,20 @@ CREATE TABLE job_holds (
     output_per_mtok INTEGER NOT NULL CHECK (output_per_mtok >= 0),  -- micro-MLX per million output tokens
     max_price       INTEGER NOT NULL CHECK (max_price >= 0)         -- the hold
 );
+
+-- Availability of dedicated nodes: online time per reward epoch, and the
+-- memory they offered (the largest seen in the epoch).
+CREATE TABLE availability (
+    epoch        INTEGER NOT NULL,              -- epoch number: floor(ms / reward_epoch_ms)
+    node_id      TEXT NOT NULL,
+    memory_bytes INTEGER NOT NULL CHECK (memory_bytes >= 0),
+    online_ms    INTEGER NOT NULL CHECK (online_ms >= 0),
+    PRIMARY KEY (epoch, node_id)
+);
+
+-- Epochs whose rewards were paid (in the same transaction as the payouts).
+CREATE TABLE reward_epochs (
+    epoch      INTEGER PRIMARY KEY NOT NULL,
+    paid_ms    INTEGER NOT NULL,
+    total      INTEGER NOT NULL CHECK (total >= 0)
+);

@@ -911,3 +911,104 @@ async fn random_job_lives_keep_the_books_balanced() {
         "{seen:?}"
     );
 }
+
+#[test]
+fn availability_rewards_follow_memory_and_time_within_the_cap() {
+    use super::rewards::{split, Availability};
+    let gib = 1u64 << 30;
+    let rows = [
+        Availability {
+            node_id: "ultra".into(),
+            memory_bytes: 512 * gib,
+            online_ms: 3_600_000,
+        },
+        Availability {
+            node_id: "mini".into(),
+            memory_bytes: 16 * gib,
+            online_ms: 3_600_000,
+        },
+        Availability {
+            node_id: "half".into(),
+            memory_bytes: 16 * gib,
+            online_ms: 1_800_000,
+        },
+    ];
+    // 1,000 micro-MLX per GiB-hour, budget not binding.
+    let paid: HashMap<_, _> = split(&rows, 1_000, i64::MAX).into_iter().collect();
+    assert_eq!(paid["ultra"], 512_000);
+    assert_eq!(paid["mini"], 16_000);
+    assert_eq!(paid["half"], 8_000, "half the hours, half the reward");
+    // A cap scales every reward by the same factor and is never exceeded.
+    let capped: HashMap<_, _> = split(&rows, 1_000, 268_000).into_iter().collect();
+    assert_eq!(capped["ultra"], 256_000);
+    assert_eq!(capped["mini"], 8_000);
+    assert!(capped.values().sum::<i64>() <= 268_000);
+    assert!(
+        split(&rows, 1_000, 0).is_empty(),
+        "an empty pool pays nothing"
+    );
+}
+
+#[tokio::test]
+async fn rewards_are_paid_once_per_epoch_from_the_pool() {
+    let config = LedgerConfig {
+        reward_epoch_ms: 1_000,
+        reward_per_gib_hour: 3_600_000,
+        reward_pool_per_epoch: 1_000_000,
+        ..LedgerConfig::default()
+    };
+    let (_dir, _store, ledger) = fresh(config).await;
+    ledger
+        .grant("pool", REWARD_POOL, 50_000, "fund")
+        .await
+        .unwrap();
+    let op = ledger
+        .create_account("op", AccountKind::Operator)
+        .await
+        .unwrap();
+    ledger.link_node(NODES[0], &op.id).await.unwrap();
+    let gib = 1u64 << 30;
+    // Epoch 5 (5,000..6,000 ms): node 0 offers 8 GiB for 2 s, node 1 2 GiB for 1 s.
+    ledger
+        .record_online(NODES[0], 8 * gib, 1_000, 5_100)
+        .await
+        .unwrap();
+    ledger
+        .record_online(NODES[0], 8 * gib, 1_000, 5_900)
+        .await
+        .unwrap();
+    ledger
+        .record_online(NODES[1], 2 * gib, 1_000, 5_500)
+        .await
+        .unwrap();
+    assert_eq!(
+        ledger.pay_rewards(5_999).await.unwrap(),
+        0,
+        "epoch not over"
+    );
+    assert_eq!(ledger.pay_rewards(6_000).await.unwrap(), 1);
+    assert_eq!(ledger.pay_rewards(7_000).await.unwrap(), 0, "paid once");
+    // 1 micro-MLX per GiB-ms: 16,000 and 2,000.
+    assert_eq!(
+        ledger.account(&op.id).await.unwrap().unwrap().balance(),
+        16_000
+    );
+    let pool = ledger.account(REWARD_POOL).await.unwrap().unwrap();
+    assert_eq!(pool.balance(), 50_000 - 18_000);
+    // The pool caps what it pays: an epoch owed more than it holds is scaled.
+    ledger
+        .record_online(NODES[0], 8 * gib, 10_000, 7_100)
+        .await
+        .unwrap();
+    assert_eq!(ledger.pay_rewards(8_000).await.unwrap(), 1);
+    let pool = ledger.account(REWARD_POOL).await.unwrap().unwrap();
+    assert!(
+        pool.balance() >= 0 && pool.balance() < 32_000,
+        "{}",
+        pool.balance()
+    );
+    assert_eq!(
+        ledger.violations(8_000).await.unwrap(),
+        Vec::<String>::new()
+    );
+}

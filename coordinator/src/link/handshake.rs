@@ -62,6 +62,8 @@ pub struct Registration {
     pub world: crate::world::NodeView,
     /// Ledger account the node says it earns for (empty: not said).
     pub operator_account: String,
+    /// Lent full-time (`mode = "dedicated"`): earns availability rewards.
+    pub dedicated: bool,
 }
 
 /// A node that proved its key, with its control stream.
@@ -188,6 +190,7 @@ fn registration(node_id: NodeId, hello: &Hello, catalogue: &Catalogue) -> Regist
         },
         world: crate::world::NodeView::from_hello(node_id.to_string(), hello),
         operator_account: hello.operator_account.chars().take(64).collect(),
+        dedicated: hello.mode == "dedicated",
     }
 }
 
