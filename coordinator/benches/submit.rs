@@ -25,10 +25,13 @@ use std::{
 
 use anyhow::Context;
 use mlxnet_coordinator::{
-    ledger::keys::Scopes, ledger::AccountKind, Application, CoordinatorConfig,
+    ledger::{keys::Scopes, settle::JobTerms, AccountKind, Price},
+    store::NewJob,
+    Application, CoordinatorConfig,
 };
-use mlxnet_proto::v1::{
-    job_input, jobs_client::JobsClient, JobInput, SamplingParams, SubmitJobRequest,
+use mlxnet_proto::{
+    ids::JobId,
+    v1::{job_input, jobs_client::JobsClient, JobInput, SamplingParams, SubmitJobRequest},
 };
 use tonic::{metadata::AsciiMetadataValue, transport::Channel, Request};
 
@@ -182,7 +185,79 @@ async fn run(args: Args) -> anyhow::Result<()> {
         totals.posted,
         totals.pending
     );
+    // The same submits straight into the ledger (hold + job row, one
+    // transaction each), without gRPC, auth or the queue count: what SQLite
+    // and the ledger cost on their own.
+    let deadline = Instant::now() + Duration::from_secs(args.seconds);
+    let started = Instant::now();
+    let mut tasks = Vec::new();
+    for t in 0..args.concurrency {
+        let ledger = ledger.clone();
+        let account = account.id.clone();
+        tasks.push(tokio::spawn(async move {
+            let mut latencies = Vec::new();
+            let terms = JobTerms {
+                account,
+                price: Price {
+                    input_per_mtok: 134_515,
+                    output_per_mtok: 269_030,
+                },
+                max_price: 100,
+            };
+            let mut i = t;
+            while Instant::now() < deadline {
+                let r = request(i);
+                let job = NewJob {
+                    id: JobId::new(),
+                    model: r.model,
+                    input: r.input.unwrap_or_default(),
+                    sampling: SamplingParams {
+                        seed: Some(1),
+                        max_tokens: 64,
+                        ..Default::default()
+                    },
+                };
+                let t0 = Instant::now();
+                if ledger
+                    .submit_job(&job, &terms, now_ms())
+                    .await
+                    .is_ok()
+                {
+                    latencies.push(t0.elapsed());
+                }
+                i += 1_000_000;
+            }
+            latencies
+        }));
+    }
+    let mut direct = Vec::new();
+    for t in tasks {
+        direct.extend(t.await?);
+    }
+    let elapsed = started.elapsed();
+    direct.sort();
+    let dpct = |p: f64| {
+        direct
+            .get(((direct.len() as f64 * p) as usize).min(direct.len().saturating_sub(1)))
+            .copied()
+            .unwrap_or_default()
+    };
+    println!(
+        "ledger only (no gRPC): {} jobs in {:.1} s: {:.0} jobs/s; p50 {:.2} ms, p99 {:.2} ms",
+        direct.len(),
+        elapsed.as_secs_f64(),
+        direct.len() as f64 / elapsed.as_secs_f64(),
+        ms(dpct(0.50)),
+        ms(dpct(0.99))
+    );
     let _ = stop.send(());
     server.await??;
     Ok(())
+}
+
+fn now_ms() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as i64)
+        .unwrap_or(0)
 }

@@ -6,6 +6,7 @@ mod auth;
 mod crash;
 mod devnet;
 mod jobs;
+mod ledger;
 mod restart;
 mod validation;
 mod world;
