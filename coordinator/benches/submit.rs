@@ -218,11 +218,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
                     },
                 };
                 let t0 = Instant::now();
-                if ledger
-                    .submit_job(&job, &terms, now_ms())
-                    .await
-                    .is_ok()
-                {
+                if ledger.submit_job(&job, &terms, now_ms()).await.is_ok() {
                     latencies.push(t0.elapsed());
                 }
                 i += 1_000_000;

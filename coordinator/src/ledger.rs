@@ -350,6 +350,15 @@ impl Ledger {
         amount: i64,
         memo: &str,
     ) -> Result<Applied, LedgerError> {
+        // Escrow and the fee account move only through settlement.
+        match self.account(account).await? {
+            Some(a)
+                if matches!(
+                    a.kind,
+                    AccountKind::Client | AccountKind::Operator | AccountKind::RewardPool
+                ) => {}
+            _ => return Err(LedgerError::NoSuchAccount(account.to_owned())),
+        }
         self.transfer(
             &NewTransfer {
                 id: format!("grant:{id}"),
