@@ -119,6 +119,8 @@ pub enum LedgerError {
     Invalid(&'static str),
     #[error("stored ledger data does not decode: {0}")]
     Corrupt(String),
+    #[error("the group commit this submit was in failed: {0}")]
+    BatchAborted(String),
 }
 
 /// Who an account belongs to.
@@ -227,6 +229,8 @@ pub struct Ledger {
     config: LedgerConfig,
     /// One ledger write transaction at a time (see [`Ledger::write_tx`]).
     writer: std::sync::Arc<tokio::sync::Mutex<()>>,
+    /// Submits waiting for the next group commit (see [`Ledger::submit_job`]).
+    submits: std::sync::Arc<std::sync::Mutex<Vec<settle::QueuedSubmit>>>,
 }
 
 /// A ledger write transaction holding the in-process writer lock; commit
@@ -262,6 +266,7 @@ impl Ledger {
             pool,
             config,
             writer: std::sync::Arc::default(),
+            submits: std::sync::Arc::default(),
         }
     }
 
@@ -284,7 +289,21 @@ impl Ledger {
     /// snapshot. Ledger writers queue on an in-process lock first, so they
     /// never meet in SQLite's busy handler (which sleeps for milliseconds).
     pub(crate) async fn write_tx(&self) -> Result<WriteTx, LedgerError> {
-        let guard = std::sync::Arc::clone(&self.writer).lock_owned().await;
+        let guard = self.writer_lock().await;
+        self.begin_locked(guard).await
+    }
+
+    /// The in-process writer lock alone (a group commit looks at its queue
+    /// before it opens a transaction).
+    pub(crate) async fn writer_lock(&self) -> tokio::sync::OwnedMutexGuard<()> {
+        std::sync::Arc::clone(&self.writer).lock_owned().await
+    }
+
+    /// A write transaction under an already held writer lock.
+    pub(crate) async fn begin_locked(
+        &self,
+        guard: tokio::sync::OwnedMutexGuard<()>,
+    ) -> Result<WriteTx, LedgerError> {
         let tx = self.pool.begin_with("BEGIN IMMEDIATE").await?;
         Ok(WriteTx { tx, _guard: guard })
     }

@@ -139,51 +139,66 @@ pub enum Settlement {
 impl Ledger {
     /// Places the hold for `job` on `terms.account` and inserts the job, in
     /// one transaction: with too small a balance nothing is stored.
+    ///
+    /// Group commit: concurrent submits queue up; whoever holds the ledger's
+    /// writer lock next runs every queued submit in one transaction, so one
+    /// commit serves many. A refused submit (balance, account, duplicate)
+    /// writes nothing before it is refused, so it never spoils the others; a
+    /// database error aborts the whole batch and every submit in it fails.
     pub async fn submit_job(
         &self,
         job: &NewJob,
         terms: &JobTerms,
         now_ms: i64,
     ) -> Result<JobRecord, LedgerError> {
-        let id = job.id.to_string();
-        let mut tx = self.write_tx().await?;
-        if terms.max_price > 0 {
-            let applied = transfer::apply(
-                &mut tx,
-                &NewTransfer {
-                    id: hold_id(&id),
-                    kind: Some(TransferKind::Pending),
-                    debit: terms.account.clone(),
-                    credit: ESCROW.into(),
-                    amount: terms.max_price,
-                    deadline_ms: Some(now_ms.saturating_add(self.config().hold_ttl_ms)),
-                    job_id: Some(id.clone()),
-                    memo: "hold".into(),
-                    ..Default::default()
-                },
-                now_ms,
-            )
-            .await?;
-            if applied == Applied::AlreadyExists {
-                return Err(LedgerError::Invalid("this job was already submitted"));
+        let (reply, answer) = tokio::sync::oneshot::channel();
+        lock(&self.submits).push(QueuedSubmit {
+            job: job.clone(),
+            terms: terms.clone(),
+            now_ms,
+            reply,
+        });
+        {
+            let guard = self.writer_lock().await;
+            let batch = std::mem::take(&mut *lock(&self.submits));
+            if !batch.is_empty() {
+                let mut tx = self.begin_locked(guard).await?;
+                let mut results = Vec::with_capacity(batch.len());
+                let mut aborted = None;
+                for q in &batch {
+                    match submit_one(self, &mut tx, &q.job, &q.terms, q.now_ms).await {
+                        Ok(r) => results.push(Ok(r)),
+                        Err(
+                            e @ (LedgerError::InsufficientFunds { .. }
+                            | LedgerError::NoSuchAccount(_)
+                            | LedgerError::Invalid(_)),
+                        ) => results.push(Err(e)),
+                        Err(e) => {
+                            aborted = Some(e.to_string());
+                            results.push(Err(e));
+                            break;
+                        }
+                    }
+                }
+                let committed = match aborted {
+                    Some(why) => Err(why),
+                    None => tx.commit().await.map_err(|e| e.to_string()),
+                };
+                let mut results = results.into_iter();
+                for q in batch {
+                    let r = match (&committed, results.next()) {
+                        (Ok(()), Some(r)) => r,
+                        (Err(_), Some(Err(e))) if !matches!(e, LedgerError::Database(_)) => Err(e),
+                        (Err(why), _) => Err(LedgerError::BatchAborted(why.clone())),
+                        (Ok(()), None) => Err(LedgerError::BatchAborted("lost".into())),
+                    };
+                    let _ = q.reply.send(r);
+                }
             }
-        } else if transfer::account(&mut tx, &terms.account).await?.is_none() {
-            return Err(LedgerError::NoSuchAccount(terms.account.clone()));
         }
-        sqlx::query(
-            "INSERT INTO job_holds (job_id, account_id, input_per_mtok, output_per_mtok, max_price) \
-             VALUES (?, ?, ?, ?, ?)",
-        )
-        .bind(&id)
-        .bind(&terms.account)
-        .bind(i64::try_from(terms.price.input_per_mtok).unwrap_or(i64::MAX))
-        .bind(i64::try_from(terms.price.output_per_mtok).unwrap_or(i64::MAX))
-        .bind(terms.max_price)
-        .execute(&mut *tx)
-        .await?;
-        let record = insert_job_on(&mut tx, job, now_ms).await?;
-        tx.commit().await?;
-        Ok(record)
+        answer
+            .await
+            .unwrap_or_else(|_| Err(LedgerError::BatchAborted("the batch was dropped".into())))
     }
 
     /// Who pays for `job`, if it was submitted through the ledger.
@@ -326,6 +341,69 @@ impl Ledger {
         .fetch_all(self.pool())
         .await?)
     }
+}
+
+/// A submit waiting for the next group commit.
+#[derive(Debug)]
+pub(crate) struct QueuedSubmit {
+    job: NewJob,
+    terms: JobTerms,
+    now_ms: i64,
+    reply: tokio::sync::oneshot::Sender<Result<JobRecord, LedgerError>>,
+}
+
+fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    match m.lock() {
+        Ok(g) => g,
+        Err(poisoned) => poisoned.into_inner(),
+    }
+}
+
+/// One submit inside the batch's transaction. Every refusal happens before
+/// its first write.
+async fn submit_one(
+    ledger: &Ledger,
+    conn: &mut SqliteConnection,
+    job: &NewJob,
+    terms: &JobTerms,
+    now_ms: i64,
+) -> Result<JobRecord, LedgerError> {
+    let id = job.id.to_string();
+    if terms.max_price > 0 {
+        let applied = transfer::apply(
+            conn,
+            &NewTransfer {
+                id: hold_id(&id),
+                kind: Some(TransferKind::Pending),
+                debit: terms.account.clone(),
+                credit: ESCROW.into(),
+                amount: terms.max_price,
+                deadline_ms: Some(now_ms.saturating_add(ledger.config().hold_ttl_ms)),
+                job_id: Some(id.clone()),
+                memo: "hold".into(),
+                ..Default::default()
+            },
+            now_ms,
+        )
+        .await?;
+        if applied == Applied::AlreadyExists {
+            return Err(LedgerError::Invalid("this job was already submitted"));
+        }
+    } else if transfer::account(conn, &terms.account).await?.is_none() {
+        return Err(LedgerError::NoSuchAccount(terms.account.clone()));
+    }
+    sqlx::query(
+        "INSERT INTO job_holds (job_id, account_id, input_per_mtok, output_per_mtok, max_price) \
+         VALUES (?, ?, ?, ?, ?)",
+    )
+    .bind(&id)
+    .bind(&terms.account)
+    .bind(i64::try_from(terms.price.input_per_mtok).unwrap_or(i64::MAX))
+    .bind(i64::try_from(terms.price.output_per_mtok).unwrap_or(i64::MAX))
+    .bind(terms.max_price)
+    .execute(&mut *conn)
+    .await?;
+    Ok(insert_job_on(conn, job, now_ms).await?)
 }
 
 async fn terms(conn: &mut SqliteConnection, job: &str) -> Result<Option<JobTerms>, LedgerError> {

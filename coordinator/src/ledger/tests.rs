@@ -1012,3 +1012,66 @@ async fn rewards_are_paid_once_per_epoch_from_the_pool() {
         Vec::<String>::new()
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_submits_commit_in_groups_and_each_gets_its_own_answer() {
+    let (_dir, store, ledger) = fresh(LedgerConfig::default()).await;
+    let rich = ledger
+        .create_account("rich", AccountKind::Client)
+        .await
+        .unwrap();
+    let poor = ledger
+        .create_account("poor", AccountKind::Client)
+        .await
+        .unwrap();
+    ledger.grant("rich", &rich.id, 1_000_000, "").await.unwrap();
+    ledger.grant("poor", &poor.id, 300, "").await.unwrap();
+    let mut tasks = Vec::new();
+    for i in 0..40 {
+        let ledger = ledger.clone();
+        let account = if i % 2 == 0 { &rich.id } else { &poor.id }.clone();
+        tasks.push(tokio::spawn(async move {
+            let job = NewJob {
+                id: JobId::new(),
+                model: "m".into(),
+                input: JobInput {
+                    kind: Some(job_input::Kind::Prompt("hi".into())),
+                },
+                sampling: SamplingParams {
+                    seed: Some(1),
+                    max_tokens: 8,
+                    ..Default::default()
+                },
+            };
+            let terms = JobTerms {
+                account: account.clone(),
+                price: PRICE,
+                max_price: 100,
+            };
+            (account, job.id, ledger.submit_job(&job, &terms, 1).await)
+        }));
+    }
+    let (mut rich_ok, mut poor_ok, mut refused) = (0, 0, 0);
+    for t in tasks {
+        let (account, id, r) = t.await.unwrap();
+        match r {
+            Ok(record) => {
+                assert_eq!(record.id, id, "each submit gets its own job back");
+                if account == rich.id {
+                    rich_ok += 1;
+                } else {
+                    poor_ok += 1;
+                }
+            }
+            Err(LedgerError::InsufficientFunds { .. }) => {
+                assert_eq!(account, poor.id);
+                assert!(store.get_job(id).await.unwrap().is_none());
+                refused += 1;
+            }
+            Err(e) => panic!("{e}"),
+        }
+    }
+    assert_eq!((rich_ok, poor_ok, refused), (20, 3, 17));
+    assert_eq!(ledger.totals().await.unwrap().open_holds, 23);
+    assert!(ledger.audit().await.unwrap().is_empty());
+}
