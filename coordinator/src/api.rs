@@ -8,10 +8,12 @@
 //! # Invariants
 //! - No request message larger than `limits.max_request_bytes` is decoded;
 //!   tonic refuses it (OUT_OF_RANGE) before any handler runs.
-//! - Authentication: none yet (the ledger issue adds API keys); every caller
-//!   is the demo account.
+//! - Authentication: [`auth::AuthLayer`] runs before every handler; handlers
+//!   of non-public methods read the caller it set ([`auth::caller`]). A job
+//!   is visible only to the account that submitted it (and to admins).
 
 mod accounts;
+pub mod auth;
 mod jobs;
 mod models;
 mod network;
@@ -52,6 +54,7 @@ pub async fn serve(
         .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
         .build_v1()?;
     tonic::transport::Server::builder()
+        .layer(auth::AuthLayer::new(dispatcher.ledger.clone()))
         .add_service(health_service)
         .add_service(reflection)
         .add_service(
@@ -66,11 +69,16 @@ pub async fn serve(
             NetworkServer::new(network::NetworkApi::new(Arc::clone(&dispatcher)))
                 .max_decoding_message_size(max),
         )
-        .add_service(AccountsServer::new(accounts::AccountsApi).max_decoding_message_size(max))
+        .add_service(
+            AccountsServer::new(accounts::AccountsApi::new(Arc::clone(&dispatcher)))
+                .max_decoding_message_size(max),
+        )
         .serve_with_incoming_shutdown(TcpListenerStream::new(listener), shutdown)
         .await?;
     Ok(())
 }
 
+#[cfg(test)]
+mod accounts_tests;
 #[cfg(test)]
 mod tests;

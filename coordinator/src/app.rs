@@ -24,6 +24,7 @@ use crate::{
     dispatch::Dispatcher,
     error::AppError,
     http,
+    ledger::{self, Ledger},
     link::{self, tls::Identity},
     store::Store,
 };
@@ -78,7 +79,20 @@ impl Application {
         };
         let recovered = async {
             store.mark_all_nodes_offline().await?;
-            store.requeue_orphans(config.limits.max_attempts).await
+            let requeued = store.requeue_orphans(config.limits.max_attempts).await?;
+            // Settle what a crash left unsettled and expire overdue holds,
+            // before anything is served.
+            let ledger = Ledger::new(store.pool().clone(), config.ledger.clone());
+            let swept = ledger::sweep(&ledger, crate::store::now_ms(), |job| {
+                let store = store.clone();
+                async move { store.cancel(job).await.map(|_| ()) }
+            })
+            .await
+            .map_err(|e| AppError::Ledger(Box::new(e)))?;
+            if swept != ledger::Swept::default() {
+                info!(?swept, "ledger recovered at start-up");
+            }
+            Ok::<_, AppError>(requeued)
         }
         .await;
         let requeued = match recovered {
@@ -86,7 +100,7 @@ impl Application {
             Err(e) => {
                 store.close().await;
                 endpoint.close(0u32.into(), b"");
-                return Err(e.into());
+                return Err(e);
             }
         };
         if requeued > 0 {
@@ -123,6 +137,12 @@ impl Application {
         self.http_addr
     }
 
+    /// The ledger (accounts, keys): how a harness or the `admin-key` command
+    /// creates the first accounts and keys.
+    pub fn ledger(&self) -> &Ledger {
+        &self.dispatcher.ledger
+    }
+
     /// Lowercase hex SHA-256 of the node-link certificate's DER.
     pub fn cert_fingerprint(&self) -> String {
         self.fingerprint.clone()
@@ -149,6 +169,7 @@ impl Application {
         } = self;
         let token = d.shutdown_token().clone();
         let placement = tokio::spawn(Arc::clone(&d).placement_loop());
+        d.spawn(ledger::sweep_loop(Arc::clone(&d)));
         let accept = tokio::spawn(link::accept_loop(endpoint.clone(), Arc::clone(&d)));
         let mut grpc_task = tokio::spawn(api::serve(
             grpc,
@@ -274,12 +295,27 @@ mod tests {
         fingerprint: String,
         stop: tokio::sync::oneshot::Sender<()>,
         task: tokio::task::JoinHandle<Result<(), AppError>>,
+        key: String,
     }
 
-    async fn run(config: CoordinatorConfig) -> Running {
+    /// Runs `config`; the first run creates a funded admin key, later runs
+    /// (same database) reuse `key`.
+    async fn run(config: CoordinatorConfig, key: Option<String>) -> Running {
         let app = Application::build(config).await.unwrap();
+        let key = match key {
+            Some(k) => k,
+            None => {
+                let admin = app.ledger().bootstrap_admin("test").await.unwrap();
+                app.ledger()
+                    .grant("t", &admin.account_id, 1_000_000_000, "test")
+                    .await
+                    .unwrap();
+                admin.secret().to_owned()
+            }
+        };
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
         Running {
+            key,
             grpc: app.grpc_addr(),
             quic: app.quic_addr(),
             http: app.http_addr(),
@@ -302,10 +338,11 @@ mod tests {
             fingerprint,
             stop,
             task,
-        } = run(config.clone()).await;
+            key,
+        } = run(config.clone(), None).await;
         assert_eq!(fingerprint.len(), 64);
 
-        let mut client = JobsClient::connect(format!("http://{grpc}")).await.unwrap();
+        let mut client = jobs_client(grpc, &key).await;
         let job = client
             .submit(SubmitJobRequest {
                 model: "smollm2-135m-instruct".into(),
@@ -331,11 +368,11 @@ mod tests {
         config.grpc_addr = grpc;
         config.quic_addr = quic;
         config.http_addr = http;
-        let second = run(config).await;
+        let second = run(config, Some(key.clone())).await;
         assert_eq!((second.grpc, second.quic), (grpc, quic));
         assert_eq!(second.fingerprint, fingerprint, "the certificate is reused");
         let (stop, task) = (second.stop, second.task);
-        let mut client = JobsClient::connect(format!("http://{grpc}")).await.unwrap();
+        let mut client = jobs_client(grpc, &key).await;
         let again = client
             .get(GetJobRequest {
                 job_id: job.id.clone(),
@@ -348,6 +385,18 @@ mod tests {
         drop(client);
         stop.send(()).unwrap();
         task.await.unwrap().unwrap();
+    }
+
+    async fn jobs_client(grpc: SocketAddr, key: &str) -> JobsClient<crate::test_utils::Authed> {
+        let channel = tonic::transport::Channel::from_shared(format!("http://{grpc}"))
+            .unwrap()
+            .connect()
+            .await
+            .unwrap();
+        JobsClient::new(crate::test_utils::Authed::new(
+            channel,
+            crate::test_utils::Bearer(Some(format!("Bearer {key}").parse().unwrap())),
+        ))
     }
 
     /// A bare HTTP/1.1 GET, returning the whole response.

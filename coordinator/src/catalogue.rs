@@ -18,6 +18,23 @@ pub struct Model {
 }
 
 impl Model {
+    /// The model's price: configured, or by default one micro-MLX per
+    /// thousand parameters per million prompt tokens (at least 1), and twice
+    /// that per million generated tokens.
+    pub fn price(&self) -> crate::ledger::Price {
+        let input = self
+            .info
+            .price_input_per_mtok
+            .unwrap_or_else(|| (self.info.parameters / 1_000).max(1));
+        crate::ledger::Price {
+            input_per_mtok: input,
+            output_per_mtok: self
+                .info
+                .price_output_per_mtok
+                .unwrap_or_else(|| input.saturating_mul(2)),
+        }
+    }
+
     /// Memory a node needs for one job: the weights plus the KV cache for the
     /// whole context the job may use, plus 10% overhead.
     pub fn memory_needed(&self, prompt_bytes: usize, max_tokens: u32) -> u64 {

@@ -47,6 +47,8 @@ pub struct CoordinatorConfig {
     pub handshake_timeout_ms: u64,
     /// Longest a single job attempt may run before it is failed and requeued.
     pub job_timeout_ms: u64,
+    /// Fees and hold lifetimes (see [`crate::ledger`]).
+    pub ledger: crate::ledger::LedgerConfig,
 }
 
 /// One model of the catalogue: the only models jobs may name.
@@ -67,6 +69,13 @@ pub struct CatalogueModel {
     /// KV-cache bytes per token of context, for the placement memory estimate.
     #[serde(default = "default_kv_bytes_per_token")]
     pub kv_bytes_per_token: u64,
+    /// Micro-MLX per million prompt tokens. Default: one per thousand
+    /// parameters (so bigger models cost more), at least 1.
+    #[serde(default)]
+    pub price_input_per_mtok: Option<u64>,
+    /// Micro-MLX per million generated tokens. Default: twice the input price.
+    #[serde(default)]
+    pub price_output_per_mtok: Option<u64>,
 }
 
 /// Bounds on client input and on queued work.
@@ -127,6 +136,8 @@ pub fn smollm2_135m_instruct() -> CatalogueModel {
         sha256: "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53".into(),
         context_length: 8192,
         kv_bytes_per_token: default_kv_bytes_per_token(),
+        price_input_per_mtok: None,
+        price_output_per_mtok: None,
     }
 }
 
@@ -152,6 +163,7 @@ impl Default for CoordinatorConfig {
             heartbeat_timeout_ms: 15_000,
             handshake_timeout_ms: 10_000,
             job_timeout_ms: 10 * 60 * 1000,
+            ledger: crate::ledger::LedgerConfig::default(),
         }
     }
 }
@@ -173,6 +185,7 @@ impl fmt::Debug for CoordinatorConfig {
             .field("heartbeat_timeout_ms", &self.heartbeat_timeout_ms)
             .field("handshake_timeout_ms", &self.handshake_timeout_ms)
             .field("job_timeout_ms", &self.job_timeout_ms)
+            .field("ledger", &self.ledger)
             .finish()
     }
 }
@@ -242,6 +255,14 @@ impl CoordinatorConfig {
             self.heartbeat_interval_ms > 0
                 && self.heartbeat_timeout_ms > self.heartbeat_interval_ms,
             "heartbeat_timeout_ms must exceed heartbeat_interval_ms (> 0)"
+        );
+        anyhow::ensure!(
+            self.ledger.fee_bps <= 10_000,
+            "ledger.fee_bps must be at most 10000 (100%)"
+        );
+        anyhow::ensure!(
+            self.ledger.hold_ttl_ms > 0 && self.ledger.sweep_interval_ms > 0,
+            "ledger.hold_ttl_ms and ledger.sweep_interval_ms must be positive"
         );
         anyhow::ensure!(
             self.limits.max_attempts >= 1,

@@ -38,13 +38,14 @@ use crate::{
     config::CoordinatorConfig,
     error::error_chain,
     jobs::{self, EventHub},
+    ledger::{self, settle::JobTerms, Ledger, LedgerError},
     link::{
         job::{check_result, Expected, JobStream, CODE_CANCELLED, CODE_REFUSED, CODE_TIMEOUT},
         session::{Reservation, Session, Sessions},
     },
     metrics::Metrics,
     scheduler::{self, Demand},
-    store::{AttemptEnd, CancelOutcome, Completion, JobRecord, NewJob, Store, StoreError},
+    store::{now_ms, AttemptEnd, CancelOutcome, Completion, JobRecord, NewJob, Store, StoreError},
 };
 
 /// How often placement runs even when nothing woke it.
@@ -56,6 +57,8 @@ const PLACEMENT_BATCH: u32 = 256;
 pub struct Dispatcher {
     pub config: CoordinatorConfig,
     pub store: Store,
+    /// Accounts, holds and settlement, in the store's database.
+    pub ledger: Ledger,
     pub catalogue: Catalogue,
     pub hub: EventHub,
     pub sessions: Sessions,
@@ -79,6 +82,7 @@ enum Outcome {
 impl Dispatcher {
     pub fn new(config: CoordinatorConfig, store: Store, catalogue: Catalogue) -> Arc<Self> {
         Arc::new(Self {
+            ledger: Ledger::new(store.pool().clone(), config.ledger.clone()),
             config,
             store,
             catalogue,
@@ -116,9 +120,9 @@ impl Dispatcher {
         while tasks.join_next().await.is_some() {}
     }
 
-    /// Queues a validated job.
-    pub async fn submit(&self, job: NewJob) -> Result<JobRecord, StoreError> {
-        let record = self.store.insert_job(&job).await?;
+    /// Queues a validated job, with its hold placed in the same transaction.
+    pub async fn submit(&self, job: NewJob, terms: &JobTerms) -> Result<JobRecord, LedgerError> {
+        let record = self.ledger.submit_job(&job, terms, now_ms()).await?;
         Metrics::inc(&self.metrics.jobs_submitted);
         self.hub.publish(
             record.id,
@@ -140,6 +144,7 @@ impl Dispatcher {
             }
             self.hub
                 .publish(id, job_event::Event::Cancelled(job_event::Cancelled {}));
+            ledger::settle_logged(&self.ledger, id).await;
             self.wake();
         }
         Ok(outcome)
@@ -268,6 +273,7 @@ impl Dispatcher {
         }
         Metrics::inc(&self.metrics.jobs_completed);
         info!("completed with a verified result");
+        ledger::settle_logged(&self.ledger, job.id).await;
         let tokens = completion
             .result
             .claim
@@ -317,6 +323,7 @@ impl Dispatcher {
             Some(AttemptEnd::Failed) => {
                 Metrics::inc(&self.metrics.jobs_failed);
                 info!(reason, "job failed");
+                ledger::settle_logged(&self.ledger, job.id).await;
                 self.hub.publish(
                     job.id,
                     job_event::Event::Failed(job_event::Failed {

@@ -7,7 +7,9 @@
 
 use std::{io, net::SocketAddr};
 
-use crate::{catalogue::CatalogueError, link::tls::TlsError, store::StoreError};
+use crate::{
+    catalogue::CatalogueError, ledger::LedgerError, link::tls::TlsError, store::StoreError,
+};
 
 /// Why a client request failed.
 #[derive(Debug, thiserror::Error)]
@@ -21,8 +23,47 @@ pub enum ApiError {
     ResourceExhausted(String),
     #[error("{0}")]
     FailedPrecondition(String),
+    /// No key, or an unknown, revoked or expired one: one message for all.
+    #[error("{UNAUTHENTICATED}")]
+    Unauthenticated,
+    #[error("{0}")]
+    PermissionDenied(String),
     #[error("internal error")]
     Internal(#[from] StoreError),
+    #[error("internal error")]
+    Ledger(#[source] LedgerError),
+}
+
+/// The one message every authentication failure gets.
+pub const UNAUTHENTICATED: &str = "missing or invalid API key (send `authorization: Bearer <key>`)";
+
+impl From<LedgerError> for ApiError {
+    fn from(err: LedgerError) -> Self {
+        match err {
+            LedgerError::InsufficientFunds {
+                needed, available, ..
+            } => ApiError::FailedPrecondition(format!(
+                "insufficient balance: this job may cost up to {} MLX ({needed} micro-MLX) \
+                 and {} MLX ({available} micro-MLX) is available; lower max_tokens or add funds",
+                mlx(needed),
+                mlx(available)
+            )),
+            LedgerError::NoSuchAccount(a) => ApiError::NotFound(format!("no account {a}")),
+            LedgerError::Invalid(m) => ApiError::InvalidArgument(m.to_owned()),
+            LedgerError::ExistsWithDifferentFields { id } => ApiError::FailedPrecondition(format!(
+                "idempotency key {id:?} was already used for another operation"
+            )),
+            LedgerError::Store(e) => ApiError::Internal(e),
+            other => ApiError::Ledger(other),
+        }
+    }
+}
+
+/// `micro` micro-MLX as MLX with six decimals.
+pub fn mlx(micro: i64) -> String {
+    let sign = if micro < 0 { "-" } else { "" };
+    let m = micro.unsigned_abs();
+    format!("{sign}{}.{:06}", m / 1_000_000, m % 1_000_000)
 }
 
 impl From<ApiError> for tonic::Status {
@@ -32,7 +73,13 @@ impl From<ApiError> for tonic::Status {
             ApiError::NotFound(m) => tonic::Status::not_found(m),
             ApiError::ResourceExhausted(m) => tonic::Status::resource_exhausted(m),
             ApiError::FailedPrecondition(m) => tonic::Status::failed_precondition(m),
+            ApiError::Unauthenticated => tonic::Status::unauthenticated(UNAUTHENTICATED),
+            ApiError::PermissionDenied(m) => tonic::Status::permission_denied(m),
             ApiError::Internal(source) => {
+                tracing::error!(error = %error_chain(&source), "request failed");
+                tonic::Status::internal("internal error")
+            }
+            ApiError::Ledger(source) => {
                 tracing::error!(error = %error_chain(&source), "request failed");
                 tonic::Status::internal("internal error")
             }
@@ -50,6 +97,8 @@ pub enum AppError {
     DataDir { path: String, source: io::Error },
     #[error("opening the database")]
     Store(#[from] StoreError),
+    #[error("recovering the ledger")]
+    Ledger(#[source] Box<crate::ledger::LedgerError>),
     #[error(transparent)]
     Catalogue(#[from] CatalogueError),
     #[error("node-link certificate")]

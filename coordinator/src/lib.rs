@@ -10,6 +10,7 @@
 //! - [`dispatch`]: shared state; queues, places and drives jobs; cancels.
 //! - [`scheduler`]: placement as a pure function (first fit by free memory).
 //! - [`jobs`]: the job state machine and the live event hub behind Watch.
+//! - [`ledger`]: accounts, two-phase transfers, API keys, job holds and settlement.
 //! - [`store`]: persistence (SQLite), every transition guarded by current state.
 //! - [`catalogue`]: the models jobs may name, pinned by file digest.
 //! - [`http`]: `/healthz`, `/readyz`, `/metrics`; [`metrics`]: the counters.
@@ -25,6 +26,7 @@ pub mod dispatch;
 pub mod error;
 pub mod http;
 pub mod jobs;
+pub mod ledger;
 pub mod link;
 pub mod metrics;
 pub mod scheduler;

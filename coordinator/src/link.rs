@@ -102,6 +102,29 @@ async fn serve_connection(conn: quinn::Connection, d: Arc<Dispatcher>) {
         reject(&conn, Some(send), "coordinator unavailable").await;
         return;
     }
+    let node_hex = registration.node_id.to_string();
+    match d
+        .ledger
+        .link_node(&node_hex, &registration.operator_account)
+        .await
+    {
+        Ok(_) => {}
+        Err(crate::ledger::LedgerError::NoSuchAccount(a)) => {
+            Metrics::inc(&d.metrics.handshakes_refused);
+            reject(
+                &conn,
+                Some(send),
+                &format!("unknown operator account {a:?}"),
+            )
+            .await;
+            return;
+        }
+        Err(e) => {
+            warn!(error = %error_chain(&e), "linking the node to its operator failed");
+            reject(&conn, Some(send), "coordinator unavailable").await;
+            return;
+        }
+    }
     let session = Arc::new(Session::new(
         d.sessions.next_serial(),
         conn.clone(),
@@ -125,7 +148,8 @@ async fn serve_connection(conn: quinn::Connection, d: Arc<Dispatcher>) {
     };
     if write_frame(&mut send, &welcome).await.is_ok() {
         d.wake();
-        control_loop(&d, &session, &mut send, &mut recv).await;
+        let dedicated = registration.dedicated;
+        control_loop(&d, &session, dedicated, &mut send, &mut recv).await;
     }
     if d.sessions
         .remove_if_current(session.node_id, session.serial)
@@ -145,11 +169,13 @@ async fn serve_connection(conn: quinn::Connection, d: Arc<Dispatcher>) {
 async fn control_loop(
     d: &Dispatcher,
     session: &Session,
+    dedicated: bool,
     send: &mut quinn::SendStream,
     recv: &mut quinn::RecvStream,
 ) {
     let conn = &session.connection;
     let silence = Duration::from_millis(d.config.heartbeat_timeout_ms);
+    let mut last_beat = std::time::Instant::now();
     loop {
         let frame = tokio::select! {
             _ = d.shutdown_token().cancelled() => {
@@ -187,6 +213,25 @@ async fn control_loop(
                 }
                 if let Err(e) = d.store.touch_node(&session.node_id.to_string()).await {
                     warn!(error = %error_chain(&e), "recording the heartbeat failed");
+                }
+                // A dedicated node earns availability rewards for the time
+                // since its last heartbeat (at most the timeout: it answered).
+                let beat = std::time::Instant::now();
+                let online = beat.duration_since(last_beat).min(silence);
+                last_beat = beat;
+                if dedicated {
+                    if let Err(e) = d
+                        .ledger
+                        .record_online(
+                            &session.node_id.to_string(),
+                            session.memory_bytes,
+                            online.as_millis() as u64,
+                            crate::store::now_ms(),
+                        )
+                        .await
+                    {
+                        warn!(error = %error_chain(&e), "recording availability failed");
+                    }
                 }
                 d.wake();
             }

@@ -1,8 +1,9 @@
-//! `mlxnet-coordinator`: parse flags, load config, build, run.
+//! `mlxnet-coordinator`: parse flags, load config, build, run; or, with
+//! `admin-key`, create an admin account and print its first API key.
 use std::{net::SocketAddr, path::PathBuf};
 
 use anyhow::Context;
-use clap::Parser;
+use clap::{Parser, Subcommand};
 use mlxnet_coordinator::{app::Application, config::CoordinatorConfig};
 
 /// The mlx-network coordinator.
@@ -20,6 +21,20 @@ struct Args {
     quic_addr: Option<SocketAddr>,
     #[arg(long)]
     http_addr: Option<SocketAddr>,
+    #[command(subcommand)]
+    command: Option<Command>,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Create an admin account in the coordinator's database and print its
+    /// API key (once). How a new network gets its first key; works while the
+    /// coordinator runs.
+    AdminKey {
+        /// Name of the new admin account.
+        #[arg(long, default_value = "admin")]
+        name: String,
+    },
 }
 
 #[tokio::main]
@@ -44,6 +59,16 @@ async fn main() -> anyhow::Result<()> {
     }
     if let Some(a) = args.http_addr {
         config.http_addr = a;
+    }
+    if let Some(Command::AdminKey { name }) = args.command {
+        let key = mlxnet_coordinator::ledger::keys::bootstrap_admin_key(&config, &name)
+            .await
+            .context("creating the admin key")?;
+        println!("account {}", key.account_id);
+        println!("key id  {}", key.id);
+        println!("api key {}", key.secret());
+        eprintln!("(the key is shown this once; only its hash is kept)");
+        return Ok(());
     }
     let app = Application::build(config)
         .await

@@ -22,7 +22,32 @@ use tokio::{sync::oneshot, task::JoinHandle};
 
 use crate::{app::Application, config::CoordinatorConfig, error::AppError, link::tls::fingerprint};
 
+/// Sends `authorization: Bearer <key>` on every call.
+#[derive(Clone)]
+pub struct Bearer(pub Option<tonic::metadata::AsciiMetadataValue>);
+
+impl tonic::service::Interceptor for Bearer {
+    fn call(&mut self, mut req: tonic::Request<()>) -> Result<tonic::Request<()>, tonic::Status> {
+        if let Some(v) = &self.0 {
+            req.metadata_mut().insert("authorization", v.clone());
+        }
+        Ok(req)
+    }
+}
+
+/// A channel whose calls carry an API key.
+pub type Authed =
+    tonic::service::interceptor::InterceptedService<tonic::transport::Channel, Bearer>;
+
+/// Starting balance of the test client: 1,000 MLX.
+pub const CLIENT_GRANT: i64 = 1_000_000_000;
+
 pub struct TestApp {
+    /// The running coordinator's ledger (same database).
+    pub ledger: crate::ledger::Ledger,
+    /// A client account funded with [`CLIENT_GRANT`], and its submit+read key.
+    pub client_account: String,
+    pub client_key: String,
     pub grpc_addr: SocketAddr,
     pub quic_addr: SocketAddr,
     pub fingerprint: String,
@@ -41,12 +66,22 @@ impl TestApp {
         }
     }
 
-    pub async fn grpc(&self) -> tonic::transport::Channel {
-        tonic::transport::Channel::from_shared(format!("http://{}", self.grpc_addr))
+    /// A channel to the client API, authenticated as the funded test client.
+    pub async fn grpc(&self) -> Authed {
+        self.grpc_with(Some(&self.client_key)).await
+    }
+
+    /// A channel to the client API that sends `key` (or no key).
+    pub async fn grpc_with(&self, key: Option<&str>) -> Authed {
+        let channel = tonic::transport::Channel::from_shared(format!("http://{}", self.grpc_addr))
             .unwrap()
             .connect()
             .await
-            .unwrap()
+            .unwrap();
+        Authed::new(
+            channel,
+            Bearer(key.map(|k| format!("Bearer {k}").parse().unwrap())),
+        )
     }
 }
 
@@ -68,10 +103,31 @@ pub async fn spawn_app(tune: impl FnOnce(&mut CoordinatorConfig)) -> TestApp {
     let grpc_addr = app.grpc_addr();
     let quic_addr = app.quic_addr();
     let fingerprint = app.cert_fingerprint();
+    let ledger = app.ledger().clone();
+    let account = ledger
+        .create_account("test client", crate::ledger::AccountKind::Client)
+        .await
+        .unwrap();
+    ledger
+        .grant("test-client", &account.id, CLIENT_GRANT, "starting balance")
+        .await
+        .unwrap();
+    let key = ledger
+        .create_key(
+            &account.id,
+            crate::ledger::keys::Scopes::from_list(["submit", "read"]).unwrap(),
+            "test",
+            None,
+        )
+        .await
+        .unwrap();
     let task = tokio::spawn(app.run_until(async move {
         let _ = stopped.await;
     }));
     TestApp {
+        ledger,
+        client_account: account.id,
+        client_key: key.secret().to_owned(),
         grpc_addr,
         quic_addr,
         fingerprint,

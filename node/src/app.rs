@@ -93,6 +93,7 @@ impl Node {
             client_config,
             name,
             mode: config.mode,
+            operator_account: config.operator_account.clone(),
             location: config.location.clone(),
             max_concurrent_jobs: config.max_concurrent_jobs,
             connect_timeout: Duration::from_millis(config.connect_timeout_ms),

@@ -59,6 +59,11 @@ pub struct NodeConfig {
     pub mode: NodeMode,
     /// Owner-declared coarse location for the World page. Default none.
     pub location: Option<Location>,
+    /// Ledger account id of the owner's operator account, which this node's
+    /// pay is credited to (`mlxnet` prints it when the account is created).
+    /// Empty (default): the coordinator keeps the node's current link, or
+    /// gives a new node an account of its own.
+    pub operator_account: String,
 }
 
 /// One model file the node holds: catalogue id and local path.
@@ -219,6 +224,7 @@ pub struct ConfigLayer {
     pub connect_timeout_ms: Option<u64>,
     pub mode: Option<NodeMode>,
     pub location: Option<Location>,
+    pub operator_account: Option<String>,
 }
 
 impl ConfigLayer {
@@ -272,6 +278,7 @@ impl ConfigLayer {
                     layer.models = Some(models);
                 }
                 "NAME" => layer.name = Some(value.to_owned()),
+                "OPERATOR_ACCOUNT" => layer.operator_account = Some(value.trim().to_owned()),
                 "MAX_CONCURRENT_JOBS" => {
                     layer.max_concurrent_jobs =
                         Some(parse_num(value).map_err(|_| bad("expected a whole number"))?)
@@ -356,6 +363,9 @@ impl ConfigLayer {
         if let Some(v) = self.mode {
             base.mode = v;
         }
+        if let Some(v) = self.operator_account {
+            base.operator_account = v;
+        }
         if let Some(v) = self.location {
             // Location fields merge one by one, so env can refine a file's place.
             let loc = base.location.get_or_insert_with(Location::default);
@@ -403,6 +413,7 @@ impl NodeConfig {
             connect_timeout_ms: 10_000,
             mode: NodeMode::Dedicated,
             location: None,
+            operator_account: String::new(),
         }
     }
 

@@ -10,10 +10,12 @@
 //!   safetensors loading, tokenizer, chat template, sampling.
 //! - [`link`]: the QUIC link to the coordinator (pinned certificate, handshake,
 //!   heartbeat, reconnect, one stream per job).
+//! - [`earnings`]: `mlx-node earnings`, read from the coordinator's accounts service.
 //! - [`app`]: [`app::Node::build`] / `run_until_stopped`, what `main` calls.
 
 pub mod app;
 pub mod config;
+pub mod earnings;
 pub mod engine;
 pub mod hardware;
 pub mod identity;

@@ -122,6 +122,8 @@ pub struct LinkContext {
     pub client_config: quinn::ClientConfig,
     pub name: String,
     pub mode: NodeMode,
+    /// Ledger account the node earns for (empty: the coordinator decides).
+    pub operator_account: String,
     pub location: Option<Location>,
     pub max_concurrent_jobs: u32,
     pub connect_timeout: Duration,

@@ -1,5 +1,5 @@
 //! `mlx-node`: the node agent (`run`) and its tools (`id`, `hardware`,
-//! `generate`, `bench`). Parses flags, loads the layered config, calls the
+//! `generate`, `bench`, `earnings`). Parses flags, loads the layered config, calls the
 //! library.
 
 use std::path::PathBuf;
@@ -72,6 +72,22 @@ enum Command {
     Generate(GenerateArgs),
     /// Measure prefill and decode speed of a model file.
     Bench(BenchArgs),
+    /// Show what the operator account earned: today, this week, all time,
+    /// per node (jobs served, tokens produced).
+    Earnings {
+        #[command(flatten)]
+        config: ConfigArgs,
+        /// The coordinator's gRPC address (the client API).
+        #[arg(
+            long,
+            env = "MLXNET_COORDINATOR",
+            default_value = "http://127.0.0.1:7070"
+        )]
+        grpc: String,
+        /// An API key of the operator account (read scope).
+        #[arg(long, env = "MLXNET_API_KEY", hide_env_values = true)]
+        api_key: String,
+    },
 }
 
 fn load_config(args: &ConfigArgs, mut flags: ConfigLayer) -> anyhow::Result<NodeConfig> {
@@ -134,6 +150,20 @@ fn main() -> anyhow::Result<()> {
                 "{}",
                 serde_json::to_string_pretty(&hardware::to_json(&profile))?
             );
+            Ok(())
+        }
+        Command::Earnings {
+            config,
+            grpc,
+            api_key,
+        } => {
+            let config = load_config(&config, ConfigLayer::default())?;
+            let this = Identity::load_or_create(&config.data_dir)?
+                .node_id()
+                .to_string();
+            let runtime = tokio::runtime::Runtime::new().context("starting the async runtime")?;
+            let report = runtime.block_on(mlx_node::earnings::fetch(&grpc, &api_key))?;
+            print!("{}", mlx_node::earnings::render(&report, &this));
             Ok(())
         }
         Command::Generate(args) => engine_cli::generate(args),

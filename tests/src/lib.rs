@@ -7,8 +7,12 @@
 //! - [`spawn_coordinator`] / [`TestCoordinator`]: an `Application` built on
 //!   `127.0.0.1:0`, running until stopped or dropped.
 //! - [`spawn_node`] / [`TestNode`]: an `mlx-node` dialing that coordinator.
-//! - [`Client`]: gRPC clients of the coordinator, and [`Client::run_job`],
-//!   which submits and watches a job to its end.
+//! - [`Client`]: gRPC clients of the coordinator, authenticated with an API
+//!   key, and [`Client::run_job`], which submits and watches a job to its end.
+//! - [`Accounts`]: what every test coordinator starts with: an admin key, a
+//!   client account with [`CLIENT_GRANT`] micro-MLX and a submit+read key, and
+//!   an operator account (its nodes earn into it) with a read key. They are
+//!   kept in the data directory, so a restarted coordinator has the same ones.
 //!
 //! # Invariants
 //! - Nothing waits by sleeping: readiness is the node's own link status and
@@ -39,12 +43,99 @@ use mlxnet_proto::{
     },
 };
 use tokio::{sync::oneshot, task::JoinHandle};
-use tonic::transport::Channel;
+use tonic::{
+    metadata::AsciiMetadataValue,
+    service::{interceptor::InterceptedService, Interceptor},
+    transport::Channel,
+};
 
 /// Catalogue id of the test model.
 pub const TEST_MODEL_ID: &str = "smollm2-135m-instruct";
 /// File name of the test model under `models/`.
 pub const TEST_MODEL_FILE: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
+
+/// Starting balance of the test client account: 1,000 MLX.
+pub const CLIENT_GRANT: i64 = 1_000_000_000;
+
+/// The accounts and keys a test coordinator starts with.
+#[derive(Clone, Debug)]
+pub struct Accounts {
+    pub admin_key: String,
+    pub client_account: String,
+    pub client_key: String,
+    pub operator_account: String,
+    pub operator_key: String,
+}
+
+const ACCOUNTS_FILE: &str = "harness-accounts.txt";
+
+impl Accounts {
+    /// Reads the accounts from the data dir, or creates them (and writes them there).
+    async fn load_or_create(app: &Application, data_dir: &Path) -> anyhow::Result<Self> {
+        use mlxnet_coordinator::ledger::{keys::Scopes, AccountKind};
+        let path = data_dir.join(ACCOUNTS_FILE);
+        if let Ok(text) = std::fs::read_to_string(&path) {
+            let f: Vec<&str> = text.lines().collect();
+            if let [admin_key, client_account, client_key, operator_account, operator_key] = f[..] {
+                return Ok(Self {
+                    admin_key: admin_key.into(),
+                    client_account: client_account.into(),
+                    client_key: client_key.into(),
+                    operator_account: operator_account.into(),
+                    operator_key: operator_key.into(),
+                });
+            }
+            bail!("{} is malformed", path.display());
+        }
+        let ledger = app.ledger();
+        let admin = ledger.bootstrap_admin("harness admin").await?;
+        let client = ledger
+            .create_account("demo client", AccountKind::Client)
+            .await?;
+        ledger
+            .grant(
+                "harness-client",
+                &client.id,
+                CLIENT_GRANT,
+                "starting balance",
+            )
+            .await?;
+        let client_key = ledger
+            .create_key(
+                &client.id,
+                Scopes::from_list(["submit", "read"])?,
+                "harness",
+                None,
+            )
+            .await?;
+        let operator = ledger
+            .create_account("demo operator", AccountKind::Operator)
+            .await?;
+        let operator_key = ledger
+            .create_key(&operator.id, Scopes::from_list(["read"])?, "harness", None)
+            .await?;
+        let accounts = Self {
+            admin_key: admin.secret().into(),
+            client_account: client.id,
+            client_key: client_key.secret().into(),
+            operator_account: operator.id,
+            operator_key: operator_key.secret().into(),
+        };
+        std::fs::write(
+            &path,
+            format!(
+                "{}\n{}\n{}\n{}\n{}\n",
+                accounts.admin_key,
+                accounts.client_account,
+                accounts.client_key,
+                accounts.operator_account,
+                accounts.operator_key
+            ),
+        )
+        .with_context(|| format!("writing {}", path.display()))?;
+        Ok(accounts)
+    }
+}
 
 /// Longest any single wait in a test may take before it fails.
 pub const DEADLINE: Duration = Duration::from_secs(120);
@@ -95,6 +186,7 @@ pub struct TestCoordinator {
     pub http_addr: SocketAddr,
     pub fingerprint: String,
     pub config: CoordinatorConfig,
+    pub accounts: Accounts,
     stop: Option<oneshot::Sender<()>>,
     task: Option<JoinHandle<anyhow::Result<()>>>,
 }
@@ -116,9 +208,14 @@ impl TestCoordinator {
         Ok(())
     }
 
-    /// gRPC clients connected to it.
+    /// gRPC clients connected to it, as the funded test client.
     pub async fn client(&self) -> anyhow::Result<Client> {
-        Client::connect(self.grpc_addr).await
+        Client::connect(self.grpc_addr, Some(&self.accounts.client_key)).await
+    }
+
+    /// gRPC clients connected to it with `key` (or none).
+    pub async fn client_with(&self, key: Option<&str>) -> anyhow::Result<Client> {
+        Client::connect(self.grpc_addr, key).await
     }
 
     /// A node config that dials this coordinator and serves the test model.
@@ -136,6 +233,7 @@ impl TestCoordinator {
         config.threads = Some(1);
         config.reconnect_min_ms = 50;
         config.reconnect_max_ms = 500;
+        config.operator_account = self.accounts.operator_account.clone();
         config
     }
 }
@@ -164,6 +262,7 @@ pub async fn spawn_coordinator(config: CoordinatorConfig) -> anyhow::Result<Test
     let quic_addr = app.quic_addr();
     let http_addr = app.http_addr();
     let fingerprint = app.cert_fingerprint();
+    let accounts = Accounts::load_or_create(&app, &config.data_dir).await?;
     // Later starts on the same data dir reuse the ports this one got, so
     // nodes that pinned the address find it again after a restart.
     let mut config = config;
@@ -183,6 +282,7 @@ pub async fn spawn_coordinator(config: CoordinatorConfig) -> anyhow::Result<Test
         http_addr,
         fingerprint,
         config,
+        accounts,
         stop: Some(stop),
         task: Some(task),
     })
@@ -263,13 +363,29 @@ pub async fn spawn_node(config: NodeConfig) -> anyhow::Result<TestNode> {
     })
 }
 
+/// Sends `authorization: Bearer <key>` on every call (nothing without a key).
+#[derive(Clone)]
+pub struct Bearer(Option<AsciiMetadataValue>);
+
+impl Interceptor for Bearer {
+    fn call(&mut self, mut req: tonic::Request<()>) -> Result<tonic::Request<()>, tonic::Status> {
+        if let Some(v) = &self.0 {
+            req.metadata_mut().insert("authorization", v.clone());
+        }
+        Ok(req)
+    }
+}
+
+/// A channel whose calls carry an API key.
+pub type Authed = InterceptedService<Channel, Bearer>;
+
 /// gRPC clients of one coordinator.
 #[derive(Clone)]
 pub struct Client {
-    pub jobs: JobsClient<Channel>,
-    pub models: ModelsClient<Channel>,
-    pub network: NetworkClient<Channel>,
-    pub accounts: AccountsClient<Channel>,
+    pub jobs: JobsClient<Authed>,
+    pub models: ModelsClient<Authed>,
+    pub network: NetworkClient<Authed>,
+    pub accounts: AccountsClient<Authed>,
 }
 
 /// What a client saw of one job, from submit to its end.
@@ -287,16 +403,23 @@ pub struct JobRun {
 }
 
 impl Client {
-    pub async fn connect(addr: SocketAddr) -> anyhow::Result<Self> {
+    /// Connects, sending `key` (if any) as the bearer on every call.
+    pub async fn connect(addr: SocketAddr, key: Option<&str>) -> anyhow::Result<Self> {
         let channel = Channel::from_shared(format!("http://{addr}"))?
             .connect()
             .await
             .with_context(|| format!("connecting to gRPC at {addr}"))?;
+        let bearer = Bearer(
+            key.map(|k| format!("Bearer {k}").parse())
+                .transpose()
+                .context("an API key is printable ASCII")?,
+        );
+        let authed = InterceptedService::new(channel, bearer);
         Ok(Self {
-            jobs: JobsClient::new(channel.clone()),
-            models: ModelsClient::new(channel.clone()),
-            network: NetworkClient::new(channel.clone()),
-            accounts: AccountsClient::new(channel),
+            jobs: JobsClient::new(authed.clone()),
+            models: ModelsClient::new(authed.clone()),
+            network: NetworkClient::new(authed.clone()),
+            accounts: AccountsClient::new(authed),
         })
     }
 

@@ -15,12 +15,17 @@ use tokio::sync::{broadcast::error::RecvError, mpsc};
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status};
 
+use super::auth::caller;
 use crate::{
     catalogue::Catalogue,
     config::Limits,
     dispatch::Dispatcher,
-    error::ApiError,
+    error::{mlx, ApiError},
     jobs::{self, JobState},
+    ledger::{
+        keys::{Caller, Scope},
+        settle::{self, JobTerms},
+    },
     store::{CancelOutcome, NewJob},
 };
 
@@ -163,6 +168,47 @@ pub fn validate_submit(
     })
 }
 
+/// Who pays for `job` and how much it may cost; refuses a job above the
+/// client's price limit (`max_price`, 0 = none) before anything is stored.
+fn job_terms(
+    catalogue: &Catalogue,
+    job: &NewJob,
+    account: String,
+    max_price: u64,
+) -> Result<JobTerms, ApiError> {
+    let model = catalogue
+        .get(&job.model)
+        .ok_or_else(|| ApiError::NotFound(format!("unknown model {:?}", job.model)))?;
+    let price = model.price();
+    let most = settle::max_price(&price, &job.input, job.sampling.max_tokens);
+    if max_price > 0 && u64::try_from(most).unwrap_or(u64::MAX) > max_price {
+        return Err(ApiError::FailedPrecondition(format!(
+            "this job may cost up to {} MLX ({most} micro-MLX), above its max_price of {max_price} micro-MLX; \
+             lower max_tokens or raise max_price",
+            mlx(most)
+        )));
+    }
+    Ok(JobTerms {
+        account,
+        price,
+        max_price: most,
+    })
+}
+
+impl JobsApi {
+    /// A job is visible to the account that submitted it, and to admins; to
+    /// anyone else it does not exist.
+    async fn check_owner(&self, me: &Caller, id: JobId) -> Result<(), ApiError> {
+        if me.scopes.allows(Scope::Admin) {
+            return Ok(());
+        }
+        match self.d.ledger.job_terms(id).await? {
+            Some(t) if t.account == me.account_id => Ok(()),
+            _ => Err(not_found(id)),
+        }
+    }
+}
+
 fn parse_id(id: &str) -> Result<JobId, ApiError> {
     id.parse().map_err(|_| {
         ApiError::InvalidArgument(format!(
@@ -181,12 +227,16 @@ type EventStream = Pin<Box<dyn Stream<Item = Result<JobEvent, Status>> + Send>>;
 #[tonic::async_trait]
 impl Jobs for JobsApi {
     async fn submit(&self, req: Request<SubmitJobRequest>) -> Result<Response<Job>, Status> {
+        let me = caller(&req)?;
+        let request = req.into_inner();
+        let price_limit = request.max_price_micro_mlx;
         let job = validate_submit(
-            req.into_inner(),
+            request,
             &self.d.catalogue,
             &self.d.config.limits,
             rand::random,
         )?;
+        let terms = job_terms(&self.d.catalogue, &job, me.account_id, price_limit)?;
         let queued = self.d.store.count_queued().await.map_err(ApiError::from)?;
         if queued >= self.d.config.limits.max_queued_jobs {
             return Err(ApiError::ResourceExhausted(format!(
@@ -194,12 +244,14 @@ impl Jobs for JobsApi {
             ))
             .into());
         }
-        let record = self.d.submit(job).await.map_err(ApiError::from)?;
+        let record = self.d.submit(job, &terms).await.map_err(ApiError::from)?;
         Ok(Response::new(jobs::to_proto(&record)))
     }
 
     async fn get(&self, req: Request<GetJobRequest>) -> Result<Response<Job>, Status> {
+        let me = caller(&req)?;
         let id = parse_id(&req.into_inner().job_id)?;
+        self.check_owner(&me, id).await?;
         let job = self
             .d
             .store
@@ -216,7 +268,9 @@ impl Jobs for JobsApi {
         &self,
         req: Request<WatchJobRequest>,
     ) -> Result<Response<Self::WatchStream>, Status> {
+        let me = caller(&req)?;
         let id = parse_id(&req.into_inner().job_id)?;
+        self.check_owner(&me, id).await?;
         // Subscribe before reading the store, so nothing that happens after
         // the read is missed.
         let sub = self.d.hub.subscribe(id);
@@ -319,7 +373,9 @@ impl Jobs for JobsApi {
     }
 
     async fn cancel(&self, req: Request<CancelJobRequest>) -> Result<Response<Job>, Status> {
+        let me = caller(&req)?;
         let id = parse_id(&req.into_inner().job_id)?;
+        self.check_owner(&me, id).await?;
         match self.d.cancel(id).await.map_err(ApiError::from)? {
             CancelOutcome::NotFound => return Err(not_found(id).into()),
             CancelOutcome::AlreadyFinished(state) if state != JobState::Cancelled => {
@@ -343,16 +399,38 @@ impl Jobs for JobsApi {
         &self,
         req: Request<ListJobsRequest>,
     ) -> Result<Response<ListJobsResponse>, Status> {
+        let me = caller(&req)?;
         let limit = match req.into_inner().limit {
             0 => LIST_DEFAULT,
             n => n.min(LIST_MAX),
         };
-        let jobs = self
-            .d
-            .store
-            .list_jobs(limit)
-            .await
-            .map_err(ApiError::from)?;
+        let jobs = if me.scopes.allows(Scope::Admin) {
+            self.d
+                .store
+                .list_jobs(limit)
+                .await
+                .map_err(ApiError::from)?
+        } else {
+            let mut jobs = Vec::new();
+            for id in self
+                .d
+                .ledger
+                .jobs_of(&me.account_id, limit)
+                .await
+                .map_err(ApiError::from)?
+            {
+                if let Some(job) = self
+                    .d
+                    .store
+                    .get_job(parse_id(&id)?)
+                    .await
+                    .map_err(ApiError::from)?
+                {
+                    jobs.push(job);
+                }
+            }
+            jobs
+        };
         Ok(Response::new(ListJobsResponse {
             jobs: jobs.iter().map(jobs::to_proto).collect(),
         }))

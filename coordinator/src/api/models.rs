@@ -36,6 +36,8 @@ impl Models for ModelsApi {
                 size_bytes: m.info.size_bytes,
                 sha256: m.sha256.to_vec(),
                 context_length: m.info.context_length,
+                price_input_micro_mlx_per_mtok: m.price().input_per_mtok,
+                price_output_micro_mlx_per_mtok: m.price().output_per_mtok,
                 nodes_serving: sessions
                     .iter()
                     .filter(|s| s.models.contains(&m.sha256))

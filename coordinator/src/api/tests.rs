@@ -11,9 +11,9 @@ use mlxnet_proto::{
         ListModelsRequest, ResultClaim, SamplingParams, SubmitJobRequest, WatchJobRequest,
     },
 };
-use tonic::{transport::Channel, Code};
+use tonic::Code;
 
-use crate::test_utils::{spawn_app, FakeNode, TestApp};
+use crate::test_utils::{spawn_app, Authed, FakeNode, TestApp};
 
 const MODEL: &str = "smollm2-135m-instruct";
 
@@ -31,11 +31,11 @@ fn prompt_job(prompt: &str, max_tokens: u32) -> SubmitJobRequest {
     }
 }
 
-async fn jobs(app: &TestApp) -> JobsClient<Channel> {
+async fn jobs(app: &TestApp) -> JobsClient<Authed> {
     JobsClient::new(app.grpc().await)
 }
 
-async fn job_count(client: &mut JobsClient<Channel>) -> usize {
+async fn job_count(client: &mut JobsClient<Authed>) -> usize {
     client
         .list(ListJobsRequest { limit: 200 })
         .await

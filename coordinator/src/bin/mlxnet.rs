@@ -1,7 +1,10 @@
 //! `mlxnet`: the mlx-network client. Submits jobs and streams their tokens,
 //! checks every result's signed claim offline (signature, and that it is
-//! about the prompt that was sent), and shows jobs, models, the network and
-//! the account balance.
+//! about the prompt that was sent), and shows jobs, models, the network, the
+//! account's balance and history; manages API keys; and, with an admin key,
+//! creates accounts and grants MLX tokens.
+//!
+//! Amounts print in MLX with six decimals (1 MLX = 1,000,000 micro-MLX).
 //!
 //! Exits non-zero with the gRPC status message on any error.
 
@@ -14,8 +17,10 @@ use mlxnet_proto::{
     v1::{
         accounts_client::AccountsClient, job_event, job_input, jobs_client::JobsClient,
         models_client::ModelsClient, network_client::NetworkClient, BalanceRequest, ChatMessage,
-        ChatMessages, GetJobRequest, Job, JobInput, JobState, ListJobsRequest, ListModelsRequest,
-        NetworkStatsRequest, SamplingParams, SubmitJobRequest, WatchJobRequest,
+        ChatMessages, CreateAccountRequest, CreateApiKeyRequest, GetJobRequest, GrantRequest,
+        HistoryRequest, Job, JobInput, JobState, ListApiKeysRequest, ListJobsRequest,
+        ListModelsRequest, NetworkStatsRequest, RevokeApiKeyRequest, SamplingParams,
+        SubmitJobRequest, WatchJobRequest,
     },
 };
 use tonic::{
@@ -66,6 +71,9 @@ enum Command {
         /// Seed for sampling (default: the coordinator picks and records one).
         #[arg(long)]
         seed: Option<u64>,
+        /// Refuse the job if it may cost more than this many micro-MLX (0: no limit).
+        #[arg(long, default_value_t = 0)]
+        max_price: u64,
         /// The prompt.
         prompt: String,
     },
@@ -82,6 +90,60 @@ enum Command {
     Network,
     /// Show the account balance.
     Balance,
+    /// Show the account's recent transfers (newest first).
+    History {
+        #[arg(long, default_value_t = 20)]
+        limit: u32,
+    },
+    /// Manage API keys.
+    #[command(subcommand)]
+    Keys(KeysCommand),
+    /// Create a client or operator account (admin key).
+    CreateAccount {
+        #[arg(long)]
+        name: String,
+        /// client or operator.
+        #[arg(long, default_value = "client")]
+        kind: String,
+    },
+    /// Grant MLX tokens from the treasury to an account (admin key).
+    Grant {
+        #[arg(long)]
+        account: String,
+        /// Amount in micro-MLX.
+        #[arg(long)]
+        micro_mlx: u64,
+        /// Makes a retried grant move nothing more.
+        #[arg(long)]
+        idempotency_key: String,
+        #[arg(long, default_value = "")]
+        memo: String,
+    },
+}
+
+#[derive(Subcommand)]
+enum KeysCommand {
+    /// Create a key; it is printed once and never again.
+    Create {
+        /// Account (default: the caller's own; another needs an admin key).
+        #[arg(long, default_value = "")]
+        account: String,
+        /// Comma-separated: submit, read, admin.
+        #[arg(long, default_value = "submit,read")]
+        scopes: String,
+        #[arg(long, default_value = "")]
+        label: String,
+        /// Lifetime in seconds (0: never expires).
+        #[arg(long, default_value_t = 0)]
+        ttl_seconds: u64,
+    },
+    /// Revoke a key by its id (`key_...`).
+    Revoke { key_id: String },
+    /// List an account's keys (never their secrets).
+    List {
+        #[arg(long, default_value = "")]
+        account: String,
+    },
 }
 
 #[derive(Clone)]
@@ -136,6 +198,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             max_tokens,
             temperature,
             seed,
+            max_price,
             prompt,
         } => {
             let mut messages = Vec::new();
@@ -165,7 +228,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                     max_tokens,
                     ..Default::default()
                 }),
-                max_price_micro_mlx: 0,
+                max_price_micro_mlx: max_price,
             };
             submit(JobsClient::with_interceptor(channel, auth), request, &input).await
         }
@@ -211,16 +274,18 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 .into_inner()
                 .models;
             println!(
-                "{:<28}  {:<8}  {:>10}  {:>5}  sha256",
-                "model", "arch", "size", "nodes"
+                "{:<28}  {:<8}  {:>10}  {:>5}  {:>14}  {:>14}  sha256",
+                "model", "arch", "size", "nodes", "MLX/M in", "MLX/M out"
             );
             for m in models {
                 println!(
-                    "{:<28}  {:<8}  {:>7} MB  {:>5}  {}",
+                    "{:<28}  {:<8}  {:>7} MB  {:>5}  {:>14}  {:>14}  {}",
                     m.id,
                     m.architecture,
                     m.size_bytes / 1_000_000,
                     m.nodes_serving,
+                    mlx(m.price_input_micro_mlx_per_mtok as i64),
+                    mlx(m.price_output_micro_mlx_per_mtok as i64),
                     hex::encode(&m.sha256)
                 );
             }
@@ -248,12 +313,168 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 .balance(BalanceRequest {})
                 .await?
                 .into_inner();
-            println!("account  {}", b.account);
-            println!("balance  {} micro-MLX", b.balance_micro_mlx);
-            println!("held     {} micro-MLX", b.held_micro_mlx);
+            println!("account    {} ({})", b.account_id, b.account);
+            println!("balance    {} MLX", mlx(b.balance_micro_mlx));
+            println!("held       {} MLX", mlx(b.held_micro_mlx));
+            println!("available  {} MLX", mlx(b.available_micro_mlx));
+            Ok(())
+        }
+        Command::History { limit } => {
+            let entries = AccountsClient::with_interceptor(channel, auth)
+                .history(HistoryRequest { limit })
+                .await?
+                .into_inner()
+                .entries;
+            println!(
+                "{:<24}  {:<8}  {:>16}  {:<36}  {:>6}  counterparty",
+                "when (UTC)", "what", "MLX", "job", "tokens"
+            );
+            for e in entries {
+                println!(
+                    "{:<24}  {:<8}  {:>16}  {:<36}  {:>6}  {}",
+                    utc(e.created_at_ms),
+                    e.memo,
+                    mlx(e.amount_micro_mlx),
+                    e.job_id,
+                    e.tokens,
+                    e.counterparty
+                );
+            }
+            Ok(())
+        }
+        Command::Keys(KeysCommand::Create {
+            account,
+            scopes,
+            label,
+            ttl_seconds,
+        }) => {
+            let k = AccountsClient::with_interceptor(channel, auth)
+                .create_api_key(CreateApiKeyRequest {
+                    account_id: account,
+                    scopes: scopes.split(',').map(|s| s.trim().to_owned()).collect(),
+                    label,
+                    ttl_seconds,
+                })
+                .await?
+                .into_inner();
+            println!("key id   {}", k.key_id);
+            println!("account  {}", k.account_id);
+            println!("scopes   {}", k.scopes.join(","));
+            if k.expires_at_ms > 0 {
+                println!("expires  {}", utc(k.expires_at_ms));
+            }
+            println!("api key  {}", k.api_key);
+            eprintln!("(the key is shown this once; only its hash is kept)");
+            Ok(())
+        }
+        Command::Keys(KeysCommand::Revoke { key_id }) => {
+            AccountsClient::with_interceptor(channel, auth)
+                .revoke_api_key(RevokeApiKeyRequest {
+                    key_id: key_id.clone(),
+                })
+                .await?;
+            println!("revoked {key_id}");
+            Ok(())
+        }
+        Command::Keys(KeysCommand::List { account }) => {
+            let keys = AccountsClient::with_interceptor(channel, auth)
+                .list_api_keys(ListApiKeysRequest {
+                    account_id: account,
+                })
+                .await?
+                .into_inner()
+                .keys;
+            println!(
+                "{:<18}  {:<18}  {:<24}  {:<10}  label",
+                "key", "scopes", "created (UTC)", "status"
+            );
+            for k in keys {
+                let status = if k.revoked_at_ms > 0 {
+                    "revoked"
+                } else if k.expires_at_ms > 0 && k.expires_at_ms <= now_ms() {
+                    "expired"
+                } else {
+                    "active"
+                };
+                println!(
+                    "{:<18}  {:<18}  {:<24}  {:<10}  {}",
+                    k.key_id,
+                    k.scopes.join(","),
+                    utc(k.created_at_ms),
+                    status,
+                    k.label
+                );
+            }
+            Ok(())
+        }
+        Command::CreateAccount { name, kind } => {
+            let a = AccountsClient::with_interceptor(channel, auth)
+                .create_account(CreateAccountRequest { name, kind })
+                .await?
+                .into_inner();
+            println!("account {} ({}, {})", a.account_id, a.name, a.kind);
+            Ok(())
+        }
+        Command::Grant {
+            account,
+            micro_mlx,
+            idempotency_key,
+            memo,
+        } => {
+            let g = AccountsClient::with_interceptor(channel, auth)
+                .grant(GrantRequest {
+                    account_id: account.clone(),
+                    amount_micro_mlx: micro_mlx,
+                    idempotency_key,
+                    memo,
+                })
+                .await?
+                .into_inner();
+            if !g.created {
+                println!(
+                    "(a grant with this idempotency key was already made; nothing more moved)"
+                );
+            }
+            println!("{account} balance {} MLX", mlx(g.balance_micro_mlx));
             Ok(())
         }
     }
+}
+
+/// `micro` micro-MLX as MLX with six decimals.
+fn mlx(micro: i64) -> String {
+    let sign = if micro < 0 { "-" } else { "" };
+    let m = micro.unsigned_abs();
+    format!("{sign}{}.{:06}", m / 1_000_000, m % 1_000_000)
+}
+
+fn now_ms() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as i64)
+        .unwrap_or(0)
+}
+
+/// `YYYY-MM-DD HH:MM:SS` in UTC.
+fn utc(ms: i64) -> String {
+    let secs = ms.div_euclid(1000);
+    let (days, rem) = (secs.div_euclid(86_400), secs.rem_euclid(86_400));
+    // Civil date from days since 1970-01-01 (Howard Hinnant's algorithm).
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    format!(
+        "{year:04}-{month:02}-{day:02} {:02}:{:02}:{:02}",
+        rem / 3600,
+        rem % 3600 / 60,
+        rem % 60
+    )
 }
 
 async fn submit(

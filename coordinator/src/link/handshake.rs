@@ -60,6 +60,10 @@ pub struct Registration {
     pub record: NodeRecord,
     /// What the World page shows of it (location already snapped).
     pub world: crate::world::NodeView,
+    /// Ledger account the node says it earns for (empty: not said).
+    pub operator_account: String,
+    /// Lent full-time (`mode = "dedicated"`): earns availability rewards.
+    pub dedicated: bool,
 }
 
 /// A node that proved its key, with its control stream.
@@ -185,6 +189,8 @@ fn registration(node_id: NodeId, hello: &Hello, catalogue: &Catalogue) -> Regist
             version: hello.version.chars().take(64).collect(),
         },
         world: crate::world::NodeView::from_hello(node_id.to_string(), hello),
+        operator_account: hello.operator_account.chars().take(64).collect(),
+        dedicated: hello.mode == "dedicated",
     }
 }
 

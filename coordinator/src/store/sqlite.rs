@@ -15,7 +15,7 @@ use sqlx::{
     sqlite::{
         SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteRow, SqliteSynchronous,
     },
-    Row, SqlitePool,
+    Row, SqliteConnection, SqlitePool,
 };
 
 use super::{
@@ -67,34 +67,13 @@ impl SqliteStore {
 
     /// Inserts a queued job (attempt 1).
     pub async fn insert_job(&self, job: &NewJob) -> Result<JobRecord, StoreError> {
-        let now = now_ms();
-        sqlx::query(
-            "INSERT INTO jobs (id, model, input, sampling, state, attempt, created_at_ms, updated_at_ms) \
-             VALUES (?, ?, ?, ?, 'queued', 1, ?, ?)",
-        )
-        .bind(job.id.to_string())
-        .bind(&job.model)
-        .bind(job.input.encode_to_vec())
-        .bind(job.sampling.encode_to_vec())
-        .bind(now)
-        .bind(now)
-        .execute(&self.pool)
-        .await?;
-        Ok(JobRecord {
-            id: job.id,
-            model: job.model.clone(),
-            input: job.input.clone(),
-            sampling: job.sampling.clone(),
-            state: JobState::Queued,
-            attempt: 1,
-            node_id: None,
-            output_text: String::new(),
-            completion_tokens: 0,
-            result: None,
-            error: None,
-            created_at_ms: now,
-            updated_at_ms: now,
-        })
+        let mut conn = self.pool.acquire().await?;
+        insert_job_on(&mut conn, job, now_ms()).await
+    }
+
+    /// The connection pool, for the ledger's tables in the same database.
+    pub(crate) fn pool(&self) -> &SqlitePool {
+        &self.pool
     }
 
     pub async fn get_job(&self, id: JobId) -> Result<Option<JobRecord>, StoreError> {
@@ -469,6 +448,42 @@ impl SqliteStore {
             .await?;
         Ok(n as u64)
     }
+}
+
+/// Inserts a queued job (attempt 1) on `conn`, which may be inside the
+/// caller's transaction (the ledger places the job's hold in the same one).
+pub(crate) async fn insert_job_on(
+    conn: &mut SqliteConnection,
+    job: &NewJob,
+    now: i64,
+) -> Result<JobRecord, StoreError> {
+    sqlx::query(
+        "INSERT INTO jobs (id, model, input, sampling, state, attempt, created_at_ms, updated_at_ms) \
+         VALUES (?, ?, ?, ?, 'queued', 1, ?, ?)",
+    )
+    .bind(job.id.to_string())
+    .bind(&job.model)
+    .bind(job.input.encode_to_vec())
+    .bind(job.sampling.encode_to_vec())
+    .bind(now)
+    .bind(now)
+    .execute(&mut *conn)
+    .await?;
+    Ok(JobRecord {
+        id: job.id,
+        model: job.model.clone(),
+        input: job.input.clone(),
+        sampling: job.sampling.clone(),
+        state: JobState::Queued,
+        attempt: 1,
+        node_id: None,
+        output_text: String::new(),
+        completion_tokens: 0,
+        result: None,
+        error: None,
+        created_at_ms: now,
+        updated_at_ms: now,
+    })
 }
 
 fn parse_state(id: &str, s: &str) -> Result<JobState, StoreError> {

@@ -157,6 +157,7 @@ async fn register(
             name: ctx.name.clone(),
             location: ctx.location.as_ref().map(|l| l.to_wire()),
             mode: ctx.mode.to_string(),
+            operator_account: ctx.operator_account.clone(),
         })),
     };
     write_frame(&mut send, &hello).await?;

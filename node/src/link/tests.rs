@@ -49,6 +49,7 @@ impl TestLink {
             client_config: tls::client_config(pin).unwrap(),
             name: "test-node".into(),
             mode: crate::config::NodeMode::Idle,
+            operator_account: String::new(),
             location: Some(crate::config::Location {
                 place: Some("Lyon, France".into()),
                 lat: Some(45.76),

@@ -2,8 +2,11 @@
 //!
 //! Fetches the test model if it is absent (through the project's own script),
 //! starts a coordinator on the embedded SQLite default and one node serving
-//! the model, prints their addresses, runs a sample chat job and prints its
-//! streamed answer and verified claim. Then it keeps running, so `mlxnet`
+//! the model, creates a demo client account with a starting balance and an
+//! API key (kept in the data directory, so every run has the same key) and
+//! an operator account the node earns for, prints their addresses and the
+//! key, runs a sample chat job and prints its streamed answer, its verified
+//! claim, what it cost and what the node earned. Then it keeps running, so `mlxnet`
 //! and other nodes can use it, until Ctrl-C (or exits at once with
 //! `--exit-after-sample`).
 
@@ -65,6 +68,15 @@ async fn main() -> anyhow::Result<()> {
     println!("  quic   {}", coordinator.quic_addr);
     println!("  http   http://{}", coordinator.http_addr);
     println!("  certificate sha256 {}", coordinator.fingerprint);
+    let accounts = coordinator.accounts.clone();
+    println!("demo client account {}", accounts.client_account);
+    println!("  API key (submit, read)  {}", accounts.client_key);
+    println!(
+        "operator account {} (the node earns into it)",
+        accounts.operator_account
+    );
+    println!("  API key (read)          {}", accounts.operator_key);
+    println!("admin API key             {}", accounts.admin_key);
 
     let node_dir = args.data_dir.join("node");
     let mut node = spawn_node(coordinator.node_config(&node_dir, "devnet-node")).await?;
@@ -118,6 +130,27 @@ async fn main() -> anyhow::Result<()> {
         c.decode_micros as f64 / 1e3
     );
     println!("verified: signed by {signer}");
+    let balance = client
+        .accounts
+        .balance(mlxnet_proto::v1::BalanceRequest {})
+        .await?
+        .into_inner();
+    println!(
+        "balance: {} micro-MLX ({} held)",
+        balance.balance_micro_mlx, balance.held_micro_mlx
+    );
+    let earned = coordinator
+        .client_with(Some(&accounts.operator_key))
+        .await?
+        .accounts
+        .earnings(mlxnet_proto::v1::EarningsRequest {})
+        .await?
+        .into_inner();
+    let all = earned.all_time.unwrap_or_default();
+    println!(
+        "operator earned: {} micro-MLX for {} jobs, {} tokens (all time)",
+        all.micro_mlx, all.jobs, all.tokens
+    );
 
     if args.exit_after_sample {
         node.stop().await?;
@@ -125,8 +158,8 @@ async fn main() -> anyhow::Result<()> {
         return Ok(());
     }
     println!(
-        "\nthe network keeps running; try:\n  cargo run --bin mlxnet -- --coordinator http://{} submit --model smollm2-135m-instruct \"Tell me about Macs\"\nCtrl-C stops it.",
-        coordinator.grpc_addr
+        "\nthe network keeps running; try:\n  export MLXNET_API_KEY={}\n  cargo run --bin mlxnet -- --coordinator http://{} submit --model smollm2-135m-instruct \"Tell me about Macs\"\n  cargo run --bin mlxnet -- --coordinator http://{} balance\nCtrl-C stops it.",
+        accounts.client_key, coordinator.grpc_addr, coordinator.grpc_addr
     );
     tokio::signal::ctrl_c().await?;
     node.stop().await?;

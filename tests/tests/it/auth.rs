@@ -107,6 +107,7 @@ fn hello(node: &SigningKey, signature: Vec<u8>) -> Hello {
         name: "rogue".into(),
         location: None,
         mode: "dedicated".into(),
+        operator_account: String::new(),
     }
 }
 

@@ -20,4 +20,14 @@ fn devnet_runs_a_sample_job_and_prints_the_answer() {
         "no verified claim in: {stdout}"
     );
     assert!(stdout.contains("registered"), "{stdout}");
+    // The demo client's key is printed, and the sample job was paid for.
+    assert!(stdout.contains("API key (submit, read)  mlxk_"), "{stdout}");
+    let earned = stdout
+        .lines()
+        .find_map(|l| l.strip_prefix("operator earned: "))
+        .expect("devnet prints the operator's earnings");
+    assert!(
+        !earned.starts_with("0 ") && earned.contains("for 1 jobs"),
+        "{earned}"
+    );
 }

@@ -3,8 +3,10 @@
 //! One binary; the harness is the `mlxnet_tests` library.
 
 mod auth;
+mod crash;
 mod devnet;
 mod jobs;
+mod ledger;
 mod restart;
 mod validation;
 mod world;

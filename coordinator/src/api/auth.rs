@@ -1,0 +1,183 @@
+//! Authentication of the client API: a tower layer in front of every gRPC
+//! service. It reads `authorization: Bearer <key>`, looks the key up in the
+//! ledger (by hash), checks the scope the method needs, and hands the
+//! [`Caller`] to the handler in the request's extensions.
+//!
+//! # Invariants
+//! - Models, Network, health and reflection are public; every other method
+//!   of `mlxnet.v1` needs a key with its scope (see [`required`]).
+//! - A missing, malformed, unknown, revoked or expired key gets the same
+//!   status (UNAUTHENTICATED) and the same message; the database is asked
+//!   the same question in every case but a missing header.
+//! - A valid key without the scope gets PERMISSION_DENIED naming the scope.
+//!
+//! # Failure
+//! A database error while looking up a key is INTERNAL (logged), never a
+//! pass.
+
+use std::task::{Context, Poll};
+
+use futures::future::BoxFuture;
+use tonic::codegen::http;
+
+use crate::{
+    error::ApiError,
+    ledger::{
+        keys::{Caller, Scope},
+        Ledger,
+    },
+};
+
+/// What a method needs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Access {
+    Public,
+    Needs(Scope),
+}
+
+/// The access each gRPC method path needs.
+pub fn required(path: &str) -> Access {
+    const PUBLIC: [&str; 4] = [
+        "/mlxnet.v1.Models/",
+        "/mlxnet.v1.Network/",
+        "/grpc.health.",
+        "/grpc.reflection.",
+    ];
+    if PUBLIC.iter().any(|p| path.starts_with(p)) {
+        return Access::Public;
+    }
+    Access::Needs(match path {
+        "/mlxnet.v1.Jobs/Submit" | "/mlxnet.v1.Jobs/Cancel" => Scope::Submit,
+        "/mlxnet.v1.Accounts/CreateApiKey" | "/mlxnet.v1.Accounts/RevokeApiKey" => Scope::Submit,
+        "/mlxnet.v1.Accounts/CreateAccount" | "/mlxnet.v1.Accounts/Grant" => Scope::Admin,
+        _ => Scope::Read,
+    })
+}
+
+/// The caller a handler runs for (set by the layer).
+pub fn caller<T>(req: &tonic::Request<T>) -> Result<Caller, ApiError> {
+    req.extensions()
+        .get::<Caller>()
+        .cloned()
+        .ok_or(ApiError::Unauthenticated)
+}
+
+/// The layer; see the module docs.
+#[derive(Clone, Debug)]
+pub struct AuthLayer {
+    ledger: Ledger,
+}
+
+impl AuthLayer {
+    pub fn new(ledger: Ledger) -> Self {
+        Self { ledger }
+    }
+}
+
+impl<S> tower::Layer<S> for AuthLayer {
+    type Service = Auth<S>;
+
+    fn layer(&self, inner: S) -> Auth<S> {
+        Auth {
+            inner,
+            ledger: self.ledger.clone(),
+        }
+    }
+}
+
+/// The service the layer wraps around the gRPC routes.
+#[derive(Clone, Debug)]
+pub struct Auth<S> {
+    inner: S,
+    ledger: Ledger,
+}
+
+async fn authenticate(
+    ledger: &Ledger,
+    headers: &http::HeaderMap,
+    scope: Scope,
+) -> Result<Caller, ApiError> {
+    let presented = headers
+        .get(http::header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .map(str::trim)
+        .ok_or(ApiError::Unauthenticated)?;
+    let caller = ledger
+        .authenticate(presented, crate::store::now_ms())
+        .await?
+        .ok_or(ApiError::Unauthenticated)?;
+    if !caller.scopes.allows(scope) {
+        return Err(ApiError::PermissionDenied(format!(
+            "this API key lacks the {} scope",
+            scope.as_str()
+        )));
+    }
+    Ok(caller)
+}
+
+impl<S, ReqBody, ResBody> tower::Service<http::Request<ReqBody>> for Auth<S>
+where
+    S: tower::Service<http::Request<ReqBody>, Response = http::Response<ResBody>>
+        + Clone
+        + Send
+        + 'static,
+    S::Future: Send + 'static,
+    ReqBody: Send + 'static,
+    ResBody: Default + Send + 'static,
+{
+    type Response = S::Response;
+    type Error = S::Error;
+    type Future = BoxFuture<'static, Result<Self::Response, Self::Error>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, mut req: http::Request<ReqBody>) -> Self::Future {
+        // The clone is ready only if polled; swap so the ready one serves.
+        let clone = self.inner.clone();
+        let mut inner = std::mem::replace(&mut self.inner, clone);
+        let ledger = self.ledger.clone();
+        Box::pin(async move {
+            match required(req.uri().path()) {
+                Access::Public => inner.call(req).await,
+                Access::Needs(scope) => match authenticate(&ledger, req.headers(), scope).await {
+                    Ok(caller) => {
+                        req.extensions_mut().insert(caller);
+                        inner.call(req).await
+                    }
+                    Err(e) => Ok(tonic::Status::from(e).into_http()),
+                },
+            }
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_client_method_has_its_scope() {
+        assert_eq!(required("/mlxnet.v1.Models/List"), Access::Public);
+        assert_eq!(required("/mlxnet.v1.Network/Stats"), Access::Public);
+        assert_eq!(required("/grpc.health.v1.Health/Check"), Access::Public);
+        assert_eq!(
+            required("/mlxnet.v1.Jobs/Submit"),
+            Access::Needs(Scope::Submit)
+        );
+        assert_eq!(
+            required("/mlxnet.v1.Jobs/Watch"),
+            Access::Needs(Scope::Read)
+        );
+        assert_eq!(
+            required("/mlxnet.v1.Accounts/Grant"),
+            Access::Needs(Scope::Admin)
+        );
+        assert_eq!(
+            required("/mlxnet.v1.Anything/New"),
+            Access::Needs(Scope::Read)
+        );
+    }
+}

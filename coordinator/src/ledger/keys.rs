@@ -1,0 +1,316 @@
+//! API keys: how clients and operators prove which account they act for.
+//!
+//! A key is `mlxk_` followed by 64 hex digits of 32 bytes from the OS
+//! random generator. It is shown once, when created; the database keeps only
+//! its SHA-256. A fast hash is enough here (unlike passwords, which need a
+//! slow one) because the key has 256 bits of entropy: a leaked hash cannot
+//! be reversed by guessing, and a fast hash keeps each request's check cheap.
+//! Each key has a public id (`key_<hex>`, used to list and revoke it) that
+//! is unrelated to its secret.
+//!
+//! # Invariants
+//! - A database dump holds no usable key: only hashes and public ids.
+//! - An unknown, revoked or expired key all read as "no caller": the API
+//!   answers each with the same status and message.
+//! - The secret never appears in `Debug` output or logs.
+//!
+//! # Failure
+//! [`LedgerError`] for database errors and unknown accounts or scopes.
+
+use std::fmt;
+
+use sha2::{Digest, Sha256};
+use sqlx::Row;
+
+use super::{AccountKind, Ledger, LedgerError};
+
+/// Prefix of every API key.
+pub const KEY_PREFIX: &str = "mlxk_";
+
+/// What a key may do.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Scope {
+    /// Submit and cancel jobs.
+    Submit,
+    /// Read jobs, balance, history, earnings.
+    Read,
+    /// Create accounts, grant MLX tokens, manage any account's keys.
+    Admin,
+}
+
+impl Scope {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Scope::Submit => "submit",
+            Scope::Read => "read",
+            Scope::Admin => "admin",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<Self> {
+        Some(match s.trim() {
+            "submit" => Scope::Submit,
+            "read" => Scope::Read,
+            "admin" => Scope::Admin,
+            _ => return None,
+        })
+    }
+}
+
+/// A set of scopes.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Scopes {
+    pub submit: bool,
+    pub read: bool,
+    pub admin: bool,
+}
+
+impl Scopes {
+    pub const ALL: Scopes = Scopes {
+        submit: true,
+        read: true,
+        admin: true,
+    };
+
+    /// Whether the set allows `scope` (admin allows everything).
+    pub fn allows(&self, scope: Scope) -> bool {
+        self.admin
+            || match scope {
+                Scope::Submit => self.submit,
+                Scope::Read => self.read,
+                Scope::Admin => false,
+            }
+    }
+
+    pub fn from_list<'a>(list: impl IntoIterator<Item = &'a str>) -> Result<Self, LedgerError> {
+        let mut out = Scopes::default();
+        for s in list {
+            match Scope::parse(s) {
+                Some(Scope::Submit) => out.submit = true,
+                Some(Scope::Read) => out.read = true,
+                Some(Scope::Admin) => out.admin = true,
+                None => return Err(LedgerError::Invalid("scopes are submit, read and admin")),
+            }
+        }
+        if out == Scopes::default() {
+            return Err(LedgerError::Invalid("a key needs at least one scope"));
+        }
+        Ok(out)
+    }
+
+    pub fn names(&self) -> Vec<&'static str> {
+        let mut v = Vec::new();
+        if self.submit {
+            v.push("submit");
+        }
+        if self.read {
+            v.push("read");
+        }
+        if self.admin {
+            v.push("admin");
+        }
+        v
+    }
+}
+
+/// A key as created: the only time its secret exists outside the caller.
+pub struct IssuedKey {
+    pub id: String,
+    pub account_id: String,
+    pub scopes: Scopes,
+    pub expires_at_ms: Option<i64>,
+    secret: String,
+}
+
+impl IssuedKey {
+    /// The key to give the user (once).
+    pub fn secret(&self) -> &str {
+        &self.secret
+    }
+}
+
+impl fmt::Debug for IssuedKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("IssuedKey")
+            .field("id", &self.id)
+            .field("account_id", &self.account_id)
+            .field("scopes", &self.scopes)
+            .field("secret", &"<redacted>")
+            .finish()
+    }
+}
+
+/// An authenticated caller.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Caller {
+    pub account_id: String,
+    pub key_id: String,
+    pub scopes: Scopes,
+}
+
+/// A key as listed (no secret, no hash).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct KeyInfo {
+    pub id: String,
+    pub account_id: String,
+    pub scopes: Scopes,
+    pub label: String,
+    pub created_at_ms: i64,
+    pub expires_at_ms: Option<i64>,
+    pub revoked_at_ms: Option<i64>,
+}
+
+fn hash(key: &str) -> [u8; 32] {
+    Sha256::digest(key.as_bytes()).into()
+}
+
+fn scopes_from_text(text: &str) -> Result<Scopes, LedgerError> {
+    Scopes::from_list(text.split(',').filter(|s| !s.is_empty()))
+}
+
+impl Ledger {
+    /// Creates a key for `account`. Its secret is in the result and nowhere else.
+    pub async fn create_key(
+        &self,
+        account: &str,
+        scopes: Scopes,
+        label: &str,
+        expires_at_ms: Option<i64>,
+    ) -> Result<IssuedKey, LedgerError> {
+        if scopes == Scopes::default() {
+            return Err(LedgerError::Invalid("a key needs at least one scope"));
+        }
+        if label.len() > 64 {
+            return Err(LedgerError::Invalid("a key label is at most 64 bytes"));
+        }
+        match self.account(account).await? {
+            Some(a) if matches!(a.kind, AccountKind::Client | AccountKind::Operator) => {}
+            _ => return Err(LedgerError::NoSuchAccount(account.to_owned())),
+        }
+        let mut secret_bytes = [0u8; 32];
+        rand::RngCore::fill_bytes(&mut rand::rngs::OsRng, &mut secret_bytes);
+        let secret = format!("{KEY_PREFIX}{}", hex::encode(secret_bytes));
+        let id = format!("key_{}", hex::encode(rand::random::<[u8; 6]>()));
+        sqlx::query(
+            "INSERT INTO api_keys (id, account_id, hash, scopes, label, created_at_ms, expires_at_ms) \
+             VALUES (?, ?, ?, ?, ?, ?, ?)",
+        )
+        .bind(&id)
+        .bind(account)
+        .bind(hash(&secret).to_vec())
+        .bind(scopes.names().join(","))
+        .bind(label)
+        .bind(crate::store::now_ms())
+        .bind(expires_at_ms)
+        .execute(self.pool())
+        .await?;
+        Ok(IssuedKey {
+            id,
+            account_id: account.to_owned(),
+            scopes,
+            expires_at_ms,
+            secret,
+        })
+    }
+
+    /// The caller `presented` stands for, or `None` if the key is unknown,
+    /// revoked or expired (deliberately indistinguishable).
+    pub async fn authenticate(
+        &self,
+        presented: &str,
+        now_ms: i64,
+    ) -> Result<Option<Caller>, LedgerError> {
+        if !presented.starts_with(KEY_PREFIX) || presented.len() > 128 {
+            return Ok(None);
+        }
+        let row = sqlx::query(
+            "SELECT id, account_id, scopes FROM api_keys WHERE hash = ? AND revoked_at_ms IS NULL \
+             AND (expires_at_ms IS NULL OR expires_at_ms > ?)",
+        )
+        .bind(hash(presented).to_vec())
+        .bind(now_ms)
+        .fetch_optional(self.pool())
+        .await?;
+        row.map(|r| {
+            let scopes: String = r.try_get("scopes")?;
+            Ok(Caller {
+                account_id: r.try_get("account_id")?,
+                key_id: r.try_get("id")?,
+                scopes: scopes_from_text(&scopes)?,
+            })
+        })
+        .transpose()
+    }
+
+    /// Revokes key `key_id` of `account` (any account's when `account` is
+    /// `None`, for admins). False if there is no such unrevoked key.
+    pub async fn revoke_key(
+        &self,
+        key_id: &str,
+        account: Option<&str>,
+    ) -> Result<bool, LedgerError> {
+        let n = sqlx::query(
+            "UPDATE api_keys SET revoked_at_ms = ?1 WHERE id = ?2 AND revoked_at_ms IS NULL \
+             AND (?3 IS NULL OR account_id = ?3)",
+        )
+        .bind(crate::store::now_ms())
+        .bind(key_id)
+        .bind(account)
+        .execute(self.pool())
+        .await?
+        .rows_affected();
+        Ok(n == 1)
+    }
+
+    /// Keys of `account`, newest first.
+    pub async fn list_keys(&self, account: &str) -> Result<Vec<KeyInfo>, LedgerError> {
+        let rows = sqlx::query(
+            "SELECT id, account_id, scopes, label, created_at_ms, expires_at_ms, revoked_at_ms \
+             FROM api_keys WHERE account_id = ? ORDER BY created_at_ms DESC, id",
+        )
+        .bind(account)
+        .fetch_all(self.pool())
+        .await?;
+        rows.iter()
+            .map(|r| {
+                let scopes: String = r.try_get("scopes")?;
+                Ok(KeyInfo {
+                    id: r.try_get("id")?,
+                    account_id: r.try_get("account_id")?,
+                    scopes: scopes_from_text(&scopes)?,
+                    label: r.try_get("label")?,
+                    created_at_ms: r.try_get("created_at_ms")?,
+                    expires_at_ms: r.try_get("expires_at_ms")?,
+                    revoked_at_ms: r.try_get("revoked_at_ms")?,
+                })
+            })
+            .collect()
+    }
+
+    /// Creates an admin account with an admin key: how the first key comes
+    /// to exist (`mlxnet-coordinator admin-key`, and test harnesses).
+    pub async fn bootstrap_admin(&self, name: &str) -> Result<IssuedKey, LedgerError> {
+        let account = self.create_account(name, AccountKind::Client).await?;
+        self.create_key(&account.id, Scopes::ALL, "bootstrap admin", None)
+            .await
+    }
+}
+
+/// Opens the database `config` names (creating and migrating it if needed),
+/// creates an admin account named `name` with an admin key, and closes the
+/// database. This is how the first key of a network is made: run
+/// `mlxnet-coordinator admin-key` on the coordinator's host (whoever can read
+/// the database can already do anything). SQLite allows it while the
+/// coordinator runs.
+pub async fn bootstrap_admin_key(
+    config: &crate::config::CoordinatorConfig,
+    name: &str,
+) -> Result<IssuedKey, LedgerError> {
+    std::fs::create_dir_all(&config.data_dir)
+        .map_err(|_| LedgerError::Invalid("cannot create the data directory"))?;
+    let store = crate::store::Store::connect(&config.database_url()).await?;
+    let ledger = Ledger::new(store.pool().clone(), config.ledger.clone());
+    let key = ledger.bootstrap_admin(name).await;
+    store.close().await;
+    key
+}

@@ -1,0 +1,583 @@
+//! Paying for jobs: the hold at submit, settlement when the job ends, and
+//! the expiry of holds whose deadline passed.
+//!
+//! Transfer ids (idempotency keys) derive from the job id, so every step can
+//! be retried, replayed after a crash, or raced by the sweep, and still
+//! happens once:
+//! - `job:<id>:hold`: pending, client -> escrow, the job's maximum price;
+//! - `job:<id>:post`: posts the actual price (the rest goes back to the client);
+//! - `job:<id>:pay:<attempt>:<node>`: escrow -> the node's operator, its
+//!   share of the price less the fee (one per node that produced verified
+//!   tokens, so a job handed off pays each node for what it produced);
+//! - `job:<id>:fee`: escrow -> the network fee account;
+//! - `job:<id>:void` / `job:<id>:expire`: releases the whole hold.
+//!
+//! # Invariants
+//! - Settlement reads the job's state from the store and acts on it: only a
+//!   completed job (its claim verified before the store accepted it) is paid;
+//!   a failed or cancelled job is voided; an unfinished one is left alone.
+//! - refund + payouts + fee == hold, and escrow returns to what it held
+//!   before, in the same transaction as the post.
+//! - A job completed before its hold's deadline is paid even if settlement
+//!   runs later (crash recovery); the post is dated at the deadline at most.
+//!
+//! # Failure
+//! [`LedgerError`]; nothing is committed unless the whole settlement is.
+
+use mlxnet_proto::{
+    ids::JobId,
+    v1::{job_input, JobInput, ResultClaim},
+};
+use prost::Message;
+use sqlx::{Row, SqliteConnection};
+
+use super::{
+    transfer::{self, Applied, NewTransfer, TransferKind},
+    Ledger, LedgerError, ESCROW, FEE,
+};
+use crate::store::{sqlite::insert_job_on, JobRecord, NewJob};
+
+/// Settlement steps since the process started (for the test pause knob).
+static STEPS: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+
+/// One step of a settlement: where the crash test may stop the process.
+async fn step(ledger: &Ledger) {
+    let Some(at) = ledger.config().test_pause_at_step else {
+        return;
+    };
+    let n = STEPS.fetch_add(1, std::sync::atomic::Ordering::SeqCst) + 1;
+    if n == at {
+        println!("settlement paused at step {n}");
+        std::future::pending::<()>().await;
+    }
+}
+
+/// Prompt tokens a chat template may add per message (role markers).
+const TEMPLATE_TOKENS_PER_MESSAGE: u64 = 8;
+/// Prompt tokens a chat template may add once (a default system prompt).
+const TEMPLATE_TOKENS_FIXED: u64 = 64;
+
+/// A model's price, in micro-MLX per million tokens.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Price {
+    pub input_per_mtok: u64,
+    pub output_per_mtok: u64,
+}
+
+impl Price {
+    /// The price of `input` prompt tokens and `output` generated tokens,
+    /// rounded up to a whole micro-MLX.
+    pub fn of(&self, input: u64, output: u64) -> i64 {
+        let total = u128::from(input) * u128::from(self.input_per_mtok)
+            + u128::from(output) * u128::from(self.output_per_mtok);
+        let micro = total.div_ceil(1_000_000);
+        i64::try_from(micro).unwrap_or(i64::MAX)
+    }
+}
+
+/// An upper bound of the prompt tokens of `input`: a byte-level tokenizer
+/// never makes more tokens than bytes, plus what the chat template adds.
+pub fn prompt_tokens_bound(input: &JobInput) -> u64 {
+    match &input.kind {
+        Some(job_input::Kind::Prompt(p)) => p.len() as u64 + TEMPLATE_TOKENS_FIXED,
+        Some(job_input::Kind::Chat(c)) => {
+            c.messages
+                .iter()
+                .map(|m| m.content.len() as u64 + TEMPLATE_TOKENS_PER_MESSAGE)
+                .sum::<u64>()
+                + TEMPLATE_TOKENS_FIXED
+        }
+        None => TEMPLATE_TOKENS_FIXED,
+    }
+}
+
+/// The most a job can cost: its prompt bound and all of `max_tokens`.
+pub fn max_price(price: &Price, input: &JobInput, max_tokens: u32) -> i64 {
+    price.of(prompt_tokens_bound(input), u64::from(max_tokens))
+}
+
+pub fn hold_id(job: &str) -> String {
+    format!("job:{job}:hold")
+}
+
+/// Verified work by one node on a job.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Share {
+    pub node_id: String,
+    pub attempt: u32,
+    pub input_tokens: u64,
+    pub output_tokens: u64,
+}
+
+/// Who pays for a job, and at what price.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct JobTerms {
+    pub account: String,
+    pub price: Price,
+    pub max_price: i64,
+}
+
+/// What settling a job did.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Settlement {
+    /// The job was paid: `price` posted (`fee` of it to the network), and
+    /// `refund` released to the client.
+    Paid { price: i64, fee: i64, refund: i64 },
+    /// The hold was released (failed or cancelled job).
+    Voided,
+    /// The hold's deadline passed first; released.
+    Expired,
+    /// The job has not finished and its hold is still valid.
+    Open,
+    /// The job has not finished but its hold's deadline passed: the caller
+    /// must cancel the job, then settle again.
+    Overdue,
+    /// No open hold: already settled, or the job never had one.
+    NothingOpen,
+}
+
+impl Ledger {
+    /// Places the hold for `job` on `terms.account` and inserts the job, in
+    /// one transaction: with too small a balance nothing is stored.
+    ///
+    /// Group commit: concurrent submits queue up; whoever holds the ledger's
+    /// writer lock next runs every queued submit in one transaction, so one
+    /// commit serves many. A refused submit (balance, account, duplicate)
+    /// writes nothing before it is refused, so it never spoils the others; a
+    /// database error aborts the whole batch and every submit in it fails.
+    pub async fn submit_job(
+        &self,
+        job: &NewJob,
+        terms: &JobTerms,
+        now_ms: i64,
+    ) -> Result<JobRecord, LedgerError> {
+        let (reply, answer) = tokio::sync::oneshot::channel();
+        lock(&self.submits).push(QueuedSubmit {
+            job: job.clone(),
+            terms: terms.clone(),
+            now_ms,
+            reply,
+        });
+        {
+            let guard = self.writer_lock().await;
+            let batch = std::mem::take(&mut *lock(&self.submits));
+            if !batch.is_empty() {
+                let mut tx = self.begin_locked(guard).await?;
+                let mut results = Vec::with_capacity(batch.len());
+                let mut aborted = None;
+                for q in &batch {
+                    match submit_one(self, &mut tx, &q.job, &q.terms, q.now_ms).await {
+                        Ok(r) => results.push(Ok(r)),
+                        Err(
+                            e @ (LedgerError::InsufficientFunds { .. }
+                            | LedgerError::NoSuchAccount(_)
+                            | LedgerError::Invalid(_)),
+                        ) => results.push(Err(e)),
+                        Err(e) => {
+                            aborted = Some(e.to_string());
+                            results.push(Err(e));
+                            break;
+                        }
+                    }
+                }
+                let committed = match aborted {
+                    Some(why) => Err(why),
+                    None => tx.commit().await.map_err(|e| e.to_string()),
+                };
+                let mut results = results.into_iter();
+                for q in batch {
+                    let r = match (&committed, results.next()) {
+                        (Ok(()), Some(r)) => r,
+                        (Err(_), Some(Err(e))) if !matches!(e, LedgerError::Database(_)) => Err(e),
+                        (Err(why), _) => Err(LedgerError::BatchAborted(why.clone())),
+                        (Ok(()), None) => Err(LedgerError::BatchAborted("lost".into())),
+                    };
+                    let _ = q.reply.send(r);
+                }
+            }
+        }
+        answer
+            .await
+            .unwrap_or_else(|_| Err(LedgerError::BatchAborted("the batch was dropped".into())))
+    }
+
+    /// Who pays for `job`, if it was submitted through the ledger.
+    pub async fn job_terms(&self, job: JobId) -> Result<Option<JobTerms>, LedgerError> {
+        let mut conn = self.pool().acquire().await?;
+        terms(&mut conn, &job.to_string()).await
+    }
+
+    /// Settles `job` according to its state in the store (see [`Settlement`]).
+    /// Idempotent: once the hold is resolved, it returns `NothingOpen`.
+    pub async fn settle_job(&self, job: JobId, now_ms: i64) -> Result<Settlement, LedgerError> {
+        let id = job.to_string();
+        let mut tx = self.write_tx().await?;
+        step(self).await;
+        let deadline: Option<i64> =
+            sqlx::query_scalar("SELECT deadline_ms FROM open_holds WHERE transfer_id = ?")
+                .bind(hold_id(&id))
+                .fetch_optional(&mut *tx)
+                .await?;
+        let Some(deadline) = deadline else {
+            return Ok(Settlement::NothingOpen);
+        };
+        let row = sqlx::query(
+            "SELECT state, claim, node_id, attempt, updated_at_ms FROM jobs WHERE id = ?",
+        )
+        .bind(&id)
+        .fetch_optional(&mut *tx)
+        .await?;
+        let release = |late: bool| {
+            if late {
+                TransferKind::ExpirePending
+            } else {
+                TransferKind::VoidPending
+            }
+        };
+        let late = now_ms > deadline;
+        let outcome = match row {
+            None => release_hold(&mut tx, &id, release(late), now_ms).await?,
+            Some(row) => {
+                let state: String = row.try_get("state")?;
+                let updated: i64 = row.try_get("updated_at_ms")?;
+                match state.as_str() {
+                    "completed" if updated <= deadline => {
+                        let claim: Option<Vec<u8>> = row.try_get("claim")?;
+                        let node: Option<String> = row.try_get("node_id")?;
+                        let attempt: i64 = row.try_get("attempt")?;
+                        let claim = ResultClaim::decode(claim.unwrap_or_default().as_slice())
+                            .map_err(|e| LedgerError::Corrupt(format!("claim of job {id}: {e}")))?;
+                        let share = Share {
+                            node_id: node.unwrap_or_default(),
+                            attempt: attempt as u32,
+                            input_tokens: u64::from(claim.prompt_tokens),
+                            output_tokens: u64::from(claim.completion_tokens),
+                        };
+                        let terms = terms(&mut tx, &id).await?.ok_or_else(|| {
+                            LedgerError::Corrupt(format!("job {id} has a hold but no terms"))
+                        })?;
+                        post(
+                            self,
+                            &mut tx,
+                            &id,
+                            &terms.price,
+                            std::slice::from_ref(&share),
+                            self.config().fee_bps,
+                            now_ms.min(deadline),
+                        )
+                        .await?
+                    }
+                    "completed" | "failed" | "cancelled" => {
+                        release_hold(&mut tx, &id, release(late), now_ms).await?
+                    }
+                    _ if late => Settlement::Overdue,
+                    _ => Settlement::Open,
+                }
+            }
+        };
+        step(self).await;
+        tx.commit().await?;
+        step(self).await;
+        Ok(outcome)
+    }
+
+    /// Pays for `job` with explicit shares (a job handed off between nodes
+    /// pays each for the verified tokens it produced). The caller has
+    /// checked every share is verified work of a job that completed.
+    pub async fn settle_shares(
+        &self,
+        job: JobId,
+        shares: &[Share],
+        now_ms: i64,
+    ) -> Result<Settlement, LedgerError> {
+        let id = job.to_string();
+        let mut tx = self.write_tx().await?;
+        let Some(terms) = terms(&mut tx, &id).await? else {
+            return Ok(Settlement::NothingOpen);
+        };
+        let open: Option<i64> =
+            sqlx::query_scalar("SELECT deadline_ms FROM open_holds WHERE transfer_id = ?")
+                .bind(hold_id(&id))
+                .fetch_optional(&mut *tx)
+                .await?;
+        if open.is_none() {
+            return Ok(Settlement::NothingOpen);
+        }
+        let outcome = post(
+            self,
+            &mut tx,
+            &id,
+            &terms.price,
+            shares,
+            self.config().fee_bps,
+            now_ms,
+        )
+        .await?;
+        tx.commit().await?;
+        Ok(outcome)
+    }
+
+    /// Jobs whose hold is open and due (deadline at or before `now_ms`).
+    pub async fn due_holds(&self, now_ms: i64, limit: u32) -> Result<Vec<String>, LedgerError> {
+        Ok(sqlx::query_scalar(
+            "SELECT job_id FROM open_holds WHERE deadline_ms < ? AND job_id IS NOT NULL \
+             ORDER BY deadline_ms LIMIT ?",
+        )
+        .bind(now_ms)
+        .bind(i64::from(limit))
+        .fetch_all(self.pool())
+        .await?)
+    }
+
+    /// Jobs with an open hold that have already ended (left by a crash
+    /// between the job's last transition and its settlement).
+    pub async fn unsettled_jobs(&self, limit: u32) -> Result<Vec<String>, LedgerError> {
+        Ok(sqlx::query_scalar(
+            "SELECT h.job_id FROM open_holds h LEFT JOIN jobs j ON j.id = h.job_id \
+             WHERE h.job_id IS NOT NULL AND (j.id IS NULL OR j.state IN ('completed', 'failed', 'cancelled')) \
+             LIMIT ?",
+        )
+        .bind(i64::from(limit))
+        .fetch_all(self.pool())
+        .await?)
+    }
+}
+
+/// A submit waiting for the next group commit.
+#[derive(Debug)]
+pub(crate) struct QueuedSubmit {
+    job: NewJob,
+    terms: JobTerms,
+    now_ms: i64,
+    reply: tokio::sync::oneshot::Sender<Result<JobRecord, LedgerError>>,
+}
+
+fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    match m.lock() {
+        Ok(g) => g,
+        Err(poisoned) => poisoned.into_inner(),
+    }
+}
+
+/// One submit inside the batch's transaction. Every refusal happens before
+/// its first write.
+async fn submit_one(
+    ledger: &Ledger,
+    conn: &mut SqliteConnection,
+    job: &NewJob,
+    terms: &JobTerms,
+    now_ms: i64,
+) -> Result<JobRecord, LedgerError> {
+    let id = job.id.to_string();
+    if terms.max_price > 0 {
+        let applied = transfer::apply(
+            conn,
+            &NewTransfer {
+                id: hold_id(&id),
+                kind: Some(TransferKind::Pending),
+                debit: terms.account.clone(),
+                credit: ESCROW.into(),
+                amount: terms.max_price,
+                deadline_ms: Some(now_ms.saturating_add(ledger.config().hold_ttl_ms)),
+                job_id: Some(id.clone()),
+                memo: "hold".into(),
+                ..Default::default()
+            },
+            now_ms,
+        )
+        .await?;
+        if applied == Applied::AlreadyExists {
+            return Err(LedgerError::Invalid("this job was already submitted"));
+        }
+    } else if transfer::account(conn, &terms.account).await?.is_none() {
+        return Err(LedgerError::NoSuchAccount(terms.account.clone()));
+    }
+    sqlx::query(
+        "INSERT INTO job_holds (job_id, account_id, input_per_mtok, output_per_mtok, max_price) \
+         VALUES (?, ?, ?, ?, ?)",
+    )
+    .bind(&id)
+    .bind(&terms.account)
+    .bind(i64::try_from(terms.price.input_per_mtok).unwrap_or(i64::MAX))
+    .bind(i64::try_from(terms.price.output_per_mtok).unwrap_or(i64::MAX))
+    .bind(terms.max_price)
+    .execute(&mut *conn)
+    .await?;
+    Ok(insert_job_on(conn, job, now_ms).await?)
+}
+
+async fn terms(conn: &mut SqliteConnection, job: &str) -> Result<Option<JobTerms>, LedgerError> {
+    let row = sqlx::query(
+        "SELECT account_id, input_per_mtok, output_per_mtok, max_price FROM job_holds WHERE job_id = ?",
+    )
+    .bind(job)
+    .fetch_optional(&mut *conn)
+    .await?;
+    row.map(|r| {
+        let input: i64 = r.try_get("input_per_mtok")?;
+        let output: i64 = r.try_get("output_per_mtok")?;
+        Ok(JobTerms {
+            account: r.try_get("account_id")?,
+            price: Price {
+                input_per_mtok: input.max(0) as u64,
+                output_per_mtok: output.max(0) as u64,
+            },
+            max_price: r.try_get("max_price")?,
+        })
+    })
+    .transpose()
+}
+
+async fn release_hold(
+    conn: &mut SqliteConnection,
+    job: &str,
+    kind: TransferKind,
+    now_ms: i64,
+) -> Result<Settlement, LedgerError> {
+    let (suffix, outcome) = match kind {
+        TransferKind::ExpirePending => ("expire", Settlement::Expired),
+        _ => ("void", Settlement::Voided),
+    };
+    transfer::apply(
+        conn,
+        &NewTransfer {
+            id: format!("job:{job}:{suffix}"),
+            kind: Some(kind),
+            pending_id: Some(hold_id(job)),
+            memo: suffix.into(),
+            ..Default::default()
+        },
+        now_ms,
+    )
+    .await?;
+    Ok(outcome)
+}
+
+/// Posts the price of `shares` (capped by the hold), pays each node's
+/// operator its share less the fee, and the fee to the network.
+async fn post(
+    ledger: &Ledger,
+    conn: &mut SqliteConnection,
+    job: &str,
+    price: &Price,
+    shares: &[Share],
+    fee_bps: u32,
+    now_ms: i64,
+) -> Result<Settlement, LedgerError> {
+    let hold = transfer::get(conn, &hold_id(job))
+        .await?
+        .ok_or_else(|| LedgerError::NoSuchPending(hold_id(job)))?;
+    let mut remaining = hold.amount;
+    let mut total = 0i64;
+    let mut fee_total = 0i64;
+    let mut payouts = Vec::with_capacity(shares.len());
+    for s in shares {
+        let p = price.of(s.input_tokens, s.output_tokens).min(remaining);
+        remaining -= p;
+        let fee = (i128::from(p) * i128::from(fee_bps) / 10_000) as i64;
+        payouts.push((s, p - fee));
+        fee_total += fee;
+        total += p;
+    }
+    transfer::apply(
+        conn,
+        &NewTransfer {
+            id: format!("job:{job}:post"),
+            kind: Some(TransferKind::PostPending),
+            pending_id: Some(hold.id.clone()),
+            amount: total,
+            memo: "post".into(),
+            ..Default::default()
+        },
+        now_ms,
+    )
+    .await?;
+    step(ledger).await;
+    for (share, pay) in payouts {
+        if pay == 0 {
+            continue;
+        }
+        let operator = operator_of(conn, &share.node_id).await?;
+        let applied = transfer::apply(
+            conn,
+            &NewTransfer {
+                id: format!("job:{job}:pay:{}:{}", share.attempt, share.node_id),
+                kind: Some(TransferKind::Posted),
+                debit: ESCROW.into(),
+                credit: operator,
+                amount: pay,
+                job_id: Some(job.to_owned()),
+                node_id: Some(share.node_id.clone()),
+                tokens: i64::try_from(share.output_tokens).unwrap_or(i64::MAX),
+                memo: "payout".into(),
+                ..Default::default()
+            },
+            now_ms,
+        )
+        .await?;
+        if applied == Applied::AlreadyExists {
+            return Err(LedgerError::Corrupt(format!(
+                "payout of job {job} to {} existed before its post",
+                share.node_id
+            )));
+        }
+        step(ledger).await;
+    }
+    if fee_total > 0 {
+        transfer::apply(
+            conn,
+            &NewTransfer {
+                id: format!("job:{job}:fee"),
+                kind: Some(TransferKind::Posted),
+                debit: ESCROW.into(),
+                credit: FEE.into(),
+                amount: fee_total,
+                job_id: Some(job.to_owned()),
+                memo: "fee".into(),
+                ..Default::default()
+            },
+            now_ms,
+        )
+        .await?;
+    }
+    Ok(Settlement::Paid {
+        price: total,
+        fee: fee_total,
+        refund: hold.amount - total,
+    })
+}
+
+/// The operator account `node_id` earns for; a node never linked gets an
+/// operator account of its own, so its pay is never lost.
+pub(crate) async fn operator_of(
+    conn: &mut SqliteConnection,
+    node_id: &str,
+) -> Result<String, LedgerError> {
+    if let Some(a) =
+        sqlx::query_scalar::<_, String>("SELECT account_id FROM node_operators WHERE node_id = ?")
+            .bind(node_id)
+            .fetch_optional(&mut *conn)
+            .await?
+    {
+        return Ok(a);
+    }
+    let short: String = node_id.chars().take(16).collect();
+    let account = format!("acct_node_{short}");
+    let now = crate::store::now_ms();
+    sqlx::query(
+        "INSERT OR IGNORE INTO accounts (id, name, kind, no_overdraft, created_at_ms) \
+         VALUES (?, ?, 'operator', 1, ?)",
+    )
+    .bind(&account)
+    .bind(format!("node {short}"))
+    .bind(now)
+    .execute(&mut *conn)
+    .await?;
+    sqlx::query("INSERT INTO node_operators (node_id, account_id, linked_at_ms) VALUES (?, ?, ?)")
+        .bind(node_id)
+        .bind(&account)
+        .bind(now)
+        .execute(&mut *conn)
+        .await?;
+    Ok(account)
+}

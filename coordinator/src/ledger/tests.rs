@@ -1,0 +1,1077 @@
+//! Ledger tests: transfer rules one by one, then a seeded random walk over
+//! the messages of a job's life (submit, assign, complete, fail, cancel,
+//! hand-off, expire, duplicate, crash-before-settle) against the real store
+//! and ledger, checked after every step against an independent model.
+
+use std::collections::HashMap;
+
+use mlxnet_proto::{
+    ids::JobId,
+    v1::{job_input, JobInput, ResultClaim, SamplingParams, SignedClaim},
+};
+use rand::{rngs::StdRng, Rng, SeedableRng};
+
+use super::{
+    keys::Scopes,
+    settle::{max_price, JobTerms, Settlement},
+    *,
+};
+use crate::store::{AttemptEnd, CancelOutcome, Completion, NewJob, Store};
+
+async fn fresh(config: LedgerConfig) -> (tempfile::TempDir, Store, Ledger) {
+    let dir = tempfile::tempdir().unwrap();
+    let url = format!("sqlite://{}", dir.path().join("l.db").display());
+    let store = Store::connect(&url).await.unwrap();
+    let ledger = Ledger::new(store.pool().clone(), config);
+    (dir, store, ledger)
+}
+
+fn posted(id: &str, debit: &str, credit: &str, amount: i64) -> NewTransfer {
+    NewTransfer {
+        id: id.into(),
+        kind: Some(TransferKind::Posted),
+        debit: debit.into(),
+        credit: credit.into(),
+        amount,
+        memo: "test".into(),
+        ..Default::default()
+    }
+}
+
+#[tokio::test]
+async fn transfers_are_idempotent_two_phase_and_never_overdraw() {
+    let (_dir, _store, ledger) = fresh(LedgerConfig::default()).await;
+    let alice = ledger
+        .create_account("alice", AccountKind::Client)
+        .await
+        .unwrap();
+    let bob = ledger
+        .create_account("bob", AccountKind::Operator)
+        .await
+        .unwrap();
+    assert_eq!(
+        ledger.grant("g1", &alice.id, 1_000, "start").await.unwrap(),
+        Applied::Created
+    );
+    assert_eq!(
+        ledger.grant("g1", &alice.id, 1_000, "start").await.unwrap(),
+        Applied::AlreadyExists,
+        "same id, same transfer: nothing more moves"
+    );
+    assert!(matches!(
+        ledger.grant("g1", &alice.id, 5, "start").await,
+        Err(LedgerError::ExistsWithDifferentFields { .. })
+    ));
+    // Overdraw refused, nothing changed.
+    let err = ledger
+        .transfer(&posted("t1", &alice.id, &bob.id, 1_001), 1)
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(
+            err,
+            LedgerError::InsufficientFunds {
+                needed: 1_001,
+                available: 1_000,
+                ..
+            }
+        ),
+        "{err}"
+    );
+    // A hold reserves; only the rest can be spent.
+    let hold = NewTransfer {
+        id: "h1".into(),
+        kind: Some(TransferKind::Pending),
+        debit: alice.id.clone(),
+        credit: ESCROW.into(),
+        amount: 600,
+        deadline_ms: Some(100),
+        memo: "hold".into(),
+        ..Default::default()
+    };
+    ledger.transfer(&hold, 10).await.unwrap();
+    assert!(matches!(
+        ledger
+            .transfer(&posted("t2", &alice.id, &bob.id, 401), 11)
+            .await,
+        Err(LedgerError::InsufficientFunds { available: 400, .. })
+    ));
+    let a = ledger.account(&alice.id).await.unwrap().unwrap();
+    assert_eq!((a.balance(), a.available()), (1_000, 400));
+    // Partial post: 250 moves, 350 is released.
+    let post = |id: &str, amount| NewTransfer {
+        id: id.into(),
+        kind: Some(TransferKind::PostPending),
+        pending_id: Some("h1".into()),
+        amount,
+        memo: "post".into(),
+        ..Default::default()
+    };
+    assert!(matches!(
+        ledger.transfer(&post("p0", 601), 20).await,
+        Err(LedgerError::ExceedsPending { .. })
+    ));
+    ledger.transfer(&post("p1", 250), 20).await.unwrap();
+    assert_eq!(
+        ledger.transfer(&post("p1", 250), 21).await.unwrap(),
+        Applied::AlreadyExists
+    );
+    assert!(matches!(
+        ledger.transfer(&post("p2", 1), 22).await,
+        Err(LedgerError::AlreadyResolved(_))
+    ));
+    let void = NewTransfer {
+        id: "v1".into(),
+        kind: Some(TransferKind::VoidPending),
+        pending_id: Some("h1".into()),
+        ..Default::default()
+    };
+    assert!(matches!(
+        ledger.transfer(&void, 23).await,
+        Err(LedgerError::AlreadyResolved(_))
+    ));
+    let a = ledger.account(&alice.id).await.unwrap().unwrap();
+    assert_eq!((a.balance(), a.available()), (750, 750));
+    let e = ledger.account(ESCROW).await.unwrap().unwrap();
+    assert_eq!(e.balance(), 250);
+
+    // Expiry: not before the deadline, and a post after it is refused.
+    let mut h2 = hold.clone();
+    h2.id = "h2".into();
+    h2.amount = 100;
+    ledger.transfer(&h2, 30).await.unwrap();
+    let expire = NewTransfer {
+        id: "x2".into(),
+        kind: Some(TransferKind::ExpirePending),
+        pending_id: Some("h2".into()),
+        ..Default::default()
+    };
+    assert!(
+        ledger.transfer(&expire, 100).await.is_err(),
+        "deadline not passed yet"
+    );
+    let mut late_post = post("p3", 10);
+    late_post.pending_id = Some("h2".into());
+    assert!(matches!(
+        ledger.transfer(&late_post, 101).await,
+        Err(LedgerError::PendingExpired { .. })
+    ));
+    ledger.transfer(&expire, 101).await.unwrap();
+    assert_eq!(
+        ledger
+            .account(&alice.id)
+            .await
+            .unwrap()
+            .unwrap()
+            .available(),
+        750
+    );
+
+    // Rows are immutable, whatever the caller.
+    assert!(
+        sqlx::query("UPDATE transfers SET amount = 1 WHERE id = 'p1'")
+            .execute(ledger.pool())
+            .await
+            .is_err()
+    );
+    assert!(sqlx::query("DELETE FROM transfers WHERE id = 'p1'")
+        .execute(ledger.pool())
+        .await
+        .is_err());
+    assert_eq!(
+        ledger.totals().await.unwrap(),
+        Totals {
+            posted: 0,
+            pending: 0,
+            open_holds: 0
+        }
+    );
+    assert!(ledger.audit().await.unwrap().is_empty());
+}
+
+#[tokio::test]
+async fn keys_are_stored_as_hashes_and_bad_keys_are_indistinguishable() {
+    let (dir, store, ledger) = fresh(LedgerConfig::default()).await;
+    let admin = ledger.bootstrap_admin("root").await.unwrap();
+    assert!(!format!("{admin:?}").contains(admin.secret()));
+    let acct = ledger
+        .create_account("carol", AccountKind::Client)
+        .await
+        .unwrap();
+    let key = ledger
+        .create_key(
+            &acct.id,
+            Scopes::from_list(["submit", "read"]).unwrap(),
+            "laptop",
+            None,
+        )
+        .await
+        .unwrap();
+    let expired = ledger
+        .create_key(&acct.id, Scopes::from_list(["read"]).unwrap(), "", Some(5))
+        .await
+        .unwrap();
+    let caller = ledger
+        .authenticate(key.secret(), 10)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(caller.account_id, acct.id);
+    assert!(caller.scopes.allows(keys::Scope::Submit) && !caller.scopes.allows(keys::Scope::Admin));
+    assert_eq!(
+        ledger.authenticate(expired.secret(), 10).await.unwrap(),
+        None
+    );
+    assert!(ledger.revoke_key(&key.id, Some(&acct.id)).await.unwrap());
+    assert_eq!(ledger.authenticate(key.secret(), 10).await.unwrap(), None);
+    assert_eq!(ledger.authenticate("mlxk_00", 10).await.unwrap(), None);
+    assert!(!ledger.revoke_key(&key.id, Some(&acct.id)).await.unwrap());
+    store.close().await;
+
+    // A dump of the whole database file holds no key.
+    let mut bytes = std::fs::read(dir.path().join("l.db")).unwrap();
+    if let Ok(wal) = std::fs::read(dir.path().join("l.db-wal")) {
+        bytes.extend(wal);
+    }
+    for secret in [admin.secret(), key.secret(), expired.secret()] {
+        let hex_part = &secret[keys::KEY_PREFIX.len()..];
+        assert!(
+            !bytes
+                .windows(hex_part.len())
+                .any(|w| w == hex_part.as_bytes()),
+            "a key's secret is in the database"
+        );
+    }
+}
+
+// ---- the random walk ----
+
+const NODES: [&str; 3] = [
+    "a1a1a1a1a1a1a1a1a1a1a1a1a1a1a1a1a1a1a1a1a1a1a1a1a1a1a1a1a1a1a1a1",
+    "b2b2b2b2b2b2b2b2b2b2b2b2b2b2b2b2b2b2b2b2b2b2b2b2b2b2b2b2b2b2b2b2",
+    "c3c3c3c3c3c3c3c3c3c3c3c3c3c3c3c3c3c3c3c3c3c3c3c3c3c3c3c3c3c3c3c3",
+];
+const PRICE: Price = Price {
+    input_per_mtok: 700_000,
+    output_per_mtok: 2_300_000,
+};
+const FEE_BPS: u32 = 500;
+const TTL: i64 = 3_600_000;
+const MAX_ATTEMPTS: u32 = 3;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum St {
+    Queued,
+    Assigned,
+    Completed,
+    Failed,
+    Cancelled,
+}
+
+#[derive(Clone, Debug)]
+struct ModelJob {
+    id: JobId,
+    client: usize,
+    hold: i64,
+    deadline: i64,
+    st: St,
+    attempt: u32,
+    node: Option<usize>,
+    /// Verified work of earlier nodes (hand-off).
+    partial: Vec<Share>,
+    settled: bool,
+}
+
+#[derive(Clone, Debug)]
+enum Msg {
+    Submit {
+        client: usize,
+        prompt: usize,
+        max_tokens: u32,
+    },
+    Assign {
+        job: usize,
+        node: usize,
+    },
+    Complete {
+        job: usize,
+        input: u64,
+        output: u64,
+        settle: bool,
+    },
+    Fail {
+        job: usize,
+        retryable: bool,
+    },
+    Cancel {
+        job: usize,
+    },
+    HandOff {
+        job: usize,
+        output: u64,
+    },
+    Expire {
+        advance: i64,
+    },
+    Reconcile,
+}
+
+struct Walk {
+    store: Store,
+    ledger: Ledger,
+    clients: Vec<String>,
+    operators: Vec<String>,
+    jobs: Vec<ModelJob>,
+    now: i64,
+    /// Expected balance per account id.
+    expect: HashMap<String, i64>,
+    refused: usize,
+    expired: usize,
+}
+
+impl Walk {
+    fn operator(&self, node: usize) -> String {
+        self.operators[node].clone()
+    }
+
+    fn available(&self, client: usize) -> i64 {
+        let id = &self.clients[client];
+        self.expect[id]
+            - self
+                .jobs
+                .iter()
+                .filter(|j| j.client == client && !j.settled && j.hold > 0)
+                .map(|j| j.hold)
+                .sum::<i64>()
+    }
+
+    /// Books the expected effect of settling `j` (index) now.
+    fn book(&mut self, j: usize, shares: &[Share]) {
+        let job = self.jobs[j].clone();
+        if job.settled {
+            return;
+        }
+        self.jobs[j].settled = true;
+        if job.st != St::Completed || job.hold == 0 {
+            return;
+        }
+        let mut remaining = job.hold;
+        for s in shares {
+            let p = PRICE.of(s.input_tokens, s.output_tokens).min(remaining);
+            remaining -= p;
+            let fee = p * i64::from(FEE_BPS) / 10_000;
+            *self.expect.get_mut(&self.clients[job.client]).unwrap() -= p;
+            let node = NODES.iter().position(|n| *n == s.node_id).unwrap();
+            *self.expect.entry(self.operator(node)).or_default() += p - fee;
+            *self.expect.entry(FEE.to_owned()).or_default() += fee;
+        }
+    }
+
+    async fn settle(&mut self, j: usize, shares: Option<Vec<Share>>) {
+        let id = self.jobs[j].id;
+        let got = match &shares {
+            Some(s) => self.ledger.settle_shares(id, s, self.now).await.unwrap(),
+            None => self.ledger.settle_job(id, self.now).await.unwrap(),
+        };
+        let job = &self.jobs[j];
+        let expected_kind = match (job.settled, job.st, job.hold) {
+            (true, _, _) | (_, _, 0) => "nothing",
+            (false, St::Completed, _) => "paid",
+            (false, St::Failed | St::Cancelled, _) => "released",
+            _ => "open",
+        };
+        let kind = match got {
+            Settlement::Paid { price, fee, refund } => {
+                assert_eq!(price + refund, job.hold, "refund + payout + fee == hold");
+                assert!(fee <= price);
+                "paid"
+            }
+            Settlement::Voided | Settlement::Expired => "released",
+            Settlement::Open | Settlement::Overdue => "open",
+            Settlement::NothingOpen => "nothing",
+        };
+        assert_eq!(kind, expected_kind, "settling job {j} ({:?})", self.jobs[j]);
+        if kind == "paid" || kind == "released" {
+            let shares = shares.unwrap_or_else(|| self.jobs[j].partial.clone());
+            self.book(j, &shares);
+        }
+    }
+
+    async fn step(&mut self, msg: Msg) {
+        match msg {
+            Msg::Submit {
+                client,
+                prompt,
+                max_tokens,
+            } => {
+                let input = JobInput {
+                    kind: Some(job_input::Kind::Prompt("x".repeat(prompt))),
+                };
+                let hold = max_price(&PRICE, &input, max_tokens);
+                let job = NewJob {
+                    id: JobId::new(),
+                    model: "m".into(),
+                    input,
+                    sampling: SamplingParams {
+                        seed: Some(1),
+                        max_tokens,
+                        ..Default::default()
+                    },
+                };
+                let terms = JobTerms {
+                    account: self.clients[client].clone(),
+                    price: PRICE,
+                    max_price: hold,
+                };
+                let fits = self.available(client) >= hold;
+                let r = self.ledger.submit_job(&job, &terms, self.now).await;
+                if fits {
+                    r.unwrap();
+                    self.jobs.push(ModelJob {
+                        id: job.id,
+                        client,
+                        hold,
+                        deadline: self.now + TTL,
+                        st: St::Queued,
+                        attempt: 1,
+                        node: None,
+                        partial: Vec::new(),
+                        settled: false,
+                    });
+                } else {
+                    assert!(
+                        matches!(r, Err(LedgerError::InsufficientFunds { .. })),
+                        "{r:?}"
+                    );
+                    assert!(
+                        self.store.get_job(job.id).await.unwrap().is_none(),
+                        "no job row"
+                    );
+                    self.refused += 1;
+                }
+                // A duplicate submit of the same job changes nothing.
+                if fits {
+                    assert!(self
+                        .ledger
+                        .submit_job(&job, &terms, self.now)
+                        .await
+                        .is_err());
+                }
+            }
+            Msg::Assign { job, node } => {
+                let Some(m) = self.jobs.get(job).cloned() else {
+                    return;
+                };
+                let ok = self
+                    .store
+                    .assign(m.id, m.attempt, NODES[node])
+                    .await
+                    .unwrap();
+                assert_eq!(ok, m.st == St::Queued);
+                if ok {
+                    self.jobs[job].st = St::Assigned;
+                    self.jobs[job].node = Some(node);
+                }
+            }
+            Msg::Complete {
+                job,
+                input,
+                output,
+                settle,
+            } => {
+                let Some(m) = self.jobs.get(job).cloned() else {
+                    return;
+                };
+                let node = m.node.unwrap_or(0);
+                let c = Completion {
+                    job_id: m.id,
+                    attempt: m.attempt,
+                    node_id: NODES[node].into(),
+                    result: SignedClaim {
+                        claim: Some(ResultClaim {
+                            job_id: m.id.to_string(),
+                            attempt: m.attempt,
+                            prompt_tokens: input as u32,
+                            completion_tokens: output as u32,
+                            ..Default::default()
+                        }),
+                        signature: vec![1; 64],
+                    },
+                };
+                let ok = self.store.complete(&c).await.unwrap();
+                assert_eq!(ok, m.st == St::Assigned && m.node.is_some());
+                if !ok {
+                    // A late or duplicate result: settling again moves nothing.
+                    self.settle(job, None).await;
+                    return;
+                }
+                self.jobs[job].st = St::Completed;
+                let handed_off = !m.partial.is_empty();
+                self.jobs[job].partial.push(Share {
+                    node_id: NODES[node].into(),
+                    attempt: m.attempt,
+                    input_tokens: input,
+                    output_tokens: output,
+                });
+                if handed_off {
+                    let shares = self.jobs[job].partial.clone();
+                    self.settle(job, Some(shares)).await;
+                } else if settle {
+                    self.settle(job, None).await;
+                }
+                // else: a crash between the store's completion and settlement;
+                // reconcile, the sweep or a duplicate result settles it later.
+            }
+            Msg::Fail { job, retryable } => {
+                let Some(m) = self.jobs.get(job).cloned() else {
+                    return;
+                };
+                let node = m.node.unwrap_or(0);
+                let end = self
+                    .store
+                    .fail_attempt(
+                        m.id,
+                        m.attempt,
+                        NODES[node],
+                        "lost",
+                        retryable,
+                        MAX_ATTEMPTS,
+                    )
+                    .await
+                    .unwrap();
+                if m.st != St::Assigned || m.node.is_none() {
+                    assert_eq!(end, None);
+                    return;
+                }
+                match end {
+                    Some(AttemptEnd::Requeued { attempt }) => {
+                        assert!(retryable && m.attempt < MAX_ATTEMPTS);
+                        self.jobs[job].st = St::Queued;
+                        self.jobs[job].attempt = attempt;
+                        self.jobs[job].node = None;
+                    }
+                    Some(AttemptEnd::Failed) => {
+                        self.jobs[job].st = St::Failed;
+                        self.jobs[job].partial.clear();
+                        self.settle(job, None).await;
+                    }
+                    None => panic!("fail of an assigned attempt changed nothing"),
+                }
+            }
+            Msg::HandOff { job, output } => {
+                // The node produced `output` verified tokens, then handed the
+                // job on (its attempt ends; the next node continues).
+                let Some(m) = self.jobs.get(job).cloned() else {
+                    return;
+                };
+                if m.st != St::Assigned || m.attempt >= MAX_ATTEMPTS {
+                    return;
+                }
+                let node = m.node.unwrap_or(0);
+                let end = self
+                    .store
+                    .fail_attempt(
+                        m.id,
+                        m.attempt,
+                        NODES[node],
+                        "handed off",
+                        true,
+                        MAX_ATTEMPTS,
+                    )
+                    .await
+                    .unwrap();
+                assert_eq!(
+                    end,
+                    Some(AttemptEnd::Requeued {
+                        attempt: m.attempt + 1
+                    })
+                );
+                let j = &mut self.jobs[job];
+                j.partial.push(Share {
+                    node_id: NODES[node].into(),
+                    attempt: m.attempt,
+                    input_tokens: 0,
+                    output_tokens: output,
+                });
+                j.st = St::Queued;
+                j.attempt += 1;
+                j.node = None;
+            }
+            Msg::Cancel { job } => {
+                let Some(m) = self.jobs.get(job).cloned() else {
+                    return;
+                };
+                let out = self.store.cancel(m.id).await.unwrap();
+                if matches!(m.st, St::Queued | St::Assigned) {
+                    assert_eq!(out, CancelOutcome::Cancelled);
+                    self.jobs[job].st = St::Cancelled;
+                    self.jobs[job].partial.clear();
+                    self.settle(job, None).await;
+                } else {
+                    assert!(matches!(out, CancelOutcome::AlreadyFinished(_)));
+                    self.settle(job, None).await;
+                }
+            }
+            Msg::Expire { advance } => {
+                self.now += advance;
+                self.sweep().await;
+            }
+            Msg::Reconcile => self.reconcile().await,
+        }
+    }
+
+    /// What the coordinator's sweep does: unfinished jobs whose hold is due
+    /// are cancelled, then every due hold is settled.
+    async fn sweep(&mut self) {
+        let due = self.ledger.due_holds(self.now, 1_000).await.unwrap();
+        for id in due {
+            let j = self
+                .jobs
+                .iter()
+                .position(|j| j.id.to_string() == id)
+                .unwrap();
+            assert!(self.jobs[j].deadline < self.now && !self.jobs[j].settled);
+            if matches!(self.jobs[j].st, St::Queued | St::Assigned) {
+                assert_eq!(
+                    self.store.cancel(self.jobs[j].id).await.unwrap(),
+                    CancelOutcome::Cancelled
+                );
+                self.jobs[j].st = St::Cancelled;
+                self.jobs[j].partial.clear();
+            }
+            let shares = self.jobs[j].partial.clone();
+            let got = self
+                .ledger
+                .settle_job(self.jobs[j].id, self.now)
+                .await
+                .unwrap();
+            assert!(
+                matches!(got, Settlement::Paid { .. } | Settlement::Expired),
+                "{got:?}"
+            );
+            self.expired += usize::from(got == Settlement::Expired);
+            self.book(j, &shares);
+        }
+    }
+
+    /// What start-up does: settle jobs that ended without settlement.
+    async fn reconcile(&mut self) {
+        for id in self.ledger.unsettled_jobs(1_000).await.unwrap() {
+            let j = self
+                .jobs
+                .iter()
+                .position(|j| j.id.to_string() == id)
+                .unwrap();
+            let shares = self.jobs[j].partial.clone();
+            let got = self
+                .ledger
+                .settle_job(self.jobs[j].id, self.now)
+                .await
+                .unwrap();
+            assert!(!matches!(
+                got,
+                Settlement::Open | Settlement::Overdue | Settlement::NothingOpen
+            ));
+            self.book(j, &shares);
+        }
+    }
+
+    async fn check(&self) {
+        let t = self.ledger.totals().await.unwrap();
+        assert_eq!(
+            (t.posted, t.pending),
+            (0, 0),
+            "the sum over accounts is constant"
+        );
+        let open = self
+            .jobs
+            .iter()
+            .filter(|j| !j.settled && j.hold > 0)
+            .count() as i64;
+        assert_eq!(t.open_holds, open, "open holds");
+        assert_eq!(self.ledger.audit().await.unwrap(), Vec::<String>::new());
+
+        for (id, want) in &self.expect {
+            let a = self.ledger.account(id).await.unwrap().unwrap();
+            assert_eq!(a.balance(), *want, "balance of {id}");
+        }
+        let escrow = self.ledger.account(ESCROW).await.unwrap().unwrap();
+        assert_eq!(
+            escrow.balance(),
+            0,
+            "escrow pays out in the same transaction"
+        );
+    }
+
+    /// After the walk: per-job checks on the transfer rows.
+    async fn check_rows(&self) {
+        let rows = sqlx::query_as::<_, (String, String, i64, Option<String>, Option<String>, String)>(
+            "SELECT id, kind, amount, pending_id, node_id, memo FROM transfers WHERE id LIKE 'job:%'",
+        )
+        .fetch_all(self.ledger.pool())
+        .await
+        .unwrap();
+        for j in &self.jobs {
+            let prefix = format!("job:{}:", j.id);
+            let mine: Vec<_> = rows.iter().filter(|r| r.0.starts_with(&prefix)).collect();
+            let holds = mine.iter().filter(|r| r.1 == "pending").count();
+            let resolutions: Vec<_> = mine.iter().filter(|r| r.3.is_some()).collect();
+            let payouts: Vec<_> = mine.iter().filter(|r| r.5 == "payout").collect();
+            let fee: i64 = mine.iter().filter(|r| r.5 == "fee").map(|r| r.2).sum();
+            if j.hold == 0 {
+                assert!(mine.is_empty());
+                continue;
+            }
+            assert_eq!(holds, 1);
+            assert_eq!(
+                resolutions.len(),
+                usize::from(j.settled),
+                "each hold resolved exactly once"
+            );
+            if j.st == St::Completed && j.settled {
+                let post = resolutions[0];
+                assert_eq!(
+                    post.1, "post_pending",
+                    "no job paid twice, none voided after pay"
+                );
+                let paid: i64 = payouts.iter().map(|r| r.2).sum();
+                assert_eq!(paid + fee, post.2, "payout + fee == posted");
+                assert!(post.2 <= j.hold);
+            } else {
+                assert!(
+                    payouts.is_empty() && fee == 0,
+                    "nobody is paid for a failed job: {j:?}"
+                );
+                if j.settled {
+                    assert!(matches!(
+                        resolutions[0].1.as_str(),
+                        "void_pending" | "expire_pending"
+                    ));
+                    assert_eq!(resolutions[0].2, j.hold, "the whole hold is released");
+                }
+            }
+        }
+    }
+}
+
+fn random_msg(rng: &mut StdRng, jobs: usize) -> Msg {
+    // Mostly the newest jobs, so many go through their whole lives.
+    let job = match jobs {
+        0 => 0,
+        n if rng.gen_bool(0.7) => n - 1 - rng.gen_range(0..n.min(3)),
+        n => rng.gen_range(0..n),
+    };
+    match rng.gen_range(0..100) {
+        0..=24 => Msg::Submit {
+            client: rng.gen_range(0..3),
+            prompt: rng.gen_range(1..400),
+            max_tokens: rng.gen_range(1..600),
+        },
+        25..=44 => Msg::Assign {
+            job,
+            node: rng.gen_range(0..NODES.len()),
+        },
+        45..=62 => Msg::Complete {
+            job,
+            input: rng.gen_range(0..300),
+            output: rng.gen_range(0..500),
+            settle: rng.gen_bool(0.8),
+        },
+        63..=72 => Msg::Fail {
+            job,
+            retryable: rng.gen_bool(0.6),
+        },
+        73..=79 => Msg::Cancel { job },
+        80..=86 => Msg::HandOff {
+            job,
+            output: rng.gen_range(1..200),
+        },
+        87..=93 => Msg::Expire {
+            advance: rng.gen_range(0..TTL / 2),
+        },
+        _ => Msg::Reconcile,
+    }
+}
+
+#[tokio::test]
+async fn random_job_lives_keep_the_books_balanced() {
+    let seeds: u64 = std::env::var("LEDGER_WALK_SEEDS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(64);
+    #[derive(Debug, Default)]
+    struct Seen {
+        completed: usize,
+        handed_off: usize,
+        failed: usize,
+        refused: usize,
+        expired: usize,
+    }
+    let mut seen = Seen::default();
+    for seed in 0..seeds {
+        eprintln!("seed {seed}");
+        let mut rng = StdRng::seed_from_u64(seed);
+        let config = LedgerConfig {
+            fee_bps: FEE_BPS,
+            hold_ttl_ms: TTL,
+            ..LedgerConfig::default()
+        };
+        let (_dir, store, ledger) = fresh(config).await;
+        let mut clients = Vec::new();
+        let mut expect = HashMap::new();
+        for (i, grant) in [200_000i64, 8_000, 600].into_iter().enumerate() {
+            let a = ledger
+                .create_account(&format!("client{i}"), AccountKind::Client)
+                .await
+                .unwrap();
+            ledger
+                .grant(&format!("g{i}"), &a.id, grant, "start")
+                .await
+                .unwrap();
+            expect.insert(a.id.clone(), grant);
+            clients.push(a.id);
+        }
+        let op = ledger
+            .create_account("op", AccountKind::Operator)
+            .await
+            .unwrap();
+        let mut operators = Vec::new();
+        for (i, n) in NODES.iter().enumerate() {
+            // Two nodes share one operator; the third was never linked.
+            let linked = if i < 2 {
+                ledger.link_node(n, &op.id).await.unwrap()
+            } else {
+                ledger.link_node(n, "").await.unwrap()
+            };
+            expect.entry(linked.clone()).or_insert(0);
+            operators.push(linked);
+        }
+        expect.insert(FEE.to_owned(), 0);
+        let mut walk = Walk {
+            store,
+            ledger,
+            clients,
+            operators,
+            jobs: Vec::new(),
+            now: crate::store::now_ms(),
+            expect,
+            refused: 0,
+            expired: 0,
+        };
+        let mut history: Vec<Msg> = Vec::new();
+        for _ in 0..80 {
+            // Duplicates: a message seen before, delivered again.
+            let msg = if !history.is_empty() && rng.gen_bool(0.1) {
+                history[rng.gen_range(0..history.len())].clone()
+            } else {
+                random_msg(&mut rng, walk.jobs.len())
+            };
+            if !matches!(msg, Msg::Submit { .. }) {
+                history.push(msg.clone());
+            }
+            walk.step(msg).await;
+            walk.check().await;
+        }
+        // The end of the world: everything unfinished is cancelled.
+        walk.reconcile().await;
+        for j in 0..walk.jobs.len() {
+            walk.step(Msg::Cancel { job: j }).await;
+        }
+        walk.step(Msg::Reconcile).await;
+        walk.check().await;
+        assert_eq!(
+            walk.ledger.totals().await.unwrap().open_holds,
+            0,
+            "seed {seed}"
+        );
+        walk.check_rows().await;
+        assert_eq!(
+            walk.ledger.violations(walk.now).await.unwrap(),
+            Vec::<String>::new(),
+            "seed {seed}"
+        );
+        seen.completed += walk.jobs.iter().filter(|j| j.st == St::Completed).count();
+        seen.handed_off += walk
+            .jobs
+            .iter()
+            .filter(|j| j.st == St::Completed && j.partial.len() > 1)
+            .count();
+        seen.failed += walk.jobs.iter().filter(|j| j.st == St::Failed).count();
+        seen.refused += walk.refused;
+        seen.expired += walk.expired;
+    }
+    // The walk went through every path it claims to test.
+    eprintln!("{seen:?}");
+    assert!(
+        seen.completed > 0
+            && seen.handed_off > 0
+            && seen.failed > 0
+            && seen.refused > 0
+            && seen.expired > 0,
+        "{seen:?}"
+    );
+}
+
+#[test]
+fn availability_rewards_follow_memory_and_time_within_the_cap() {
+    use super::rewards::{split, Availability};
+    let gib = 1u64 << 30;
+    let rows = [
+        Availability {
+            node_id: "ultra".into(),
+            memory_bytes: 512 * gib,
+            online_ms: 3_600_000,
+        },
+        Availability {
+            node_id: "mini".into(),
+            memory_bytes: 16 * gib,
+            online_ms: 3_600_000,
+        },
+        Availability {
+            node_id: "half".into(),
+            memory_bytes: 16 * gib,
+            online_ms: 1_800_000,
+        },
+    ];
+    // 1,000 micro-MLX per GiB-hour, budget not binding.
+    let paid: HashMap<_, _> = split(&rows, 1_000, i64::MAX).into_iter().collect();
+    assert_eq!(paid["ultra"], 512_000);
+    assert_eq!(paid["mini"], 16_000);
+    assert_eq!(paid["half"], 8_000, "half the hours, half the reward");
+    // A cap scales every reward by the same factor and is never exceeded.
+    let capped: HashMap<_, _> = split(&rows, 1_000, 268_000).into_iter().collect();
+    assert_eq!(capped["ultra"], 256_000);
+    assert_eq!(capped["mini"], 8_000);
+    assert!(capped.values().sum::<i64>() <= 268_000);
+    assert!(
+        split(&rows, 1_000, 0).is_empty(),
+        "an empty pool pays nothing"
+    );
+}
+
+#[tokio::test]
+async fn rewards_are_paid_once_per_epoch_from_the_pool() {
+    let config = LedgerConfig {
+        reward_epoch_ms: 1_000,
+        reward_per_gib_hour: 3_600_000,
+        reward_pool_per_epoch: 1_000_000,
+        ..LedgerConfig::default()
+    };
+    let (_dir, _store, ledger) = fresh(config).await;
+    ledger
+        .grant("pool", REWARD_POOL, 50_000, "fund")
+        .await
+        .unwrap();
+    let op = ledger
+        .create_account("op", AccountKind::Operator)
+        .await
+        .unwrap();
+    ledger.link_node(NODES[0], &op.id).await.unwrap();
+    let gib = 1u64 << 30;
+    // Epoch 5 (5,000..6,000 ms): node 0 offers 8 GiB for 2 s, node 1 2 GiB for 1 s.
+    ledger
+        .record_online(NODES[0], 8 * gib, 1_000, 5_100)
+        .await
+        .unwrap();
+    ledger
+        .record_online(NODES[0], 8 * gib, 1_000, 5_900)
+        .await
+        .unwrap();
+    ledger
+        .record_online(NODES[1], 2 * gib, 1_000, 5_500)
+        .await
+        .unwrap();
+    assert_eq!(
+        ledger.pay_rewards(5_999).await.unwrap(),
+        0,
+        "epoch not over"
+    );
+    assert_eq!(ledger.pay_rewards(6_000).await.unwrap(), 1);
+    assert_eq!(ledger.pay_rewards(7_000).await.unwrap(), 0, "paid once");
+    // 1 micro-MLX per GiB-ms: 16,000 and 2,000.
+    assert_eq!(
+        ledger.account(&op.id).await.unwrap().unwrap().balance(),
+        16_000
+    );
+    let pool = ledger.account(REWARD_POOL).await.unwrap().unwrap();
+    assert_eq!(pool.balance(), 50_000 - 18_000);
+    // The pool caps what it pays: an epoch owed more than it holds is scaled.
+    ledger
+        .record_online(NODES[0], 8 * gib, 10_000, 7_100)
+        .await
+        .unwrap();
+    assert_eq!(ledger.pay_rewards(8_000).await.unwrap(), 1);
+    let pool = ledger.account(REWARD_POOL).await.unwrap().unwrap();
+    assert!(
+        pool.balance() >= 0 && pool.balance() < 32_000,
+        "{}",
+        pool.balance()
+    );
+    assert_eq!(
+        ledger.violations(8_000).await.unwrap(),
+        Vec::<String>::new()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_submits_commit_in_groups_and_each_gets_its_own_answer() {
+    let (_dir, store, ledger) = fresh(LedgerConfig::default()).await;
+    let rich = ledger
+        .create_account("rich", AccountKind::Client)
+        .await
+        .unwrap();
+    let poor = ledger
+        .create_account("poor", AccountKind::Client)
+        .await
+        .unwrap();
+    ledger.grant("rich", &rich.id, 1_000_000, "").await.unwrap();
+    ledger.grant("poor", &poor.id, 300, "").await.unwrap();
+    let mut tasks = Vec::new();
+    for i in 0..40 {
+        let ledger = ledger.clone();
+        let account = if i % 2 == 0 { &rich.id } else { &poor.id }.clone();
+        tasks.push(tokio::spawn(async move {
+            let job = NewJob {
+                id: JobId::new(),
+                model: "m".into(),
+                input: JobInput {
+                    kind: Some(job_input::Kind::Prompt("hi".into())),
+                },
+                sampling: SamplingParams {
+                    seed: Some(1),
+                    max_tokens: 8,
+                    ..Default::default()
+                },
+            };
+            let terms = JobTerms {
+                account: account.clone(),
+                price: PRICE,
+                max_price: 100,
+            };
+            (account, job.id, ledger.submit_job(&job, &terms, 1).await)
+        }));
+    }
+    let (mut rich_ok, mut poor_ok, mut refused) = (0, 0, 0);
+    for t in tasks {
+        let (account, id, r) = t.await.unwrap();
+        match r {
+            Ok(record) => {
+                assert_eq!(record.id, id, "each submit gets its own job back");
+                if account == rich.id {
+                    rich_ok += 1;
+                } else {
+                    poor_ok += 1;
+                }
+            }
+            Err(LedgerError::InsufficientFunds { .. }) => {
+                assert_eq!(account, poor.id);
+                assert!(store.get_job(id).await.unwrap().is_none());
+                refused += 1;
+            }
+            Err(e) => panic!("{e}"),
+        }
+    }
+    assert_eq!((rich_ok, poor_ok, refused), (20, 3, 17));
+    assert_eq!(ledger.totals().await.unwrap().open_holds, 23);
+    assert!(ledger.audit().await.unwrap().is_empty());
+}
