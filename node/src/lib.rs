@@ -10,6 +10,10 @@
 //!   safetensors loading, tokenizer, chat template, sampling.
 //! - [`link`]: the QUIC link to the coordinator (pinned certificate, handshake,
 //!   heartbeat, reconnect, one stream per job).
+//! - [`pod`]: pod membership (MLX hostfile / JACCL device file) and the
+//!   sharding plan.
+//! - [`collectives`]: all-reduce, all-gather, broadcast, send/recv and barrier
+//!   among pod members (TCP, emulated RDMA fabric, RDMA verbs).
 //! - [`app`]: [`app::Node::build`] / `run_until_stopped`, what `main` calls.
 
 pub mod app;
@@ -19,3 +23,4 @@ pub mod hardware;
 pub mod identity;
 pub mod link;
 pub mod models;
+pub mod pod;

@@ -1,0 +1,18 @@
+//! Pods: a few Macs joined by cables that take one job as one unit.
+//!
+//! What lives here: the pod's membership file ([`hostfile`], MLX's hostfile
+//! JSON and JACCL's bare device matrix, read unchanged) and the sharding plan
+//! that splits one model across the members ([`shard`]).
+//!
+//! # Invariants
+//! - A [`hostfile::PodConfig`] that parsed has one host per rank, and every
+//!   RDMA device row has one entry per rank with `null` on the diagonal.
+//!   Topology checks (mesh / ring / symmetry / known devices) are separate
+//!   pure functions, so a config can be read first and judged against the
+//!   links actually present later (`mlx-node doctor`).
+//!
+//! # Failure
+//! [`hostfile::PodConfigError`] names the rank pair or device at fault.
+
+pub mod hostfile;
+pub mod shard;
