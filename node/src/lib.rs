@@ -17,6 +17,7 @@
 //! - [`app`]: [`app::Node::build`] / `run_until_stopped`, what `main` calls.
 
 pub mod app;
+pub mod collectives;
 pub mod config;
 pub mod engine;
 pub mod hardware;
