@@ -10,7 +10,7 @@
 //! Data: an exchange writes and reads all its messages at once. It spins
 //! for [`TcpOptions::spin`] when no socket is ready (a loopback or
 //! Thunderbolt round trip is a few tens of microseconds, less than a sleep
-//! and wake-up), then waits in `poll`.
+//! and wake-up), yielding the core between attempts, then waits in `poll`.
 //!
 //! # Failure
 //! A closed or reset connection is [`CollectiveError::PeerLost`]; no byte
@@ -18,7 +18,7 @@
 //! [`CollectiveError::Timeout`]. Poisoning shuts every socket down, so a
 //! member that fails makes the others fail at once instead of waiting.
 
-use std::io::{ErrorKind, Read, Write};
+use std::io::{ErrorKind, IoSlice, IoSliceMut, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener};
 use std::time::{Duration, Instant};
 
@@ -46,7 +46,7 @@ impl Default for TcpOptions {
         TcpOptions {
             timeout: Duration::from_secs(10),
             connect_timeout: Duration::from_secs(30),
-            spin: Duration::from_micros(200),
+            spin: Duration::from_micros(50),
         }
     }
 }
@@ -231,12 +231,13 @@ impl Transport for TcpTransport {
                     .as_mut()
                     .ok_or_else(|| lost(s.peer, "no connection"))?;
                 loop {
-                    let chunk = if s.done < Header::BYTES {
-                        &heads[i][s.done..]
+                    // Header and data in one segment: one wake-up at the peer.
+                    let (h, d) = if s.done < Header::BYTES {
+                        (&heads[i][s.done..], s.data)
                     } else {
-                        &s.data[s.done - Header::BYTES..]
+                        (&[][..], &s.data[s.done - Header::BYTES..])
                     };
-                    match stream.write(chunk) {
+                    match stream.write_vectored(&[IoSlice::new(h), IoSlice::new(d)]) {
                         Ok(0) => return Err(lost(s.peer, "connection closed")),
                         Ok(n) => {
                             s.done += n;
@@ -264,7 +265,8 @@ impl Transport for TcpTransport {
                     .ok_or_else(|| lost(r.peer, "no connection"))?;
                 loop {
                     let res = if r.done < Header::BYTES {
-                        stream.read(&mut r.header_buf[r.done..])
+                        let (h, d) = (&mut r.header_buf[r.done..], &mut *r.data);
+                        stream.read_vectored(&mut [IoSliceMut::new(h), IoSliceMut::new(d)])
                     } else {
                         stream.read(&mut r.data[r.done - Header::BYTES..])
                     };
@@ -313,7 +315,9 @@ impl Transport for TcpTransport {
                 });
             }
             if now < spin_until {
-                std::hint::spin_loop();
+                // Yield rather than burn: when cores are oversubscribed the
+                // peer we wait for may need this one.
+                std::thread::yield_now();
                 continue;
             }
             let wait = (self.opts.timeout - idle).min(Duration::from_millis(50));
