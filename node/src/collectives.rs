@@ -43,7 +43,7 @@ pub mod tcp;
 pub mod verbs;
 
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;
 
 pub use group::{Group, GroupOptions};
 
