@@ -8,8 +8,9 @@
 //!   groups, the matching columns of the output projection, its rows of the
 //!   gate and up projections and the matching columns of the down
 //!   projection. Attention and feed-forward each end in a partial sum that
-//!   one all-reduce completes. Every rank embeds the tokens; rank 0 alone
-//!   holds the output head and produces the logits.
+//!   one all-reduce completes. Every rank embeds the tokens and holds its
+//!   share of the output head's rows; an all-gather brings the logits to
+//!   rank 0.
 //! - pipeline parallel: rank `r` holds whole layers `layers[r]`; rank 0
 //!   embeds, each stage receives the hidden states from the previous one and
 //!   sends its own to the next; the last stage applies the output head and
@@ -82,10 +83,12 @@ pub enum Compute {
 /// How the model is split.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum PodPlan {
-    /// Every layer split; `kv_heads[r]` and `ffn[r]` are rank r's shares.
+    /// Every layer split; `kv_heads[r]`, `ffn[r]` and `vocab[r]` (rows of
+    /// the output head) are rank r's shares.
     Tensor {
         kv_heads: Vec<Range<usize>>,
         ffn: Vec<Range<usize>>,
+        vocab: Vec<Range<usize>>,
     },
     /// `layers[r]`: rank r's consecutive layers.
     Pipeline { layers: Vec<Range<usize>> },
@@ -105,7 +108,12 @@ impl PodPlan {
             .into_iter()
             .map(|r| r.start * unit..r.end * unit)
             .collect();
-        Ok(PodPlan::Tensor { kv_heads, ffn })
+        let vocab = shard::split("vocabulary rows", cfg.vocab_size, speeds)?;
+        Ok(PodPlan::Tensor {
+            kv_heads,
+            ffn,
+            vocab,
+        })
     }
 
     /// Pipeline stages in proportion to `memory`.
@@ -147,8 +155,13 @@ pub struct PodModel {
     /// Token embedding (tensor: every rank; pipeline: rank 0).
     embed: Option<Embedding>,
     blocks: Vec<Block>,
-    /// Final norm and output head (tensor: rank 0; pipeline: last stage).
+    /// Final norm and output head (tensor: every rank, its vocabulary rows;
+    /// pipeline: the last stage, all rows).
     head: Option<(Vec<f32>, Linear)>,
+    /// Tensor parallel: each rank's vocabulary rows.
+    vocab: Vec<Range<usize>>,
+    /// Tensor parallel: the all-gathered (padded) logit shares.
+    gathered: Vec<f32>,
     rope: Rope,
     /// Local attention shape (local heads, local KV heads).
     heads: usize,
@@ -319,13 +332,22 @@ impl PodModel {
         let (h, hd, ff) = (cfg.hidden_size, cfg.head_dim, cfg.intermediate_size);
         let group = cfg.heads / cfg.kv_heads;
         let (layers, kvr, ffr) = match &plan {
-            PodPlan::Tensor { kv_heads, ffn } => {
+            PodPlan::Tensor {
+                kv_heads,
+                ffn,
+                vocab,
+            } => {
                 let covers = |r: &[Range<usize>], total: usize| {
                     r.first().map(|x| x.start) == Some(0)
                         && r.last().map(|x| x.end) == Some(total)
                         && r.windows(2).all(|p| p[0].end == p[1].start)
                 };
-                if ffn.len() != n || !covers(kv_heads, cfg.kv_heads) || !covers(ffn, ff) {
+                if ffn.len() != n
+                    || vocab.len() != n
+                    || !covers(kv_heads, cfg.kv_heads)
+                    || !covers(ffn, ff)
+                    || !covers(vocab, cfg.vocab_size)
+                {
                     return Err(PodModelError::Plan(format!(
                         "tensor shares {kv_heads:?} / {ffn:?} do not cover {} kv heads and {ff} columns",
                         cfg.kv_heads
@@ -372,7 +394,16 @@ impl PodModel {
         }
         let tensor = matches!(plan, PodPlan::Tensor { .. });
         let has_embed = tensor || rank == 0;
-        let has_head = if tensor { rank == 0 } else { rank == n - 1 };
+        let has_head = tensor || rank == n - 1;
+        let vocab = match &plan {
+            PodPlan::Tensor { vocab, .. } => vocab.clone(),
+            PodPlan::Pipeline { .. } => Vec::new(),
+        };
+        let my_vocab = if tensor {
+            vocab[rank].clone()
+        } else {
+            0..cfg.vocab_size
+        };
         let embed = if has_embed {
             Some(w.embedding("token_embd", cfg.vocab_size, h)?)
         } else {
@@ -385,7 +416,7 @@ impl PodModel {
             } else {
                 "token_embd"
             };
-            let lm = s.rows(name, cfg.vocab_size, h, 0..cfg.vocab_size, false)?;
+            let lm = s.rows(name, cfg.vocab_size, h, my_vocab, false)?;
             Some((norm, lm))
         } else {
             None
@@ -420,6 +451,8 @@ impl PodModel {
             pos: 0,
             cs: Vec::new(),
             hidden: Vec::new(),
+            vocab,
+            gathered: Vec::new(),
         })
     }
 
@@ -536,10 +569,28 @@ impl PodModel {
             Ok(ops::to_vec(&head.1.forward(&last)?)?)
         };
         if tensor {
-            return match &self.head {
-                Some(head) => Ok(Some(logits(&x, head)?)),
-                None => Ok(None),
-            };
+            // Each rank has its vocabulary rows; shares padded to the largest
+            // for the all-gather, rank 0 strips the padding.
+            let head = self
+                .head
+                .as_ref()
+                .ok_or_else(|| PodModelError::Plan("no output head".into()))?;
+            let mut mine = logits(&x, head)?;
+            let width = self.vocab.iter().map(|r| r.len()).max().unwrap_or(0);
+            mine.resize(width, 0.0);
+            self.gathered.resize(width * n, 0.0);
+            comm.all_gather(
+                bytemuck::cast_slice(&mine),
+                bytemuck::cast_slice_mut(&mut self.gathered),
+            )?;
+            if self.rank != 0 {
+                return Ok(None);
+            }
+            let mut out = Vec::with_capacity(self.cfg.vocab_size);
+            for (r, range) in self.vocab.iter().enumerate() {
+                out.extend_from_slice(&self.gathered[r * width..r * width + range.len()]);
+            }
+            return Ok(Some(out));
         }
         // Pipeline: pass the hidden states on; the last stage returns logits to rank 0.
         let last = n - 1;

@@ -229,6 +229,7 @@ fn plans_the_model_cannot_take_are_typed_errors() {
     let bad = PodPlan::Tensor {
         kv_heads: vec![0..1, 2..3],
         ffn: vec![0..256, 256..512],
+        vocab: vec![0..100, 100..cfg.vocab_size],
     };
     assert!(matches!(
         PodModel::load_gguf(&path, bad, 0, Compute::Native),
