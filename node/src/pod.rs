@@ -14,5 +14,6 @@
 //! # Failure
 //! [`hostfile::PodConfigError`] names the rank pair or device at fault.
 
+pub mod doctor;
 pub mod hostfile;
 pub mod shard;
