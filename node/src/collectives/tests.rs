@@ -371,3 +371,92 @@ fn connecting_refuses_a_stranger_and_reports_absent_members() {
         Err(CollectiveError::RdmaUnavailable(_))
     ));
 }
+
+/// Rank 1 of [`killed_process_fails_the_others_within_two_seconds`], run as
+/// a child process (this test binary, this test, `--ignored`): joins the pod,
+/// takes part in one all-reduce, then stays alive doing nothing until killed.
+#[test]
+#[ignore = "run as a child process by killed_process_fails_the_others_within_two_seconds"]
+fn rank_process_helper() {
+    let addrs: Vec<SocketAddr> = std::env::var("MLXP_HELPER_ADDRS")
+        .expect("run by killed_process_fails_the_others_within_two_seconds")
+        .split(',')
+        .map(|a| a.parse().unwrap())
+        .collect();
+    let l = TcpListener::bind(addrs[1]).unwrap();
+    let t = TcpTransport::connect(1, l, &addrs, TcpOptions::default()).unwrap();
+    let mut g = Group::new(t, GroupOptions::default());
+    let mut v = vec![1.0f32; 1000];
+    all_reduce(&mut g, &mut v).unwrap();
+    std::thread::sleep(Duration::from_secs(60));
+}
+
+#[test]
+fn killed_process_fails_the_others_within_two_seconds() {
+    let listeners: Vec<TcpListener> = (0..3)
+        .map(|_| TcpListener::bind("127.0.0.1:0").unwrap())
+        .collect();
+    let addrs: Vec<SocketAddr> = listeners.iter().map(|l| l.local_addr().unwrap()).collect();
+    let mut listeners: Vec<Option<TcpListener>> = listeners.into_iter().map(Some).collect();
+    // The child binds rank 1's port itself.
+    drop(listeners[1].take());
+    let list = addrs
+        .iter()
+        .map(|a| a.to_string())
+        .collect::<Vec<_>>()
+        .join(",");
+    let mut child = std::process::Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            "collectives::tests::rank_process_helper",
+            "--ignored",
+        ])
+        .env("MLXP_HELPER_ADDRS", &list)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let opts = TcpOptions {
+        timeout: Duration::from_secs(30),
+        ..TcpOptions::default()
+    };
+    let (tx, rx) = std::sync::mpsc::channel();
+    let ranks: Vec<_> = [0usize, 2]
+        .into_iter()
+        .map(|rank| {
+            let l = listeners[rank].take().unwrap();
+            let addrs = addrs.clone();
+            let tx = tx.clone();
+            std::thread::spawn(move || {
+                let t = TcpTransport::connect(rank, l, &addrs, opts).unwrap();
+                let mut g = Group::new(t, GroupOptions::default());
+                let mut v = vec![1.0f32; 1000];
+                all_reduce(&mut g, &mut v).unwrap();
+                assert_eq!(v[0], 3.0);
+                tx.send(()).unwrap();
+                // Rank 1 never joins this one; it is killed meanwhile.
+                let err = all_reduce(&mut g, &mut v).unwrap_err();
+                (err, Instant::now())
+            })
+        })
+        .collect();
+    rx.recv().unwrap();
+    rx.recv().unwrap();
+    std::thread::sleep(Duration::from_millis(200));
+    let killed = Instant::now();
+    child.kill().unwrap();
+    child.wait().unwrap();
+    for (i, h) in ranks.into_iter().enumerate() {
+        let (err, at) = h.join().unwrap();
+        assert!(
+            matches!(err, CollectiveError::PeerLost { .. }),
+            "rank {}: {err}",
+            [0, 2][i]
+        );
+        let after = at.saturating_duration_since(killed);
+        assert!(
+            after < Duration::from_secs(2),
+            "failed {after:?} after the kill"
+        );
+    }
+}
