@@ -1,8 +1,10 @@
 //! Pods: a few Macs joined by cables that take one job as one unit.
 //!
 //! What lives here: the pod's membership file ([`hostfile`], MLX's hostfile
-//! JSON and JACCL's bare device matrix, read unchanged) and the sharding plan
-//! that splits one model across the members ([`shard`]).
+//! JSON and JACCL's bare device matrix, read unchanged), the sharding plan
+//! that splits one model across the members ([`shard`]; the split model
+//! itself is `engine::sharded`), forming the TCP data plane from the config
+//! and measuring each link ([`links`]), and `mlx-node doctor` ([`doctor`]).
 //!
 //! # Invariants
 //! - A [`hostfile::PodConfig`] that parsed has one host per rank, and every
@@ -16,4 +18,5 @@
 
 pub mod doctor;
 pub mod hostfile;
+pub mod links;
 pub mod shard;
