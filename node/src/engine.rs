@@ -15,6 +15,7 @@
 //! - `model`: the Llama-family transformer (Llama 2/3, SmolLM2, Mistral, Qwen2,
 //!   Qwen3) with a preallocated KV cache; layers are separate modules so a later
 //!   pod can shard heads and feed-forward columns.
+//! - [`sharded`]: the model split across a pod (tensor or pipeline parallel).
 //! - `tokenizer`: a `tokenizers::Tokenizer` built from GGUF metadata or
 //!   `tokenizer.json`, plus the incremental detokenizer used for streaming.
 //! - `template`: the model's chat template, rendered with minijinja.
@@ -48,6 +49,7 @@ mod linear;
 mod model;
 mod ops;
 mod sampler;
+pub mod sharded;
 mod template;
 mod tokenizer;
 mod weights;

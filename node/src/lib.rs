@@ -11,9 +11,14 @@
 //! - [`link`]: the QUIC link to the coordinator (pinned certificate, handshake,
 //!   heartbeat, reconnect, one stream per job).
 //! - [`earnings`]: `mlx-node earnings`, read from the coordinator's accounts service.
+//! - [`pod`]: pod membership (MLX hostfile / JACCL device file) and the
+//!   sharding plan.
+//! - [`collectives`]: all-reduce, all-gather, broadcast, send/recv and barrier
+//!   among pod members (TCP, emulated RDMA fabric, RDMA verbs).
 //! - [`app`]: [`app::Node::build`] / `run_until_stopped`, what `main` calls.
 
 pub mod app;
+pub mod collectives;
 pub mod config;
 pub mod earnings;
 pub mod engine;
@@ -21,3 +26,4 @@ pub mod hardware;
 pub mod identity;
 pub mod link;
 pub mod models;
+pub mod pod;

@@ -88,6 +88,16 @@ enum Command {
         #[arg(long, env = "MLXNET_API_KEY", hide_env_values = true)]
         api_key: String,
     },
+    /// Check this machine's RDMA devices and cabling against a pod config
+    /// (MLX hostfile JSON).
+    Doctor {
+        /// The pod config (MLX hostfile).
+        #[arg(long)]
+        pod: PathBuf,
+        /// This machine's rank in it.
+        #[arg(long, default_value_t = 0)]
+        rank: usize,
+    },
 }
 
 fn load_config(args: &ConfigArgs, mut flags: ConfigLayer) -> anyhow::Result<NodeConfig> {
@@ -168,5 +178,18 @@ fn main() -> anyhow::Result<()> {
         }
         Command::Generate(args) => engine_cli::generate(args),
         Command::Bench(args) => engine_cli::bench(args),
+        Command::Doctor { pod, rank } => {
+            let config = std::fs::read_to_string(&pod)
+                .with_context(|| format!("reading {}", pod.display()))?;
+            let devinfo = std::process::Command::new("ibv_devinfo")
+                .output()
+                .ok()
+                .filter(|o| o.status.success())
+                .map(|o| String::from_utf8_lossy(&o.stdout).into_owned());
+            for line in mlx_node::pod::doctor::report(&config, rank, devinfo.as_deref())? {
+                println!("{line}");
+            }
+            Ok(())
+        }
     }
 }

@@ -1,0 +1,343 @@
+//! The TCP transport: one connection per pair of pod members.
+//!
+//! Connection set-up: every rank listens (the caller binds the listener, so
+//! tests use port 0); rank `j` dials every rank `i < j` (retrying until the
+//! connect timeout, since members start at different times) and introduces
+//! itself with a hello (magic, its rank, the pod size); rank `i` accepts the
+//! ranks above it. Then every socket gets `TCP_NODELAY` and goes
+//! non-blocking.
+//!
+//! Data: an exchange writes and reads all its messages at once. It spins
+//! for [`TcpOptions::spin`] when no socket is ready (a loopback or
+//! Thunderbolt round trip is a few tens of microseconds, less than a sleep
+//! and wake-up), yielding the core between attempts, then waits in `poll`.
+//!
+//! # Failure
+//! A closed or reset connection is [`CollectiveError::PeerLost`]; no byte
+//! moving on any pending message for [`TcpOptions::timeout`] is
+//! [`CollectiveError::Timeout`]. Poisoning shuts every socket down, so a
+//! member that fails makes the others fail at once instead of waiting.
+
+use std::io::{ErrorKind, IoSlice, IoSliceMut, Read, Write};
+use std::net::{Shutdown, SocketAddr, TcpListener};
+use std::time::{Duration, Instant};
+
+use mio::net::TcpStream;
+use mio::{Events, Interest, Poll, Token};
+
+use super::group::{Header, Incoming, Outgoing, Transport};
+use super::{CollectiveError, MAX_RANKS};
+
+const HELLO_MAGIC: u32 = 0x4d4c_5850; // "MLXP"
+
+/// Timeouts of the TCP transport.
+#[derive(Debug, Clone, Copy)]
+pub struct TcpOptions {
+    /// No progress on a pending message for this long fails the operation.
+    pub timeout: Duration,
+    /// How long forming the pod may take (peers that start late are retried).
+    pub connect_timeout: Duration,
+    /// Busy-wait this long before sleeping in `poll`.
+    pub spin: Duration,
+}
+
+impl Default for TcpOptions {
+    fn default() -> Self {
+        TcpOptions {
+            timeout: Duration::from_secs(10),
+            connect_timeout: Duration::from_secs(30),
+            spin: Duration::from_micros(50),
+        }
+    }
+}
+
+/// Connections to every other member.
+pub struct TcpTransport {
+    rank: usize,
+    size: usize,
+    links: Vec<Option<TcpStream>>,
+    poll: Poll,
+    events: Events,
+    opts: TcpOptions,
+}
+
+impl std::fmt::Debug for TcpTransport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TcpTransport")
+            .field("rank", &self.rank)
+            .field("size", &self.size)
+            .finish()
+    }
+}
+
+fn connect_err(what: impl std::fmt::Display) -> CollectiveError {
+    CollectiveError::Connect(what.to_string())
+}
+
+fn hello(rank: usize, size: usize) -> [u8; 12] {
+    let mut b = [0u8; 12];
+    b[0..4].copy_from_slice(&HELLO_MAGIC.to_le_bytes());
+    b[4..8].copy_from_slice(&(rank as u32).to_le_bytes());
+    b[8..12].copy_from_slice(&(size as u32).to_le_bytes());
+    b
+}
+
+impl TcpTransport {
+    /// Forms the pod: `listener` is this rank's bound listener, `peers[r]` the
+    /// address rank `r` listens on (this rank's own entry is ignored).
+    pub fn connect(
+        rank: usize,
+        listener: TcpListener,
+        peers: &[SocketAddr],
+        opts: TcpOptions,
+    ) -> Result<TcpTransport, CollectiveError> {
+        let size = peers.len();
+        if size > MAX_RANKS {
+            return Err(CollectiveError::TooManyRanks(size));
+        }
+        if rank >= size {
+            return Err(CollectiveError::InvalidArgument(format!(
+                "rank {rank} in a pod of {size}"
+            )));
+        }
+        let deadline = Instant::now() + opts.connect_timeout;
+        let mut links: Vec<Option<std::net::TcpStream>> = (0..size).map(|_| None).collect();
+        // Dial the lower ranks.
+        for (peer, addr) in peers.iter().enumerate().take(rank) {
+            let stream = loop {
+                match std::net::TcpStream::connect_timeout(addr, Duration::from_millis(500)) {
+                    Ok(s) => break s,
+                    Err(e) if Instant::now() < deadline => {
+                        tracing::debug!(peer, %addr, error = %e, "pod member not up yet");
+                        std::thread::sleep(Duration::from_millis(20));
+                    }
+                    Err(e) => return Err(connect_err(format!("rank {peer} at {addr}: {e}"))),
+                }
+            };
+            let mut s = stream;
+            s.set_write_timeout(Some(opts.connect_timeout))
+                .and_then(|_| s.write_all(&hello(rank, size)))
+                .map_err(|e| connect_err(format!("hello to rank {peer}: {e}")))?;
+            links[peer] = Some(s);
+        }
+        // Accept the higher ranks.
+        listener
+            .set_nonblocking(true)
+            .map_err(|e| connect_err(format!("listener: {e}")))?;
+        let mut missing = size - rank - 1;
+        while missing > 0 {
+            match listener.accept() {
+                Ok((mut s, from)) => {
+                    s.set_nonblocking(false)
+                        .and_then(|_| s.set_read_timeout(Some(opts.connect_timeout)))
+                        .map_err(|e| connect_err(format!("accepting {from}: {e}")))?;
+                    let mut b = [0u8; 12];
+                    if let Err(e) = s.read_exact(&mut b) {
+                        tracing::debug!(%from, error = %e, "dropped a connection without hello");
+                        continue;
+                    }
+                    let word = |i: usize| u32::from_le_bytes([b[i], b[i + 1], b[i + 2], b[i + 3]]);
+                    let (magic, peer, peer_size) = (word(0), word(4) as usize, word(8) as usize);
+                    if magic != HELLO_MAGIC || peer_size != size || peer <= rank || peer >= size {
+                        return Err(connect_err(format!(
+                            "{from} introduced itself as rank {peer} of {peer_size} \
+                             (this is rank {rank} of {size})"
+                        )));
+                    }
+                    if links[peer].is_some() {
+                        return Err(connect_err(format!("rank {peer} connected twice")));
+                    }
+                    links[peer] = Some(s);
+                    missing -= 1;
+                }
+                Err(e) if e.kind() == ErrorKind::WouldBlock => {
+                    if Instant::now() >= deadline {
+                        let absent: Vec<usize> =
+                            (rank + 1..size).filter(|&p| links[p].is_none()).collect();
+                        return Err(connect_err(format!(
+                            "ranks {absent:?} did not connect within {:?}",
+                            opts.connect_timeout
+                        )));
+                    }
+                    std::thread::sleep(Duration::from_millis(5));
+                }
+                Err(e) => return Err(connect_err(format!("accept: {e}"))),
+            }
+        }
+        let poll = Poll::new().map_err(|e| connect_err(format!("poll: {e}")))?;
+        let mut mio_links = Vec::with_capacity(size);
+        for (peer, link) in links.into_iter().enumerate() {
+            match link {
+                None => mio_links.push(None),
+                Some(s) => {
+                    s.set_nodelay(true)
+                        .and_then(|_| s.set_nonblocking(true))
+                        .map_err(|e| connect_err(format!("socket to rank {peer}: {e}")))?;
+                    let mut s = TcpStream::from_std(s);
+                    poll.registry()
+                        .register(&mut s, Token(peer), Interest::READABLE | Interest::WRITABLE)
+                        .map_err(|e| connect_err(format!("poll register: {e}")))?;
+                    mio_links.push(Some(s));
+                }
+            }
+        }
+        Ok(TcpTransport {
+            rank,
+            size,
+            links: mio_links,
+            poll,
+            events: Events::with_capacity(2 * MAX_RANKS),
+            opts,
+        })
+    }
+}
+
+fn lost(peer: usize, e: impl std::fmt::Display) -> CollectiveError {
+    CollectiveError::PeerLost {
+        peer,
+        reason: e.to_string(),
+    }
+}
+
+impl Transport for TcpTransport {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn size(&self) -> usize {
+        self.size
+    }
+
+    fn exchange(
+        &mut self,
+        sends: &mut [Outgoing<'_>],
+        recvs: &mut [Incoming<'_>],
+    ) -> Result<(), CollectiveError> {
+        let mut heads: [[u8; 16]; MAX_RANKS] = [[0; 16]; MAX_RANKS];
+        for (h, s) in heads.iter_mut().zip(sends.iter()) {
+            *h = s.header.encode();
+        }
+        let mut last_progress = Instant::now();
+        let mut spin_until = last_progress + self.opts.spin;
+        loop {
+            let mut progressed = false;
+            let mut pending = false;
+            for (i, s) in sends.iter_mut().enumerate() {
+                let total = Header::BYTES + s.data.len();
+                if s.done == total {
+                    continue;
+                }
+                let stream = self.links[s.peer]
+                    .as_mut()
+                    .ok_or_else(|| lost(s.peer, "no connection"))?;
+                loop {
+                    // Header and data in one segment: one wake-up at the peer.
+                    let (h, d) = if s.done < Header::BYTES {
+                        (&heads[i][s.done..], s.data)
+                    } else {
+                        (&[][..], &s.data[s.done - Header::BYTES..])
+                    };
+                    match stream.write_vectored(&[IoSlice::new(h), IoSlice::new(d)]) {
+                        Ok(0) => return Err(lost(s.peer, "connection closed")),
+                        Ok(n) => {
+                            s.done += n;
+                            progressed = true;
+                            if s.done == total {
+                                break;
+                            }
+                        }
+                        Err(e) if e.kind() == ErrorKind::WouldBlock => {
+                            pending = true;
+                            break;
+                        }
+                        Err(e) if e.kind() == ErrorKind::Interrupted => {}
+                        Err(e) => return Err(lost(s.peer, e)),
+                    }
+                }
+            }
+            for r in recvs.iter_mut() {
+                let total = Header::BYTES + r.data.len();
+                if r.done == total {
+                    continue;
+                }
+                let stream = self.links[r.peer]
+                    .as_mut()
+                    .ok_or_else(|| lost(r.peer, "no connection"))?;
+                loop {
+                    let res = if r.done < Header::BYTES {
+                        let (h, d) = (&mut r.header_buf[r.done..], &mut *r.data);
+                        stream.read_vectored(&mut [IoSliceMut::new(h), IoSliceMut::new(d)])
+                    } else {
+                        stream.read(&mut r.data[r.done - Header::BYTES..])
+                    };
+                    match res {
+                        Ok(0) => return Err(lost(r.peer, "connection closed")),
+                        Ok(n) => {
+                            let was_header = r.done < Header::BYTES;
+                            r.done += n;
+                            progressed = true;
+                            if was_header && r.done >= Header::BYTES {
+                                r.header.check(r.peer, &r.header_buf)?;
+                            }
+                            if r.done == total {
+                                break;
+                            }
+                        }
+                        Err(e) if e.kind() == ErrorKind::WouldBlock => {
+                            pending = true;
+                            break;
+                        }
+                        Err(e) if e.kind() == ErrorKind::Interrupted => {}
+                        Err(e) => return Err(lost(r.peer, e)),
+                    }
+                }
+            }
+            if !pending {
+                return Ok(());
+            }
+            let now = Instant::now();
+            if progressed {
+                last_progress = now;
+                spin_until = now + self.opts.spin;
+                continue;
+            }
+            let idle = now - last_progress;
+            if idle >= self.opts.timeout {
+                let peer = recvs
+                    .iter()
+                    .find(|r| r.done < Header::BYTES + r.data.len())
+                    .map(|r| r.peer)
+                    .or_else(|| sends.first().map(|s| s.peer))
+                    .unwrap_or(self.rank);
+                return Err(CollectiveError::Timeout {
+                    peer,
+                    timeout: self.opts.timeout,
+                });
+            }
+            if now < spin_until {
+                // Yield rather than burn: when cores are oversubscribed the
+                // peer we wait for may need this one.
+                std::thread::yield_now();
+                continue;
+            }
+            let wait = (self.opts.timeout - idle).min(Duration::from_millis(50));
+            match self.poll.poll(&mut self.events, Some(wait)) {
+                Ok(()) => {}
+                Err(e) if e.kind() == ErrorKind::Interrupted => {}
+                Err(e) => return Err(lost(self.rank, format!("poll: {e}"))),
+            }
+        }
+    }
+
+    fn poison(&mut self) {
+        for s in self.links.iter().flatten() {
+            let _ = s.shutdown(Shutdown::Both);
+        }
+    }
+}
+
+impl Drop for TcpTransport {
+    fn drop(&mut self) {
+        self.poison();
+    }
+}

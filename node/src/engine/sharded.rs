@@ -1,0 +1,658 @@
+//! The model split across the members of a pod: tensor parallel (every layer
+//! split by KV-head groups and feed-forward columns) or pipeline parallel
+//! (consecutive layers per member).
+//!
+//! Same architecture and arithmetic as [`super::model::Model`]; what differs
+//! is which weights a rank holds and where the collectives go:
+//! - tensor parallel: rank `r` holds the query/key/value rows of its KV-head
+//!   groups, the matching columns of the output projection, its rows of the
+//!   gate and up projections and the matching columns of the down
+//!   projection. Attention and feed-forward each end in a partial sum that
+//!   one all-reduce completes. Every rank embeds the tokens and holds its
+//!   share of the output head's rows; an all-gather brings the logits to
+//!   rank 0.
+//! - pipeline parallel: rank `r` holds whole layers `layers[r]`; rank 0
+//!   embeds, each stage receives the hidden states from the previous one and
+//!   sends its own to the next; the last stage applies the output head and
+//!   sends the logits to rank 0.
+//!
+//! Each rank reads only its own slices of the memory-mapped GGUF file:
+//! row slices are contiguous byte ranges; column slices take the same block
+//! range of every row (shares are cut on quantization-block boundaries, so
+//! quantized weights stay quantized and the activations are quantized in the
+//! same blocks as in the unsplit model).
+//!
+//! Rank 0 drives generation ([`generate_greedy`]): it broadcasts the tokens
+//! of each step, and samples from the logits it alone receives.
+//!
+//! # Invariants
+//! - Every rank calls [`PodModel::forward`] with the same tokens in the same
+//!   order (the generation loop broadcasts them).
+//!
+//! # Failure
+//! [`PodModelError`]: a model error, a collective error (a lost member fails
+//! the step), or a plan the model cannot take.
+
+use std::ops::Range;
+use std::path::Path;
+
+use candle_core::quantized::ggml_file::qtensor_from_ggml;
+use candle_core::quantized::GgmlDType;
+use candle_core::{Device, Tensor};
+
+use super::config::{ModelConfig, RopeScaling};
+use super::gguf::GgufFile;
+use super::linear::Linear;
+use super::ops::{self, AttnShape, LayerCache, Rope};
+use super::weights::{Embedding, WeightSource};
+use super::EngineError;
+use crate::collectives::{all_reduce, Collective, CollectiveError};
+use crate::pod::shard::{self, ShardError};
+
+/// Why a pod model failed.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum PodModelError {
+    #[error(transparent)]
+    Engine(#[from] EngineError),
+    #[error(transparent)]
+    Collective(#[from] CollectiveError),
+    #[error(transparent)]
+    Shard(#[from] ShardError),
+    #[error("the pod's plan does not fit the model: {0}")]
+    Plan(String),
+}
+
+impl From<candle_core::Error> for PodModelError {
+    fn from(e: candle_core::Error) -> Self {
+        PodModelError::Engine(e.into())
+    }
+}
+
+/// How weight matmuls compute.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Compute {
+    /// As stored: quantized weights stay quantized (activations are
+    /// quantized per block, as in the unsplit engine).
+    Native,
+    /// Weights dequantized to f32 at load, f32 matmuls: a split then differs
+    /// from the whole only by the order of f32 additions.
+    F32,
+}
+
+/// How the model is split.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PodPlan {
+    /// Every layer split; `kv_heads[r]`, `ffn[r]` and `vocab[r]` (rows of
+    /// the output head) are rank r's shares.
+    Tensor {
+        kv_heads: Vec<Range<usize>>,
+        ffn: Vec<Range<usize>>,
+        vocab: Vec<Range<usize>>,
+    },
+    /// `layers[r]`: rank r's consecutive layers.
+    Pipeline { layers: Vec<Range<usize>> },
+}
+
+impl PodPlan {
+    /// Tensor parallel shares in proportion to `speeds`; feed-forward shares
+    /// are cut on `ffn_unit` boundaries (the quantization block).
+    pub fn tensor(cfg: &ModelConfig, ffn_unit: usize, speeds: &[f64]) -> Result<Self, ShardError> {
+        let unit = if cfg.intermediate_size.is_multiple_of(ffn_unit) {
+            ffn_unit
+        } else {
+            1
+        };
+        let kv_heads = shard::split("kv heads", cfg.kv_heads, speeds)?;
+        let ffn = shard::split("feed-forward blocks", cfg.intermediate_size / unit, speeds)?
+            .into_iter()
+            .map(|r| r.start * unit..r.end * unit)
+            .collect();
+        let vocab = shard::split("vocabulary rows", cfg.vocab_size, speeds)?;
+        Ok(PodPlan::Tensor {
+            kv_heads,
+            ffn,
+            vocab,
+        })
+    }
+
+    /// Pipeline stages in proportion to `memory`.
+    pub fn pipeline(cfg: &ModelConfig, memory: &[f64]) -> Result<Self, ShardError> {
+        Ok(PodPlan::Pipeline {
+            layers: shard::pipeline_plan(cfg.layers, memory)?,
+        })
+    }
+
+    fn ranks(&self) -> usize {
+        match self {
+            PodPlan::Tensor { kv_heads, .. } => kv_heads.len(),
+            PodPlan::Pipeline { layers } => layers.len(),
+        }
+    }
+}
+
+#[derive(Debug)]
+struct Block {
+    attn_norm: Vec<f32>,
+    q: Linear,
+    k: Linear,
+    v: Linear,
+    o: Linear,
+    q_norm: Option<Vec<f32>>,
+    k_norm: Option<Vec<f32>>,
+    ffn_norm: Vec<f32>,
+    gate: Linear,
+    up: Linear,
+    down: Linear,
+}
+
+/// One rank's part of the model, with its KV cache.
+#[derive(Debug)]
+pub struct PodModel {
+    pub cfg: ModelConfig,
+    rank: usize,
+    plan: PodPlan,
+    /// Token embedding (tensor: every rank; pipeline: rank 0).
+    embed: Option<Embedding>,
+    blocks: Vec<Block>,
+    /// Final norm and output head (tensor: every rank, its vocabulary rows;
+    /// pipeline: the last stage, all rows).
+    head: Option<(Vec<f32>, Linear)>,
+    /// Tensor parallel: each rank's vocabulary rows.
+    vocab: Vec<Range<usize>>,
+    /// Tensor parallel: the all-gathered (padded) logit shares.
+    gathered: Vec<f32>,
+    rope: Rope,
+    /// Local attention shape (local heads, local KV heads).
+    heads: usize,
+    kv_heads: usize,
+    cache: Vec<LayerCache>,
+    capacity: usize,
+    pos: usize,
+    cs: Vec<(f32, f32)>,
+    /// Hidden states between stages / partial sums (grown, never shrunk).
+    hidden: Vec<f32>,
+}
+
+/// Column cuts of a quantized matrix fall on this many columns: whole
+/// blocks, and an even number of them (candle's SIMD dot products take
+/// blocks in pairs).
+fn cut_unit(dtype: GgmlDType) -> usize {
+    match dtype.block_size() {
+        1 => 1,
+        b => 2 * b,
+    }
+}
+
+/// Slices of GGUF tensors, read from the memory map.
+struct Slicer<'a> {
+    g: &'a GgufFile,
+    compute: Compute,
+}
+
+impl Slicer<'_> {
+    fn linear(
+        &self,
+        q: candle_core::quantized::QTensor,
+        bias: Option<Tensor>,
+    ) -> Result<Linear, EngineError> {
+        match self.compute {
+            Compute::Native => Linear::from_qtensor(q, bias),
+            Compute::F32 => Linear::from_tensor(q.dequantize(&Device::Cpu)?, bias),
+        }
+    }
+
+    fn entry(&self, name: &str) -> Result<&super::gguf::TensorEntry, EngineError> {
+        self.g
+            .tensors
+            .get(name)
+            .ok_or_else(|| EngineError::MissingTensor {
+                name: name.to_string(),
+            })
+    }
+
+    fn check(&self, name: &str, shape: [usize; 2]) -> Result<GgmlDType, EngineError> {
+        let e = self.entry(name)?;
+        if e.shape != shape {
+            return Err(EngineError::TensorShape {
+                name: name.to_string(),
+                actual: e.shape.clone(),
+                expected: shape.to_vec(),
+            });
+        }
+        Ok(e.dtype)
+    }
+
+    /// Rows `rows` of `[out, inp]` matrix `base` (+ bias rows).
+    fn rows(
+        &self,
+        base: &str,
+        out: usize,
+        inp: usize,
+        rows: Range<usize>,
+        bias: bool,
+    ) -> Result<Linear, EngineError> {
+        let name = format!("{base}.weight");
+        let dtype = self.check(&name, [out, inp])?;
+        let e = self.entry(&name)?;
+        let row_bytes = e.len / out;
+        let bytes = &self.g.tensor_bytes(e)[rows.start * row_bytes..rows.end * row_bytes];
+        let q = qtensor_from_ggml(dtype, bytes, vec![rows.len(), inp], &Device::Cpu)?;
+        let bias = if bias {
+            let b = WeightSource::Gguf(self.g).vector(base, "bias", out)?;
+            Some(Tensor::from_vec(
+                b[rows.clone()].to_vec(),
+                rows.len(),
+                &Device::Cpu,
+            )?)
+        } else {
+            None
+        };
+        self.linear(q, bias)
+    }
+
+    /// Columns `cols` of `[out, inp]` matrix `base`: the same block range of
+    /// every row; dequantized when the range cuts through blocks.
+    fn cols(
+        &self,
+        base: &str,
+        out: usize,
+        inp: usize,
+        cols: Range<usize>,
+    ) -> Result<Linear, EngineError> {
+        let name = format!("{base}.weight");
+        let dtype = self.check(&name, [out, inp])?;
+        let block = dtype.block_size();
+        let unit = cut_unit(dtype);
+        if cols.start.is_multiple_of(unit) && cols.end.is_multiple_of(unit) {
+            let e = self.entry(&name)?;
+            let row_bytes = e.len / out;
+            let per_block = dtype.type_size();
+            let (b0, b1) = (cols.start / block * per_block, cols.end / block * per_block);
+            let data = self.g.tensor_bytes(e);
+            let mut bytes = Vec::with_capacity(out * (b1 - b0));
+            for r in 0..out {
+                bytes.extend_from_slice(&data[r * row_bytes + b0..r * row_bytes + b1]);
+            }
+            let q = qtensor_from_ggml(dtype, &bytes, vec![out, cols.len()], &Device::Cpu)?;
+            self.linear(q, None)
+        } else {
+            let full = self.g.qtensor(&name)?.dequantize(&Device::Cpu)?;
+            Linear::from_tensor(full.narrow(1, cols.start, cols.len())?, None)
+        }
+    }
+}
+
+impl PodModel {
+    /// Loads rank `rank`'s part of the GGUF model at `path` under `plan`.
+    pub fn load_gguf(
+        path: &Path,
+        plan: PodPlan,
+        rank: usize,
+        compute: Compute,
+    ) -> Result<PodModel, PodModelError> {
+        let file = GgufFile::open(path)?;
+        let vocab = file
+            .tensors
+            .get("token_embd.weight")
+            .and_then(|e| e.shape.first().copied());
+        let cfg = ModelConfig::from_gguf(&file.metadata, vocab)?;
+        Self::load(&file, cfg, plan, rank, compute)
+    }
+
+    /// The model's config and the feed-forward cut unit (see `cut_unit`) of
+    /// its `ffn_down` matrix.
+    pub fn ffn_unit(path: &Path) -> Result<(ModelConfig, usize), PodModelError> {
+        let file = GgufFile::open(path)?;
+        let vocab = file
+            .tensors
+            .get("token_embd.weight")
+            .and_then(|e| e.shape.first().copied());
+        let cfg = ModelConfig::from_gguf(&file.metadata, vocab)?;
+        let unit = file
+            .tensors
+            .get("blk.0.ffn_down.weight")
+            .map_or(1, |e| cut_unit(e.dtype));
+        Ok((cfg, unit))
+    }
+
+    fn load(
+        g: &GgufFile,
+        cfg: ModelConfig,
+        plan: PodPlan,
+        rank: usize,
+        compute: Compute,
+    ) -> Result<PodModel, PodModelError> {
+        let n = plan.ranks();
+        if rank >= n {
+            return Err(PodModelError::Plan(format!("rank {rank} in a pod of {n}")));
+        }
+        let w = WeightSource::Gguf(g);
+        let s = Slicer { g, compute };
+        let (h, hd, ff) = (cfg.hidden_size, cfg.head_dim, cfg.intermediate_size);
+        let group = cfg.heads / cfg.kv_heads;
+        let (layers, kvr, ffr) = match &plan {
+            PodPlan::Tensor {
+                kv_heads,
+                ffn,
+                vocab,
+            } => {
+                let covers = |r: &[Range<usize>], total: usize| {
+                    r.first().map(|x| x.start) == Some(0)
+                        && r.last().map(|x| x.end) == Some(total)
+                        && r.windows(2).all(|p| p[0].end == p[1].start)
+                };
+                if ffn.len() != n
+                    || vocab.len() != n
+                    || !covers(kv_heads, cfg.kv_heads)
+                    || !covers(ffn, ff)
+                    || !covers(vocab, cfg.vocab_size)
+                {
+                    return Err(PodModelError::Plan(format!(
+                        "tensor shares {kv_heads:?} / {ffn:?} do not cover {} kv heads and {ff} columns",
+                        cfg.kv_heads
+                    )));
+                }
+                (0..cfg.layers, kv_heads[rank].clone(), ffn[rank].clone())
+            }
+            PodPlan::Pipeline { layers } => {
+                if layers.last().map(|l| l.end) != Some(cfg.layers) {
+                    return Err(PodModelError::Plan(format!(
+                        "stages {layers:?} do not cover {} layers",
+                        cfg.layers
+                    )));
+                }
+                (layers[rank].clone(), 0..cfg.kv_heads, 0..ff)
+            }
+        };
+        let qr = kvr.start * group * hd..kvr.end * group * hd;
+        let kr = kvr.start * hd..kvr.end * hd;
+        let mut blocks = Vec::with_capacity(layers.len());
+        for i in layers.clone() {
+            let p = |x: &str| format!("blk.{i}.{x}");
+            let (q_norm, k_norm) = if cfg.qk_norm {
+                (
+                    Some(w.vector(&p("attn_q_norm"), "weight", hd)?),
+                    Some(w.vector(&p("attn_k_norm"), "weight", hd)?),
+                )
+            } else {
+                (None, None)
+            };
+            blocks.push(Block {
+                attn_norm: w.vector(&p("attn_norm"), "weight", h)?,
+                q: s.rows(&p("attn_q"), cfg.heads * hd, h, qr.clone(), cfg.qkv_bias)?,
+                k: s.rows(&p("attn_k"), cfg.kv_heads * hd, h, kr.clone(), cfg.qkv_bias)?,
+                v: s.rows(&p("attn_v"), cfg.kv_heads * hd, h, kr.clone(), cfg.qkv_bias)?,
+                o: s.cols(&p("attn_output"), h, cfg.heads * hd, qr.clone())?,
+                q_norm,
+                k_norm,
+                ffn_norm: w.vector(&p("ffn_norm"), "weight", h)?,
+                gate: s.rows(&p("ffn_gate"), ff, h, ffr.clone(), false)?,
+                up: s.rows(&p("ffn_up"), ff, h, ffr.clone(), false)?,
+                down: s.cols(&p("ffn_down"), h, ff, ffr.clone())?,
+            });
+        }
+        let tensor = matches!(plan, PodPlan::Tensor { .. });
+        let has_embed = tensor || rank == 0;
+        let has_head = tensor || rank == n - 1;
+        let vocab = match &plan {
+            PodPlan::Tensor { vocab, .. } => vocab.clone(),
+            PodPlan::Pipeline { .. } => Vec::new(),
+        };
+        let my_vocab = if tensor {
+            vocab[rank].clone()
+        } else {
+            0..cfg.vocab_size
+        };
+        let embed = if has_embed {
+            Some(w.embedding("token_embd", cfg.vocab_size, h)?)
+        } else {
+            None
+        };
+        let head = if has_head {
+            let norm = w.vector("output_norm", "weight", h)?;
+            let name = if w.has("output") {
+                "output"
+            } else {
+                "token_embd"
+            };
+            let lm = s.rows(name, cfg.vocab_size, h, my_vocab, false)?;
+            Some((norm, lm))
+        } else {
+            None
+        };
+        let rope_factors = match &cfg.rope_scaling {
+            RopeScaling::FreqFactors(f) => Some(f.clone()),
+            _ => w.optional_vector("rope_freqs.weight", cfg.rope_dims / 2)?,
+        };
+        let freq_scale = match cfg.rope_scaling {
+            RopeScaling::Linear { factor } => 1.0 / factor,
+            _ => 1.0,
+        };
+        let rope = Rope::new(
+            cfg.rope_dims,
+            cfg.rope_theta,
+            freq_scale,
+            rope_factors,
+            cfg.rope_interleaved,
+        );
+        Ok(PodModel {
+            heads: kvr.len() * group,
+            kv_heads: kvr.len(),
+            cfg,
+            rank,
+            plan,
+            embed,
+            blocks,
+            head,
+            rope,
+            cache: Vec::new(),
+            capacity: 0,
+            pos: 0,
+            cs: Vec::new(),
+            hidden: Vec::new(),
+            vocab,
+            gathered: Vec::new(),
+        })
+    }
+
+    fn shape(&self) -> AttnShape {
+        AttnShape {
+            heads: self.heads,
+            kv_heads: self.kv_heads,
+            head_dim: self.cfg.head_dim,
+            capacity: self.capacity,
+        }
+    }
+
+    /// Empties the cache and makes room for `capacity` positions.
+    pub fn reset(&mut self, capacity: usize) {
+        self.pos = 0;
+        if capacity > self.capacity || self.cache.len() != self.blocks.len() {
+            self.capacity = capacity;
+            let shape = self.shape();
+            self.cache = (0..self.blocks.len())
+                .map(|_| LayerCache::new(shape))
+                .collect();
+        }
+    }
+
+    /// Runs `tokens` (the same on every rank) at the next positions; rank 0
+    /// gets the logits of the last one, the others `None`.
+    pub fn forward(
+        &mut self,
+        tokens: &[u32],
+        comm: &mut dyn Collective,
+    ) -> Result<Option<Vec<f32>>, PodModelError> {
+        let s = tokens.len();
+        let h = self.cfg.hidden_size;
+        if s == 0 || self.pos + s > self.capacity {
+            return Err(PodModelError::Plan(format!(
+                "{s} tokens at position {} exceed the cache of {}",
+                self.pos, self.capacity
+            )));
+        }
+        if let Some(bad) = tokens.iter().find(|&&t| t as usize >= self.cfg.vocab_size) {
+            return Err(PodModelError::Plan(format!(
+                "token {bad} is outside the vocabulary of {}",
+                self.cfg.vocab_size
+            )));
+        }
+        let tensor = matches!(self.plan, PodPlan::Tensor { .. });
+        let n = comm.size();
+        let mut x = match &self.embed {
+            Some(e) => e.lookup(tokens)?,
+            None => {
+                // Pipeline stage > 0: the previous stage's hidden states.
+                let mut x = vec![0.0f32; s * h];
+                comm.recv(bytemuck::cast_slice_mut(&mut x), self.rank - 1)?;
+                x
+            }
+        };
+        let eps = self.cfg.rms_eps;
+        let hd = self.cfg.head_dim;
+        let pos = self.pos;
+        let shape = self.shape();
+        for (block, cache) in self.blocks.iter().zip(self.cache.iter_mut()) {
+            let mut hn = x.clone();
+            ops::rms_norm(&mut hn, &block.attn_norm, eps);
+            let mut q = block.q.forward_slice(&hn, s)?;
+            let mut k = block.k.forward_slice(&hn, s)?;
+            let v = block.v.forward_slice(&hn, s)?;
+            if let Some(w) = &block.q_norm {
+                ops::rms_norm(&mut q, w, eps);
+            }
+            if let Some(w) = &block.k_norm {
+                ops::rms_norm(&mut k, w, eps);
+            }
+            for t in 0..s {
+                self.rope.cos_sin(pos + t, &mut self.cs);
+                for head in q[t * shape.heads * hd..(t + 1) * shape.heads * hd].chunks_exact_mut(hd)
+                {
+                    self.rope.apply(head, &self.cs);
+                }
+                for head in
+                    k[t * shape.kv_heads * hd..(t + 1) * shape.kv_heads * hd].chunks_exact_mut(hd)
+                {
+                    self.rope.apply(head, &self.cs);
+                }
+            }
+            cache.store(shape, pos, &k, &v);
+            let att = ops::attention(&q, cache, shape, pos);
+            let mut o = block.o.forward_slice(&att, s)?;
+            if tensor {
+                all_reduce(comm, &mut o)?;
+            }
+            ops::add_assign(&mut x, &o);
+
+            let mut hn = x.clone();
+            ops::rms_norm(&mut hn, &block.ffn_norm, eps);
+            let mut g = block.gate.forward_slice(&hn, s)?;
+            let u = block.up.forward_slice(&hn, s)?;
+            ops::swiglu(&mut g, &u);
+            let mut d = block.down.forward_slice(&g, s)?;
+            if tensor {
+                all_reduce(comm, &mut d)?;
+            }
+            ops::add_assign(&mut x, &d);
+        }
+        self.pos += s;
+        let logits = |x: &[f32], head: &(Vec<f32>, Linear)| -> Result<Vec<f32>, PodModelError> {
+            let mut last = x[(s - 1) * h..].to_vec();
+            ops::rms_norm(&mut last, &head.0, eps);
+            Ok(head.1.forward_slice(&last, 1)?)
+        };
+        if tensor {
+            // Each rank has its vocabulary rows; shares padded to the largest
+            // for the all-gather, rank 0 strips the padding.
+            let head = self
+                .head
+                .as_ref()
+                .ok_or_else(|| PodModelError::Plan("no output head".into()))?;
+            let mut mine = logits(&x, head)?;
+            let width = self.vocab.iter().map(|r| r.len()).max().unwrap_or(0);
+            mine.resize(width, 0.0);
+            self.gathered.resize(width * n, 0.0);
+            comm.all_gather(
+                bytemuck::cast_slice(&mine),
+                bytemuck::cast_slice_mut(&mut self.gathered),
+            )?;
+            if self.rank != 0 {
+                return Ok(None);
+            }
+            let mut out = Vec::with_capacity(self.cfg.vocab_size);
+            for (r, range) in self.vocab.iter().enumerate() {
+                out.extend_from_slice(&self.gathered[r * width..r * width + range.len()]);
+            }
+            return Ok(Some(out));
+        }
+        // Pipeline: pass the hidden states on; the last stage returns logits to rank 0.
+        let last = n - 1;
+        if self.rank < last {
+            comm.send(bytemuck::cast_slice(&x), self.rank + 1)?;
+        }
+        let vocab = self.cfg.vocab_size;
+        match (&self.head, self.rank) {
+            (Some(head), 0) => Ok(Some(logits(&x, head)?)),
+            (Some(head), _) => {
+                let l = logits(&x, head)?;
+                comm.send(bytemuck::cast_slice(&l), 0)?;
+                Ok(None)
+            }
+            (None, 0) => {
+                self.hidden.resize(vocab, 0.0);
+                comm.recv(bytemuck::cast_slice_mut(&mut self.hidden), last)?;
+                Ok(Some(self.hidden.clone()))
+            }
+            (None, _) => Ok(None),
+        }
+    }
+}
+
+/// Greedy generation driven by rank 0: every step rank 0 broadcasts the
+/// tokens to run (the prompt, then each sampled token), all ranks run the
+/// step, rank 0 takes the arg-max of its logits. Returns (on rank 0) the
+/// logits of every step and the generated tokens; other ranks return empty
+/// vectors. `prompt` matters on rank 0 only; `steps` is the same everywhere.
+pub fn generate_greedy(
+    model: &mut PodModel,
+    comm: &mut dyn Collective,
+    prompt: &[u32],
+    steps: usize,
+) -> Result<(Vec<Vec<f32>>, Vec<u32>), PodModelError> {
+    let mut len = [prompt.len() as u32];
+    comm.broadcast(bytemuck::cast_slice_mut(&mut len), 0)?;
+    let mut tokens = vec![0u32; len[0] as usize];
+    if comm.rank() == 0 {
+        tokens.copy_from_slice(prompt);
+    }
+    comm.broadcast(bytemuck::cast_slice_mut(&mut tokens), 0)?;
+    model.reset(tokens.len() + steps);
+    let (mut all_logits, mut out) = (Vec::new(), Vec::new());
+    let mut step_tokens = tokens;
+    for _ in 0..steps {
+        let logits = model.forward(&step_tokens, comm)?;
+        let mut next = [0u32];
+        if let Some(l) = logits {
+            next[0] = l
+                .iter()
+                .enumerate()
+                .fold((0usize, f32::NEG_INFINITY), |best, (i, &v)| {
+                    if v > best.1 {
+                        (i, v)
+                    } else {
+                        best
+                    }
+                })
+                .0 as u32;
+            all_logits.push(l);
+            out.push(next[0]);
+        }
+        comm.broadcast(bytemuck::cast_slice_mut(&mut next), 0)?;
+        step_tokens = vec![next[0]];
+    }
+    Ok((all_logits, out))
+}
+
+#[cfg(test)]
+mod tests;
