@@ -64,9 +64,25 @@ pub struct CatalogueModel {
     pub sha256: String,
     #[serde(default = "default_context_length")]
     pub context_length: u32,
-    /// KV-cache bytes per token of context, for the placement memory estimate.
+    /// KV-cache bytes per token of context, for the placement memory
+    /// estimate when the architecture fields below are not given.
     #[serde(default = "default_kv_bytes_per_token")]
     pub kv_bytes_per_token: u64,
+    /// Architecture for the placement cost model (0 = unknown): transformer
+    /// layers, KV heads, head dimension, hidden size, bytes per KV-cache
+    /// element, and parameters used per token (mixture of experts; 0 = all).
+    #[serde(default)]
+    pub layers: u32,
+    #[serde(default)]
+    pub kv_heads: u32,
+    #[serde(default)]
+    pub head_dim: u32,
+    #[serde(default)]
+    pub hidden_size: u32,
+    #[serde(default)]
+    pub kv_element_bytes: u32,
+    #[serde(default)]
+    pub active_parameters: u64,
 }
 
 /// Bounds on client input and on queued work.
@@ -127,6 +143,13 @@ pub fn smollm2_135m_instruct() -> CatalogueModel {
         sha256: "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53".into(),
         context_length: 8192,
         kv_bytes_per_token: default_kv_bytes_per_token(),
+        layers: 30,
+        kv_heads: 3,
+        head_dim: 64,
+        hidden_size: 576,
+        // The node's engine keeps the KV cache in f32.
+        kv_element_bytes: 4,
+        active_parameters: 0,
     }
 }
 

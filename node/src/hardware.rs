@@ -8,8 +8,8 @@
 //! commands is behind `cfg(target_os = "macos")`.
 //!
 //! # Layout
-//! - [`chips`]: the Apple chip table (bandwidth, Thunderbolt 5), shared with
-//!   the scheduler.
+//! - [`chips`]: the Apple chip table (bandwidth, GPU cores, Thunderbolt 5),
+//!   which lives in `mlxnet_proto::chips` so the scheduler uses the same one.
 //! - [`linux`]: `/proc` parsers and detection on Linux.
 //! - [`macos`]: `sysctl` / `system_profiler` / `vm_stat` parsers and
 //!   detection on macOS.
@@ -27,7 +27,7 @@ use std::path::PathBuf;
 
 use mlxnet_proto::v1::HardwareProfile;
 
-pub mod chips;
+pub use mlxnet_proto::chips;
 pub mod linux;
 pub mod macos;
 
@@ -103,6 +103,9 @@ pub fn apply_chip_table(profile: &mut HardwareProfile) {
     if let Some(spec) = chips::lookup(&profile.chip) {
         profile.memory_bandwidth_bytes_per_s = spec.memory_bandwidth_bytes_per_s();
         profile.thunderbolt5 = spec.thunderbolt5;
+        if profile.gpu_cores == 0 {
+            profile.gpu_cores = spec.gpu_cores;
+        }
     }
 }
 

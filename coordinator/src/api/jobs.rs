@@ -187,6 +187,12 @@ impl Jobs for JobsApi {
             &self.d.config.limits,
             rand::random,
         )?;
+        if let Some(why) = self.d.never_fits(&job) {
+            return Err(ApiError::FailedPrecondition(format!(
+                "no online node or pod could ever hold this job: {why}"
+            ))
+            .into());
+        }
         let queued = self.d.store.count_queued().await.map_err(ApiError::from)?;
         if queued >= self.d.config.limits.max_queued_jobs {
             return Err(ApiError::ResourceExhausted(format!(

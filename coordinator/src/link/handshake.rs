@@ -56,6 +56,9 @@ pub struct Registration {
     pub max_concurrent_jobs: u32,
     pub memory_bytes: u64,
     pub free_memory_bytes: u64,
+    /// Chip as reported ("Apple M3 Ultra"); the scheduler looks it up.
+    pub chip: String,
+    pub mode: crate::scheduler::Mode,
     /// The row the store keeps for it.
     pub record: NodeRecord,
     /// What the World page shows of it (location already snapped).
@@ -177,6 +180,8 @@ fn registration(node_id: NodeId, hello: &Hello, catalogue: &Catalogue) -> Regist
         max_concurrent_jobs: hello.max_concurrent_jobs,
         memory_bytes: hw.memory_bytes,
         free_memory_bytes: hw.free_memory_bytes,
+        chip: hw.chip.chars().take(64).collect(),
+        mode: crate::scheduler::Mode::from_hello(&hello.mode),
         record: NodeRecord {
             id: node_id.to_string(),
             name,
