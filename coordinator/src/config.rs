@@ -47,6 +47,9 @@ pub struct CoordinatorConfig {
     pub handshake_timeout_ms: u64,
     /// Longest a single job attempt may run before it is failed and requeued.
     pub job_timeout_ms: u64,
+    /// An attempt's lease: the node must show progress (started, tokens)
+    /// at least this often, or the attempt is failed and the job requeued.
+    pub job_lease_ms: u64,
 }
 
 /// One model of the catalogue: the only models jobs may name.
@@ -175,6 +178,7 @@ impl Default for CoordinatorConfig {
             heartbeat_timeout_ms: 15_000,
             handshake_timeout_ms: 10_000,
             job_timeout_ms: 10 * 60 * 1000,
+            job_lease_ms: 60_000,
         }
     }
 }
@@ -196,6 +200,7 @@ impl fmt::Debug for CoordinatorConfig {
             .field("heartbeat_timeout_ms", &self.heartbeat_timeout_ms)
             .field("handshake_timeout_ms", &self.handshake_timeout_ms)
             .field("job_timeout_ms", &self.job_timeout_ms)
+            .field("job_lease_ms", &self.job_lease_ms)
             .finish()
     }
 }

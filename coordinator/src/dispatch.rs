@@ -3,6 +3,9 @@
 //! (woken on submit, node join, heartbeat and job end, with a slow tick as a
 //! safety net), drives each attempt over its QUIC stream, records verified
 //! results, requeues lost or refused attempts (bounded), and cancels.
+//! An attempt holds a lease renewed by each update from its node; a lease
+//! that runs out (`job_lease_ms` without progress) fails the attempt like a
+//! lost stream, so the job is requeued and its watchers see why.
 //!
 //! # Invariants
 //! - Every state change goes through the store's guarded transitions first;
@@ -437,8 +440,19 @@ impl Dispatcher {
         stream: &mut JobStream,
     ) -> Result<SignedClaim, Outcome> {
         let node_hex = session.node_id.to_string();
+        // The lease: renewed by every update from the node.
+        let lease = Duration::from_millis(self.config.job_lease_ms);
         loop {
-            let update = match stream.next().await {
+            let next = match tokio::time::timeout(lease, stream.next()).await {
+                Ok(next) => next,
+                Err(_) => {
+                    return Err(Outcome::Failed {
+                        reason: format!("lease expired: no progress from the node for {lease:?}"),
+                        retryable: true,
+                    })
+                }
+            };
+            let update = match next {
                 Ok(u) => u,
                 Err(FrameError::Closed) => {
                     return Err(Outcome::Failed {

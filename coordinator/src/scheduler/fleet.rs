@@ -18,13 +18,16 @@
 //!    the faster candidate, then to the earliest added.
 //!
 //! # Index
-//! Nodes are grouped into classes of identical figures (chip table values
-//! exactly; measured figures are rounded to a 2% grid; reliability to 5%;
-//! mode). Every class keeps its available nodes in a `BTreeSet` ordered by
-//! free memory, once for all nodes and once per cached model, so a decision
-//! costs O(classes x log nodes) plus one pass over the free pods, not a scan
-//! of the fleet. All nodes of a class have the same estimate, so the class's
-//! best-fit node is the class's best candidate.
+//! Nodes are grouped into classes of identical figures: chip table values
+//! exactly; measured memory bandwidth and compute rounded to a 5% grid,
+//! measured internet links to a 25% grid; reliability to quarters; mode.
+//! Each cached model keeps, per speed class (the class without the internet
+//! link, which a cached model does not use), its available holders in a
+//! `BTreeSet` ordered by free memory; every full class keeps all its
+//! available nodes the same way (for downloads, looked at only when no
+//! holder fits). A decision thus costs O(classes x log nodes) plus one pass
+//! over the free pods, not a scan of the fleet. All nodes of a class have
+//! the same estimate, so the class's best-fit node is its best candidate.
 //!
 //! # Invariants
 //! - Memory is never overcommitted: [`Fleet::commit`] re-checks the
@@ -127,6 +130,7 @@ type ByFree = BTreeSet<(u64, u32)>;
 struct ClassKey {
     bandwidth: u64,
     compute: u64,
+    /// 0 in a speed class.
     internet: u64,
     mode: Mode,
     reliability: u8,
@@ -134,17 +138,18 @@ struct ClassKey {
 
 #[derive(Clone, Debug)]
 struct Class {
-    capability: Capability,
+    speeds: Speeds,
     mode: Mode,
     reliability: f64,
-    /// Available nodes of this class by (free memory, slot).
-    available: BTreeSet<(u64, u32)>,
+    /// Available nodes of this class by (free memory, slot); full classes only.
+    available: ByFree,
 }
 
 #[derive(Clone, Debug)]
 struct NodeState {
     spec: NodeSpec,
     class: u32,
+    speed_class: u32,
     free: u64,
     running: u32,
     draining: bool,
@@ -184,7 +189,9 @@ pub struct Fleet {
     by_id: HashMap<NodeId, u32>,
     classes: Vec<Class>,
     class_of: HashMap<ClassKey, u32>,
-    /// Per model digest, per class: available nodes holding it.
+    speed_classes: Vec<Class>,
+    speed_class_of: HashMap<ClassKey, u32>,
+    /// Per model digest, per speed class: available nodes holding it.
     cached: HashMap<[u8; 32], HashMap<u32, ByFree>>,
     pods: Vec<PodState>,
     largest_node: u64,
@@ -205,13 +212,28 @@ struct Candidate {
     free: u64,
 }
 
-fn grid(f: &Figure) -> f64 {
+/// ln(1.05) and ln(1.25): the grids of measured speeds and internet links.
+const SPEED_GRID: f64 = 0.048_790_164_169_432;
+const LINK_GRID: f64 = 0.223_143_551_314_209_8;
+
+fn grid(f: &Figure, step: f64) -> f64 {
     if f.source == Source::Measured {
-        const STEP: f64 = 0.019_802_627_296_179_713; // ln(1.02)
-        ((f.value.ln() / STEP).round() * STEP).exp()
+        ((f.value.ln() / step).round() * step).exp()
     } else {
         f.value
     }
+}
+
+fn class_id(
+    classes: &mut Vec<Class>,
+    of: &mut HashMap<ClassKey, u32>,
+    key: ClassKey,
+    make: impl FnOnce() -> Class,
+) -> u32 {
+    *of.entry(key).or_insert_with(|| {
+        classes.push(make());
+        classes.len() as u32 - 1
+    })
 }
 
 fn gb(bytes: u64) -> String {
@@ -255,36 +277,43 @@ impl Fleet {
             return Err(FleetError::DuplicateNode(spec.id.short()));
         }
         let cap = &mut spec.capability;
-        cap.memory_bandwidth.value = grid(&cap.memory_bandwidth);
-        cap.compute.value = grid(&cap.compute);
-        cap.internet.value = grid(&cap.internet);
+        cap.memory_bandwidth.value = grid(&cap.memory_bandwidth, SPEED_GRID);
+        cap.compute.value = grid(&cap.compute, SPEED_GRID);
+        cap.internet.value = grid(&cap.internet, LINK_GRID);
         let reliability = if spec.reliability.is_finite() {
-            (spec.reliability.clamp(0.0, 1.0) * 20.0).round() / 20.0
+            (spec.reliability.clamp(0.25, 1.0) * 4.0).round() / 4.0
         } else {
             1.0
         };
         spec.reliability = reliability;
-        let key = ClassKey {
-            bandwidth: cap.memory_bandwidth.value.to_bits(),
-            compute: cap.compute.value.to_bits(),
-            internet: cap.internet.value.to_bits(),
-            mode: spec.mode,
-            reliability: (reliability * 20.0) as u8,
+        let speeds = Speeds {
+            memory_bandwidth: cap.memory_bandwidth.value,
+            compute: cap.compute.value,
+            internet: cap.internet.value,
         };
-        let class = match self.class_of.get(&key) {
-            Some(&c) => c,
-            None => {
-                let c = self.classes.len() as u32;
-                self.classes.push(Class {
-                    capability: *cap,
-                    mode: spec.mode,
-                    reliability,
-                    available: BTreeSet::new(),
-                });
-                self.class_of.insert(key, c);
-                c
+        let mut key = ClassKey {
+            bandwidth: speeds.memory_bandwidth.to_bits(),
+            compute: speeds.compute.to_bits(),
+            internet: speeds.internet.to_bits(),
+            mode: spec.mode,
+            reliability: (reliability * 4.0) as u8,
+        };
+        let make = |speeds| {
+            move || Class {
+                speeds,
+                mode: spec.mode,
+                reliability,
+                available: BTreeSet::new(),
             }
         };
+        let class = class_id(&mut self.classes, &mut self.class_of, key, make(speeds));
+        key.internet = 0;
+        let speed_class = class_id(
+            &mut self.speed_classes,
+            &mut self.speed_class_of,
+            key,
+            make(speeds),
+        );
         let slot = self.nodes.len() as u32;
         self.largest_node = self.largest_node.max(spec.memory_bytes);
         self.by_id.insert(spec.id, slot);
@@ -292,6 +321,7 @@ impl Fleet {
         self.nodes.push(NodeState {
             spec,
             class,
+            speed_class,
             free,
             running: 0,
             draining: false,
@@ -369,7 +399,7 @@ impl Fleet {
             self.cached
                 .entry(*digest)
                 .or_default()
-                .entry(n.class)
+                .entry(n.speed_class)
                 .or_default()
                 .insert(entry);
         }
@@ -383,10 +413,10 @@ impl Fleet {
         }
         for digest in &n.spec.cached {
             if let Some(by_class) = self.cached.get_mut(digest) {
-                if let Some(set) = by_class.get_mut(&n.class) {
+                if let Some(set) = by_class.get_mut(&n.speed_class) {
                     set.remove(&entry);
                     if set.is_empty() {
-                        by_class.remove(&n.class);
+                        by_class.remove(&n.speed_class);
                     }
                 }
             }
@@ -445,19 +475,13 @@ impl Fleet {
     fn class_candidate(
         &self,
         job: &JobShape<'_>,
-        class: u32,
-        set: &BTreeSet<(u64, u32)>,
+        c: &Class,
+        set: &ByFree,
         need: u64,
         cached: bool,
     ) -> Option<Candidate> {
         let &(free, slot) = set.range((need, 0)..).next()?;
-        let c = &self.classes[class as usize];
-        let speeds = Speeds {
-            memory_bandwidth: c.capability.memory_bandwidth.value,
-            compute: c.capability.compute.value,
-            internet: c.capability.internet.value,
-        };
-        let estimate = estimate(job, &speeds, cached, None);
+        let estimate = estimate(job, &c.speeds, cached, None);
         Some(Candidate {
             tier: self.tier(cached, c.mode, estimate.total_s),
             time: estimate.total_s / c.reliability.max(0.05),
@@ -525,7 +549,8 @@ impl Fleet {
         let mut cands: Vec<Candidate> = Vec::new();
         if let Some(by_class) = self.cached.get(&job.model.sha256) {
             for (&class, set) in by_class {
-                cands.extend(self.class_candidate(job, class, set, need, true));
+                let c = &self.speed_classes[class as usize];
+                cands.extend(self.class_candidate(job, c, set, need, true));
             }
         }
         let any_cached_solo = !cands.is_empty();
@@ -535,8 +560,8 @@ impl Fleet {
         // A download never beats a cached candidate, so the uncached nodes
         // are only looked at when no cached one is feasible.
         if self.policy.downloads && !any_cached_solo && cands.iter().all(|c| !c.cached) {
-            for (class, c) in self.classes.iter().enumerate() {
-                cands.extend(self.class_candidate(job, class as u32, &c.available, need, false));
+            for c in &self.classes {
+                cands.extend(self.class_candidate(job, c, &c.available, need, false));
             }
         }
         let Some(best_tier) = cands.iter().map(|c| c.tier).min() else {

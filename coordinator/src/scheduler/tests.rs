@@ -363,9 +363,9 @@ fn measured_figures_win_over_the_chip_table() {
     };
     println!("{}", p.reason);
     assert!(p.reason.contains("GB/s measured"), "{}", p.reason);
-    // 190 GB/s on the 2% grid is within 1% of 190.
+    // 190 GB/s on the 5% grid is within 2.5% of 190.
     let bw = job.bytes_per_token() / p.estimate.per_token_s;
-    assert!((bw / 190e9 - 1.0).abs() < 0.01, "{bw}");
+    assert!((bw / 190e9 - 1.0).abs() < 0.025, "{bw}");
 }
 
 #[test]
