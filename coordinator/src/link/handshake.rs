@@ -59,6 +59,8 @@ pub struct Registration {
     /// Chip as reported ("Apple M3 Ultra"); the scheduler looks it up.
     pub chip: String,
     pub mode: crate::scheduler::Mode,
+    /// Figures from `mlx-node bench` (0 in the Hello = not measured).
+    pub measured: crate::scheduler::Measured,
     /// The row the store keeps for it.
     pub record: NodeRecord,
     /// What the World page shows of it (location already snapped).
@@ -159,6 +161,8 @@ fn registration(node_id: NodeId, hello: &Hello, catalogue: &Catalogue) -> Regist
         "memory_bytes": hw.memory_bytes,
         "memory_bandwidth_bytes_per_s": hw.memory_bandwidth_bytes_per_s,
         "thunderbolt5": hw.thunderbolt5,
+        "measured_memory_bandwidth_bytes_per_s": hw.measured_memory_bandwidth_bytes_per_s,
+        "measured_compute_flops": hw.measured_compute_flops,
         "model_name": hw.model_name,
     });
     let reported: Vec<_> = hello
@@ -182,6 +186,12 @@ fn registration(node_id: NodeId, hello: &Hello, catalogue: &Catalogue) -> Regist
         free_memory_bytes: hw.free_memory_bytes,
         chip: hw.chip.chars().take(64).collect(),
         mode: crate::scheduler::Mode::from_hello(&hello.mode),
+        measured: crate::scheduler::Measured {
+            memory_bandwidth: (hw.measured_memory_bandwidth_bytes_per_s > 0)
+                .then_some(hw.measured_memory_bandwidth_bytes_per_s as f64),
+            compute: (hw.measured_compute_flops > 0).then_some(hw.measured_compute_flops as f64),
+            internet: None,
+        },
         record: NodeRecord {
             id: node_id.to_string(),
             name,

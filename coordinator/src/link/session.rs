@@ -36,6 +36,7 @@ pub struct Session {
     pub memory_bytes: u64,
     pub chip: String,
     pub mode: Mode,
+    pub measured: Measured,
     free_memory_bytes: AtomicU64,
     running: AtomicU32,
     reserved_bytes: AtomicU64,
@@ -56,6 +57,7 @@ impl Session {
             memory_bytes: node.memory_bytes,
             chip: node.chip.clone(),
             mode: node.mode,
+            measured: node.measured,
             free_memory_bytes: AtomicU64::new(node.free_memory_bytes),
             running: AtomicU32::new(0),
             reserved_bytes: AtomicU64::new(0),
@@ -96,7 +98,7 @@ impl Session {
             &self.chip,
             self.memory_bytes,
             self.mode,
-            &Measured::default(),
+            &self.measured,
         );
         spec.free_memory_bytes = self
             .free_memory_bytes
