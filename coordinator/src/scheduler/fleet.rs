@@ -662,11 +662,18 @@ impl Fleet {
         }
         let _ = write!(
             reason,
-            "prefill {} + {} x {}/token ({:.0} GB/s {}",
+            "prefill {} + {} x {}/token ({} GB/s {}",
             secs(e.prefill_s),
             job.max_tokens,
             secs(e.per_token_s),
-            bandwidth.value / 1e9,
+            {
+                let gbs = bandwidth.value / 1e9;
+                if gbs < 10.0 {
+                    format!("{gbs:.2}")
+                } else {
+                    format!("{gbs:.0}")
+                }
+            },
             bandwidth.source.as_str()
         );
         if e.comm_per_token_s > 0.0 {
