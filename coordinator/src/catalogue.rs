@@ -8,13 +8,18 @@
 
 use std::collections::HashMap;
 
-use crate::config::CatalogueModel;
+use crate::{
+    config::CatalogueModel,
+    scheduler::{JobShape, ModelShape},
+};
 
 /// A catalogue model with its digest decoded.
 #[derive(Clone, Debug)]
 pub struct Model {
     pub info: CatalogueModel,
     pub sha256: [u8; 32],
+    /// What the placement cost model needs to know about it.
+    pub shape: ModelShape,
 }
 
 impl Model {
@@ -35,14 +40,45 @@ impl Model {
         }
     }
 
+    /// The cost model's view of one job of this model. A token is at least
+    /// one byte, so prompt bytes bound prompt tokens.
+    pub fn job(&self, prompt_bytes: usize, max_tokens: u32) -> JobShape<'_> {
+        JobShape {
+            model: &self.shape,
+            prompt_tokens: u32::try_from(prompt_bytes).unwrap_or(u32::MAX),
+            max_tokens,
+        }
+    }
+
     /// Memory a node needs for one job: the weights plus the KV cache for the
     /// whole context the job may use, plus 10% overhead.
     pub fn memory_needed(&self, prompt_bytes: usize, max_tokens: u32) -> u64 {
-        // A token is at least one byte, so prompt bytes bound prompt tokens.
-        let tokens = (prompt_bytes as u64 + u64::from(max_tokens))
-            .min(u64::from(self.info.context_length.max(1)));
-        let raw = self.info.size_bytes + tokens * self.info.kv_bytes_per_token;
-        raw + raw / 10
+        self.job(prompt_bytes, max_tokens).memory_needed()
+    }
+}
+
+/// The cost model's shape of a catalogue entry. Without the architecture
+/// fields, the flat `kv_bytes_per_token` stands in as one layer of one head.
+fn shape(m: &CatalogueModel, sha256: [u8; 32]) -> ModelShape {
+    let known = m.layers > 0 && m.kv_heads > 0 && m.head_dim > 0 && m.kv_element_bytes > 0;
+    let (layers, kv_heads, head_dim, kv_element_bytes) = if known {
+        (m.layers, m.kv_heads, m.head_dim, m.kv_element_bytes)
+    } else {
+        let half = m.kv_bytes_per_token.div_ceil(2);
+        (1, 1, u32::try_from(half).unwrap_or(u32::MAX), 1)
+    };
+    ModelShape {
+        id: m.id.clone(),
+        sha256,
+        parameters: m.parameters,
+        active_parameters: m.active_parameters,
+        weights_bytes: m.size_bytes,
+        layers,
+        kv_heads,
+        head_dim,
+        hidden_size: m.hidden_size,
+        kv_element_bytes,
+        context_length: m.context_length,
     }
 }
 
@@ -77,6 +113,7 @@ impl Catalogue {
             out.models.push(Model {
                 info: m.clone(),
                 sha256,
+                shape: shape(m, sha256),
             });
         }
         Ok(out)
@@ -103,6 +140,18 @@ mod tests {
         assert_eq!(hex::encode(m.sha256), smollm2_135m_instruct().sha256);
         assert!(cat.get("gpt-5").is_none());
         assert!(m.memory_needed(100, 256) > m.info.size_bytes);
+        // 2 x 30 layers x 3 kv heads x 64 dims x 4 bytes, for 356 tokens,
+        // on top of the weights, plus 10%.
+        assert_eq!(m.shape.kv_bytes_per_token(), 46_080);
+        let raw = m.info.size_bytes + 356 * 46_080;
+        assert_eq!(m.memory_needed(100, 256), raw + raw / 10);
+        // The flat figure stands in when the architecture is not given.
+        let mut flat = smollm2_135m_instruct();
+        flat.layers = 0;
+        flat.kv_bytes_per_token = 1000;
+        let flat = Catalogue::new(&[flat]).unwrap();
+        let m = flat.get("smollm2-135m-instruct").unwrap();
+        assert_eq!(m.shape.kv_bytes_per_token(), 1000);
 
         let mut bad = smollm2_135m_instruct();
         bad.sha256 = "abc".into();

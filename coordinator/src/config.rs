@@ -49,6 +49,9 @@ pub struct CoordinatorConfig {
     pub job_timeout_ms: u64,
     /// Fees and hold lifetimes (see [`crate::ledger`]).
     pub ledger: crate::ledger::LedgerConfig,
+    /// An attempt's lease: the node must show progress (started, tokens)
+    /// at least this often, or the attempt is failed and the job requeued.
+    pub job_lease_ms: u64,
 }
 
 /// One model of the catalogue: the only models jobs may name.
@@ -66,7 +69,8 @@ pub struct CatalogueModel {
     pub sha256: String,
     #[serde(default = "default_context_length")]
     pub context_length: u32,
-    /// KV-cache bytes per token of context, for the placement memory estimate.
+    /// KV-cache bytes per token of context, for the placement memory
+    /// estimate when the architecture fields below are not given.
     #[serde(default = "default_kv_bytes_per_token")]
     pub kv_bytes_per_token: u64,
     /// Micro-MLX per million prompt tokens. Default: one per thousand
@@ -76,6 +80,21 @@ pub struct CatalogueModel {
     /// Micro-MLX per million generated tokens. Default: twice the input price.
     #[serde(default)]
     pub price_output_per_mtok: Option<u64>,
+    /// Architecture for the placement cost model (0 = unknown): transformer
+    /// layers, KV heads, head dimension, hidden size, bytes per KV-cache
+    /// element, and parameters used per token (mixture of experts; 0 = all).
+    #[serde(default)]
+    pub layers: u32,
+    #[serde(default)]
+    pub kv_heads: u32,
+    #[serde(default)]
+    pub head_dim: u32,
+    #[serde(default)]
+    pub hidden_size: u32,
+    #[serde(default)]
+    pub kv_element_bytes: u32,
+    #[serde(default)]
+    pub active_parameters: u64,
 }
 
 /// Bounds on client input and on queued work.
@@ -138,6 +157,13 @@ pub fn smollm2_135m_instruct() -> CatalogueModel {
         kv_bytes_per_token: default_kv_bytes_per_token(),
         price_input_per_mtok: None,
         price_output_per_mtok: None,
+        layers: 30,
+        kv_heads: 3,
+        head_dim: 64,
+        hidden_size: 576,
+        // The node's engine keeps the KV cache in f32.
+        kv_element_bytes: 4,
+        active_parameters: 0,
     }
 }
 
@@ -164,6 +190,7 @@ impl Default for CoordinatorConfig {
             handshake_timeout_ms: 10_000,
             job_timeout_ms: 10 * 60 * 1000,
             ledger: crate::ledger::LedgerConfig::default(),
+            job_lease_ms: 60_000,
         }
     }
 }
@@ -186,6 +213,7 @@ impl fmt::Debug for CoordinatorConfig {
             .field("handshake_timeout_ms", &self.handshake_timeout_ms)
             .field("job_timeout_ms", &self.job_timeout_ms)
             .field("ledger", &self.ledger)
+            .field("job_lease_ms", &self.job_lease_ms)
             .finish()
     }
 }

@@ -3,6 +3,9 @@
 //! (woken on submit, node join, heartbeat and job end, with a slow tick as a
 //! safety net), drives each attempt over its QUIC stream, records verified
 //! results, requeues lost or refused attempts (bounded), and cancels.
+//! An attempt holds a lease renewed by each update from its node; a lease
+//! that runs out (`job_lease_ms` without progress) fails the attempt like a
+//! lost stream, so the job is requeued and its watchers see why.
 //!
 //! # Invariants
 //! - Every state change goes through the store's guarded transitions first;
@@ -44,7 +47,7 @@ use crate::{
         session::{Reservation, Session, Sessions},
     },
     metrics::Metrics,
-    scheduler::{self, Demand},
+    scheduler::{self, Queue, Target},
     store::{now_ms, AttemptEnd, CancelOutcome, Completion, JobRecord, NewJob, Store, StoreError},
 };
 
@@ -164,34 +167,40 @@ impl Dispatcher {
         }
     }
 
-    /// One pass: every queued job, oldest first, onto the first node that fits.
+    /// One pass: the oldest queued jobs, in the scheduler's priority and
+    /// fair-share order, each onto the node the cost model picks.
     async fn place_queued(self: &Arc<Self>) -> Result<(), StoreError> {
         if self.sessions.is_empty() {
             return Ok(());
         }
         let queued = self.store.queued_jobs(PLACEMENT_BATCH).await?;
+        let sessions = self.sessions.all();
+        let mut fleet = Sessions::fleet(&sessions);
+        let mut queue = Queue::new(queued.len());
         for job in queued {
+            // Accounts and priorities arrive with the ledger; until then every
+            // job is the one demo account's, at one priority.
+            let _ = queue.push("", 0, job);
+        }
+        let placed = scheduler::schedule(&mut queue, &mut fleet, |job| {
+            let model = self.catalogue.get(&job.model)?;
+            Some(model.job(input_bytes(&job.input), job.sampling.max_tokens))
+        });
+        for (job, placement) in placed {
             if self.shutdown.is_cancelled() {
                 return Ok(());
             }
             let Some(model) = self.catalogue.get(&job.model).cloned() else {
-                // Left from a run with another catalogue; it can never be placed.
-                debug!(job_id = %job.id, model = %job.model, "queued job names a model not in the catalogue");
                 continue;
             };
-            let demand = Demand {
-                model_sha256: model.sha256,
-                memory_bytes: model.memory_needed(input_bytes(&job.input), job.sampling.max_tokens),
-            };
-            let sessions = self.sessions.all();
-            let snapshots: Vec<_> = sessions.iter().map(|s| s.snapshot()).collect();
-            let Some(node) = scheduler::place(&snapshots, &demand) else {
+            // Sessions are single nodes until pods register on the link.
+            let Target::Node(node) = placement.target else {
                 continue;
             };
-            let Some(session) = sessions.into_iter().find(|s| s.node_id == node) else {
+            let Some(session) = sessions.iter().find(|s| s.node_id == node) else {
                 continue;
             };
-            let reservation = session.reserve(demand.memory_bytes);
+            let reservation = session.reserve(placement.memory_per_member);
             if !self
                 .store
                 .assign(job.id, job.attempt, &node.to_string())
@@ -208,11 +217,31 @@ impl Dispatcher {
                     attempt: job.attempt,
                 }),
             );
-            debug!(job_id = %job.id, node = %node.short(), attempt = job.attempt, "assigned");
+            debug!(job_id = %job.id, node = %node.short(), attempt = job.attempt, reason = %placement.reason, "assigned");
             let this = Arc::clone(self);
             self.spawn(async move { this.run_attempt(job, model, reservation, token).await });
         }
         Ok(())
+    }
+
+    /// Why no online node could ever hold `job` (None if one could, or if no
+    /// node is online: one may join).
+    pub fn never_fits(&self, job: &NewJob) -> Option<String> {
+        let model = self.catalogue.get(&job.model)?;
+        let sessions = self.sessions.all();
+        if sessions.is_empty() {
+            return None;
+        }
+        let fleet = Sessions::fleet(&sessions);
+        let shape = model.job(input_bytes(&job.input), job.sampling.max_tokens);
+        if fleet.could_ever_hold(&shape) {
+            return None;
+        }
+        Some(format!(
+            "needs {:.1} GB, largest node or pod has {:.1} GB",
+            shape.memory_needed() as f64 / 1e9,
+            fleet.largest_capacity() as f64 / 1e9
+        ))
     }
 
     #[instrument(skip_all, fields(job_id = %job.id, attempt = job.attempt, node = %reservation.session().node_id.short()))]
@@ -418,8 +447,19 @@ impl Dispatcher {
         stream: &mut JobStream,
     ) -> Result<SignedClaim, Outcome> {
         let node_hex = session.node_id.to_string();
+        // The lease: renewed by every update from the node.
+        let lease = Duration::from_millis(self.config.job_lease_ms);
         loop {
-            let update = match stream.next().await {
+            let next = match tokio::time::timeout(lease, stream.next()).await {
+                Ok(next) => next,
+                Err(_) => {
+                    return Err(Outcome::Failed {
+                        reason: format!("lease expired: no progress from the node for {lease:?}"),
+                        retryable: true,
+                    })
+                }
+            };
+            let update = match next {
                 Ok(u) => u,
                 Err(FrameError::Closed) => {
                     return Err(Outcome::Failed {

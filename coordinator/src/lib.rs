@@ -8,7 +8,8 @@
 //! - [`api`]: the gRPC client API (jobs, models, network, accounts, health, reflection).
 //! - [`link`]: the QUIC node link: TLS identity, handshake, sessions, job streams.
 //! - [`dispatch`]: shared state; queues, places and drives jobs; cancels.
-//! - [`scheduler`]: placement as a pure function (first fit by free memory).
+//! - [`scheduler`]: placement as a pure module: capability and cost models,
+//!   the indexed fleet and its decisions, the fair-share queue.
 //! - [`jobs`]: the job state machine and the live event hub behind Watch.
 //! - [`ledger`]: accounts, two-phase transfers, API keys, job holds and settlement.
 //! - [`store`]: persistence (SQLite), every transition guarded by current state.

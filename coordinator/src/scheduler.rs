@@ -1,114 +1,72 @@
-//! Placement: which online node runs a job. First fit by free memory for now
-//! (the placement issue replaces it with estimated completion time).
+//! Placement: which node or pod runs each queued job, by memory, bandwidth
+//! and locality, and why.
 //!
-//! A pure function over a snapshot of the nodes, so it is tested without any
-//! network or database.
+//! A pure module: decisions read an in-memory [`Fleet`] and [`Queue`] and do
+//! no I/O, so they are property-tested and benchmarked without a network or a
+//! database. The dispatcher builds the fleet from its live sessions, runs a
+//! pass, then records each placement in the store.
+//!
+//! # Layout
+//! - [`capability`]: what a node or pod can do; measured figures win over
+//!   the chip table ([`mlxnet_proto::chips`]).
+//! - [`cost`]: memory needed and estimated completion of a job on a target.
+//! - [`fleet`]: the indexed fleet and the decision rule (feasibility, cached
+//!   first, dedicated before idle-time for long jobs, lowest completion with
+//!   best-fit on memory, pods gang-scheduled).
+//! - [`queue`]: priorities, fair share across accounts, bounded size.
 //!
 //! # Invariants
-//! - A node is chosen only if it holds the job's model file (by digest), has a
-//!   free job slot, and has at least the job's memory need free.
-//! - Candidates are tried in the snapshot's order (oldest session first), so
-//!   placement is deterministic for a given snapshot.
+//! - A job is placed only where [`Fleet::commit`] accepted it, so memory is
+//!   never overcommitted on any node or pod member.
+//! - Within one pass, once a job of a model could not be placed, no later job
+//!   of that model needing at least as much memory is tried: the fleet only
+//!   loses capacity during a pass, so it could not be placed either.
 
-use mlxnet_proto::ids::NodeId;
-
-/// A node as the scheduler sees it at one moment.
-#[derive(Clone, Debug, PartialEq)]
-pub struct NodeSnapshot {
-    pub id: NodeId,
-    /// Reported free memory minus what jobs placed since then reserve.
-    pub free_memory_bytes: u64,
-    pub running_jobs: u32,
-    pub max_concurrent_jobs: u32,
-    /// SHA-256 digests of the model files it holds.
-    pub models: Vec<[u8; 32]>,
-}
-
-/// What one job needs from a node.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Demand {
-    pub model_sha256: [u8; 32],
-    pub memory_bytes: u64,
-}
-
-/// Whether `node` could take the job now.
-pub fn fits(node: &NodeSnapshot, demand: &Demand) -> bool {
-    node.running_jobs < node.max_concurrent_jobs
-        && node.free_memory_bytes >= demand.memory_bytes
-        && node.models.contains(&demand.model_sha256)
-}
-
-/// The first node that fits, if any.
-pub fn place(nodes: &[NodeSnapshot], demand: &Demand) -> Option<NodeId> {
-    nodes.iter().find(|n| fits(n, demand)).map(|n| n.id)
-}
+pub mod capability;
+pub mod cost;
+pub mod fleet;
+pub mod queue;
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use ed25519_dalek::SigningKey;
-    use rand::{rngs::StdRng, SeedableRng};
+mod tests;
 
-    fn node(seed: u64, free: u64, running: u32, models: &[[u8; 32]]) -> NodeSnapshot {
-        let key = SigningKey::generate(&mut StdRng::seed_from_u64(seed));
-        NodeSnapshot {
-            id: NodeId::from_key(&key.verifying_key()),
-            free_memory_bytes: free,
-            running_jobs: running,
-            max_concurrent_jobs: 1,
-            models: models.to_vec(),
-        }
-    }
+use std::collections::HashMap;
 
-    const M: [u8; 32] = [1; 32];
-    const OTHER: [u8; 32] = [2; 32];
+pub use capability::{Capability, Measured, Mode, NodeSpec, PodSpec};
+pub use cost::{Estimate, JobShape, ModelShape};
+pub use fleet::{Decision, Fleet, FleetError, Placement, Policy, Target};
+pub use queue::{Offer, Queue, QueueError};
 
-    #[test]
-    fn picks_the_first_node_that_holds_the_model_has_memory_and_a_free_slot() {
-        let demand = Demand {
-            model_sha256: M,
-            memory_bytes: 1000,
+/// Runs one placement pass of `queue` against `fleet`, committing each
+/// placement to the fleet. `shape` gives a job's shape (None: the job cannot
+/// be placed by this fleet, e.g. its model left the catalogue). Returns the
+/// placed jobs with their placements, in placement order.
+pub fn schedule<'m, T>(
+    queue: &mut Queue<T>,
+    fleet: &mut Fleet,
+    mut shape: impl FnMut(&T) -> Option<JobShape<'m>>,
+) -> Vec<(T, Placement)> {
+    let mut placements = Vec::new();
+    let mut blocked: HashMap<[u8; 32], u64> = HashMap::new();
+    let jobs = queue.pass(|job| {
+        let Some(s) = shape(job) else {
+            return Offer::Blocked;
         };
-        let no_model = node(1, 1 << 30, 0, &[OTHER]);
-        let too_small = node(2, 999, 0, &[M]);
-        let busy = node(3, 1 << 30, 1, &[M]);
-        let good = node(4, 1000, 0, &[OTHER, M]);
-        let also_good = node(5, 1 << 30, 0, &[M]);
-        let nodes = vec![no_model, too_small, busy, good.clone(), also_good];
-        assert_eq!(place(&nodes, &demand), Some(good.id));
-        assert_eq!(place(&nodes[..3], &demand), None);
-        assert_eq!(place(&[], &demand), None);
-    }
-
-    #[test]
-    fn a_chosen_node_always_fits_for_many_random_snapshots() {
-        let mut rng = StdRng::seed_from_u64(42);
-        for round in 0..500u64 {
-            use rand::Rng;
-            let nodes: Vec<_> = (0..rng.gen_range(0..6))
-                .map(|i| {
-                    let models: &[[u8; 32]] = if rng.gen_bool(0.5) { &[M] } else { &[OTHER] };
-                    let mut n = node(
-                        round * 10 + i,
-                        rng.gen_range(0..2000),
-                        rng.gen_range(0..3),
-                        models,
-                    );
-                    n.max_concurrent_jobs = rng.gen_range(0..3);
-                    n
-                })
-                .collect();
-            let demand = Demand {
-                model_sha256: M,
-                memory_bytes: rng.gen_range(0..2000),
-            };
-            match place(&nodes, &demand) {
-                Some(id) => {
-                    let first = nodes.iter().position(|n| fits(n, &demand)).unwrap();
-                    assert_eq!(nodes[first].id, id, "first fit");
-                }
-                None => assert!(nodes.iter().all(|n| !fits(n, &demand))),
+        let need = s.memory_needed();
+        if blocked.get(&s.model.sha256).is_some_and(|&b| need >= b) {
+            return Offer::Blocked;
+        }
+        match fleet.decide(&s) {
+            Decision::Place(p) if fleet.commit(&p).is_ok() => {
+                placements.push(p);
+                Offer::Placed
+            }
+            _ => {
+                let b = blocked.entry(s.model.sha256).or_insert(u64::MAX);
+                *b = (*b).min(need);
+                Offer::Blocked
             }
         }
-    }
+    });
+    jobs.into_iter().zip(placements).collect()
 }

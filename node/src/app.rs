@@ -74,7 +74,13 @@ impl Node {
         let data_dir = config.data_dir.clone();
         let identity =
             tokio::task::spawn_blocking(move || Identity::load_or_create(&data_dir)).await??;
-        let hardware = tokio::task::spawn_blocking(hardware::detect).await??;
+        let mut hardware = tokio::task::spawn_blocking(hardware::detect).await??;
+        let bench = config.data_dir.join(hardware::BENCH_FILE);
+        match hardware::apply_bench(&mut hardware, &bench) {
+            Ok(true) => tracing::info!(path = %bench.display(), "using measured bench figures"),
+            Ok(false) => {}
+            Err(e) => tracing::warn!(error = %e, "ignoring unreadable bench figures"),
+        }
         let entries = config.models.clone();
         let models = tokio::task::spawn_blocking(move || ModelSet::load(&entries)).await??;
         let node_id = identity.node_id();

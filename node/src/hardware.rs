@@ -8,8 +8,8 @@
 //! commands is behind `cfg(target_os = "macos")`.
 //!
 //! # Layout
-//! - [`chips`]: the Apple chip table (bandwidth, Thunderbolt 5), shared with
-//!   the scheduler.
+//! - [`chips`]: the Apple chip table (bandwidth, GPU cores, Thunderbolt 5),
+//!   which lives in `mlxnet_proto::chips` so the scheduler uses the same one.
 //! - [`linux`]: `/proc` parsers and detection on Linux.
 //! - [`macos`]: `sysctl` / `system_profiler` / `vm_stat` parsers and
 //!   detection on macOS.
@@ -27,7 +27,7 @@ use std::path::PathBuf;
 
 use mlxnet_proto::v1::HardwareProfile;
 
-pub mod chips;
+pub use mlxnet_proto::chips;
 pub mod linux;
 pub mod macos;
 
@@ -103,7 +103,45 @@ pub fn apply_chip_table(profile: &mut HardwareProfile) {
     if let Some(spec) = chips::lookup(&profile.chip) {
         profile.memory_bandwidth_bytes_per_s = spec.memory_bandwidth_bytes_per_s();
         profile.thunderbolt5 = spec.thunderbolt5;
+        if profile.gpu_cores == 0 {
+            profile.gpu_cores = spec.gpu_cores;
+        }
     }
+}
+
+/// Where `mlx-node bench --save` puts its figures inside the data directory.
+pub const BENCH_FILE: &str = "bench.json";
+
+/// What `mlx-node bench` measured on this machine.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct BenchFigures {
+    /// Bytes read per generated token x decode tokens/s.
+    pub memory_bandwidth_bytes_per_s: u64,
+    /// 2 x parameters x prefill tokens/s.
+    pub compute_flops: u64,
+}
+
+/// Puts measured figures saved by `mlx-node bench --save` at `path` into the
+/// profile. A missing file changes nothing; an unreadable one is an error.
+pub fn apply_bench(
+    profile: &mut HardwareProfile,
+    path: &std::path::Path,
+) -> Result<bool, HardwareError> {
+    let bytes = match std::fs::read(path) {
+        Ok(b) => b,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(false),
+        Err(source) => {
+            return Err(HardwareError::Read {
+                path: path.to_owned(),
+                source,
+            })
+        }
+    };
+    let figures: BenchFigures = serde_json::from_slice(&bytes)
+        .map_err(|e| HardwareError::parse("bench figures", e.to_string()))?;
+    profile.measured_memory_bandwidth_bytes_per_s = figures.memory_bandwidth_bytes_per_s;
+    profile.measured_compute_flops = figures.compute_flops;
+    Ok(true)
 }
 
 /// The profile as JSON (what `mlx-node hardware` prints).
@@ -120,13 +158,41 @@ pub fn to_json(p: &HardwareProfile) -> serde_json::Value {
         "free_memory_bytes": p.free_memory_bytes,
         "memory_bandwidth_bytes_per_s": p.memory_bandwidth_bytes_per_s,
         "thunderbolt5": p.thunderbolt5,
+        "measured_memory_bandwidth_bytes_per_s": p.measured_memory_bandwidth_bytes_per_s,
+        "measured_compute_flops": p.measured_compute_flops,
     })
 }
 
-#[cfg(all(test, target_os = "linux"))]
+#[cfg(test)]
 mod tests {
     use super::*;
 
+    #[test]
+    fn saved_bench_figures_go_into_the_profile() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join(BENCH_FILE);
+        let mut p = HardwareProfile::default();
+        assert!(
+            !apply_bench(&mut p, &path).unwrap(),
+            "missing file: nothing to apply"
+        );
+        assert_eq!(p.measured_memory_bandwidth_bytes_per_s, 0);
+        let figures = BenchFigures {
+            memory_bandwidth_bytes_per_s: 12_345_678_901,
+            compute_flops: 98_765_432_100,
+        };
+        std::fs::write(&path, serde_json::to_vec(&figures).unwrap()).unwrap();
+        assert!(apply_bench(&mut p, &path).unwrap());
+        assert_eq!(p.measured_memory_bandwidth_bytes_per_s, 12_345_678_901);
+        assert_eq!(p.measured_compute_flops, 98_765_432_100);
+        std::fs::write(&path, b"{not json").unwrap();
+        assert!(matches!(
+            apply_bench(&mut p, &path),
+            Err(HardwareError::Parse { .. })
+        ));
+    }
+
+    #[cfg(target_os = "linux")]
     #[test]
     fn this_machine_profiles_with_real_memory_and_cores() {
         let p = detect().unwrap();

@@ -3,6 +3,8 @@
 //! # Layout
 //! - [`v1`]: generated prost/tonic types of package `mlxnet.v1` (client API
 //!   services, node-link frames, the result claim).
+//! - [`chips`]: the Apple silicon chip table (memory bandwidth, GPU cores,
+//!   compute, Thunderbolt 5), used by the node's profile and the scheduler.
 //! - [`ids`]: [`ids::NodeId`] (an ed25519 public key) and [`ids::JobId`].
 //! - [`claim`]: canonical bytes of a result claim and of a job's input, and
 //!   claim signature verification.
@@ -14,6 +16,7 @@
 #![forbid(unsafe_code)]
 
 pub mod auth;
+pub mod chips;
 pub mod claim;
 pub mod frame;
 pub mod ids;

@@ -236,6 +236,12 @@ impl Jobs for JobsApi {
             &self.d.config.limits,
             rand::random,
         )?;
+        if let Some(why) = self.d.never_fits(&job) {
+            return Err(ApiError::FailedPrecondition(format!(
+                "no online node or pod could ever hold this job: {why}"
+            ))
+            .into());
+        }
         let terms = job_terms(&self.d.catalogue, &job, me.account_id, price_limit)?;
         let queued = self.d.store.count_queued().await.map_err(ApiError::from)?;
         if queued >= self.d.config.limits.max_queued_jobs {

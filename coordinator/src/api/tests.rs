@@ -152,6 +152,73 @@ async fn bad_submissions_get_a_clear_status_and_create_no_job() {
 }
 
 #[tokio::test]
+async fn a_job_no_online_node_could_ever_hold_is_refused_at_submit_saying_why() {
+    // The catalogue's model is 41 GB; the only node online has 16 GiB.
+    let app = spawn_app(|c| c.catalogue[0].size_bytes = 41_000_000_000).await;
+    let mut client = jobs(&app).await;
+    // With no node online the job waits (one may join).
+    assert!(client.submit(prompt_job("hi", 8)).await.is_ok());
+    assert_eq!(job_count(&mut client).await, 1);
+    let _node = FakeNode::register(&app, 12).await;
+    let err = client.submit(prompt_job("hi", 8)).await.unwrap_err();
+    assert_eq!(err.code(), Code::FailedPrecondition, "{err:?}");
+    assert_eq!(
+        err.message(),
+        "no online node or pod could ever hold this job: \
+         needs 45.1 GB, largest node or pod has 17.2 GB"
+    );
+    assert_eq!(
+        job_count(&mut client).await,
+        1,
+        "the refused job created a row"
+    );
+    app.stop().await;
+}
+
+#[tokio::test]
+async fn an_attempt_without_progress_loses_its_lease_and_the_watch_says_so() {
+    let app = spawn_app(|c| c.job_lease_ms = 300).await;
+    let mut client = jobs(&app).await;
+    let node = FakeNode::register(&app, 13).await;
+    let job = client
+        .submit(prompt_job("The capital of France is", 4))
+        .await
+        .unwrap()
+        .into_inner();
+    let mut watch = client
+        .watch(WatchJobRequest {
+            job_id: job.id.clone(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    // The node takes the job, says it started, then goes silent.
+    let (mut send, _recv, a) = node.next_assignment().await;
+    assert_eq!(a.attempt, 1);
+    let started = JobUpdate {
+        msg: Some(job_update::Msg::Started(job_update::Started {})),
+    };
+    write_frame(&mut send, &started).await.unwrap();
+    // The lease runs out: the job comes back as attempt 2.
+    let (_send2, _recv2, a2) = node.next_assignment().await;
+    assert_eq!((a2.job_id.as_str(), a2.attempt), (job.id.as_str(), 2));
+    let mut requeued = None;
+    while let Some(event) = watch.message().await.unwrap() {
+        match event.event {
+            Some(job_event::Event::Queued(q)) if q.attempt == 2 => requeued = Some(q.reason),
+            Some(job_event::Event::Assigned(a)) if a.attempt == 2 => break,
+            _ => {}
+        }
+    }
+    let reason = requeued.expect("the watch saw the requeue");
+    assert!(
+        reason.starts_with("lease expired: no progress from the node for 300ms"),
+        "{reason}"
+    );
+    app.stop().await;
+}
+
+#[tokio::test]
 async fn a_job_streams_tokens_and_completes_only_with_a_verified_result() {
     let app = spawn_app(|_| {}).await;
     let mut client = jobs(&app).await;

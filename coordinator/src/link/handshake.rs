@@ -56,6 +56,11 @@ pub struct Registration {
     pub max_concurrent_jobs: u32,
     pub memory_bytes: u64,
     pub free_memory_bytes: u64,
+    /// Chip as reported ("Apple M3 Ultra"); the scheduler looks it up.
+    pub chip: String,
+    pub mode: crate::scheduler::Mode,
+    /// Figures from `mlx-node bench` (0 in the Hello = not measured).
+    pub measured: crate::scheduler::Measured,
     /// The row the store keeps for it.
     pub record: NodeRecord,
     /// What the World page shows of it (location already snapped).
@@ -160,6 +165,8 @@ fn registration(node_id: NodeId, hello: &Hello, catalogue: &Catalogue) -> Regist
         "memory_bytes": hw.memory_bytes,
         "memory_bandwidth_bytes_per_s": hw.memory_bandwidth_bytes_per_s,
         "thunderbolt5": hw.thunderbolt5,
+        "measured_memory_bandwidth_bytes_per_s": hw.measured_memory_bandwidth_bytes_per_s,
+        "measured_compute_flops": hw.measured_compute_flops,
         "model_name": hw.model_name,
     });
     let reported: Vec<_> = hello
@@ -181,6 +188,14 @@ fn registration(node_id: NodeId, hello: &Hello, catalogue: &Catalogue) -> Regist
         max_concurrent_jobs: hello.max_concurrent_jobs,
         memory_bytes: hw.memory_bytes,
         free_memory_bytes: hw.free_memory_bytes,
+        chip: hw.chip.chars().take(64).collect(),
+        mode: crate::scheduler::Mode::from_hello(&hello.mode),
+        measured: crate::scheduler::Measured {
+            memory_bandwidth: (hw.measured_memory_bandwidth_bytes_per_s > 0)
+                .then_some(hw.measured_memory_bandwidth_bytes_per_s as f64),
+            compute: (hw.measured_compute_flops > 0).then_some(hw.measured_compute_flops as f64),
+            internet: None,
+        },
         record: NodeRecord {
             id: node_id.to_string(),
             name,

@@ -20,7 +20,7 @@ use std::{
 use mlxnet_proto::ids::NodeId;
 
 use super::handshake::Registration;
-use crate::scheduler::NodeSnapshot;
+use crate::scheduler::{Fleet, Measured, Mode, NodeSpec, Policy};
 
 /// One authenticated node connection.
 #[derive(Debug)]
@@ -34,6 +34,9 @@ pub struct Session {
     pub models: Vec<[u8; 32]>,
     pub max_concurrent_jobs: u32,
     pub memory_bytes: u64,
+    pub chip: String,
+    pub mode: Mode,
+    pub measured: Measured,
     free_memory_bytes: AtomicU64,
     running: AtomicU32,
     reserved_bytes: AtomicU64,
@@ -52,6 +55,9 @@ impl Session {
             models: node.models.clone(),
             max_concurrent_jobs: node.max_concurrent_jobs.max(1),
             memory_bytes: node.memory_bytes,
+            chip: node.chip.clone(),
+            mode: node.mode,
+            measured: node.measured,
             free_memory_bytes: AtomicU64::new(node.free_memory_bytes),
             running: AtomicU32::new(0),
             reserved_bytes: AtomicU64::new(0),
@@ -83,21 +89,28 @@ impl Session {
         }
     }
 
-    pub fn snapshot(&self) -> NodeSnapshot {
-        NodeSnapshot {
-            id: self.node_id,
-            free_memory_bytes: self
-                .free_memory_bytes
-                .load(Ordering::Relaxed)
-                .saturating_sub(self.reserved_bytes.load(Ordering::Relaxed)),
-            running_jobs: self.running_jobs(),
-            max_concurrent_jobs: if self.draining.load(Ordering::Relaxed) {
-                0
-            } else {
-                self.max_concurrent_jobs
-            },
-            models: self.models.clone(),
-        }
+    /// The node as the scheduler sees it now: free memory is what it last
+    /// reported less what placed jobs reserve; its running jobs take their
+    /// slots, and a draining node offers none.
+    pub fn spec(&self) -> NodeSpec {
+        let mut spec = NodeSpec::new(
+            self.node_id,
+            &self.chip,
+            self.memory_bytes,
+            self.mode,
+            &self.measured,
+        );
+        spec.free_memory_bytes = self
+            .free_memory_bytes
+            .load(Ordering::Relaxed)
+            .saturating_sub(self.reserved_bytes.load(Ordering::Relaxed));
+        spec.max_concurrent_jobs = if self.draining.load(Ordering::Relaxed) {
+            0
+        } else {
+            self.max_concurrent_jobs.saturating_sub(self.running_jobs())
+        };
+        spec.cached = self.models.clone();
+        spec
     }
 }
 
@@ -173,6 +186,20 @@ impl Sessions {
 
     pub fn len(&self) -> usize {
         self.with(|map| map.len())
+    }
+
+    /// The scheduler's fleet of `sessions` (see [`Session::spec`]). Nodes do
+    /// not download models yet, so only cached models are placed.
+    pub fn fleet(sessions: &[Arc<Session>]) -> Fleet {
+        let mut fleet = Fleet::new(Policy {
+            downloads: false,
+            ..Policy::default()
+        });
+        for s in sessions {
+            // Ids are unique in the registry, so this cannot fail.
+            let _ = fleet.add_node(s.spec());
+        }
+        fleet
     }
 
     pub fn is_empty(&self) -> bool {

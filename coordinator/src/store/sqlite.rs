@@ -113,6 +113,47 @@ impl SqliteStore {
         Ok(n as u64)
     }
 
+    /// [`SqliteStore::assign`] for a batch of placements (job, attempt, node)
+    /// in one transaction; one flag per entry, false where the job was not
+    /// queued at that attempt any more.
+    pub async fn assign_many(
+        &self,
+        batch: &[(JobId, u32, String)],
+    ) -> Result<Vec<bool>, StoreError> {
+        let now = now_ms();
+        let mut tx = self.pool.begin().await?;
+        let mut done = Vec::with_capacity(batch.len());
+        for (id, attempt, node_id) in batch {
+            let ok = sqlx::query(
+                "UPDATE jobs SET state = 'assigned', node_id = ?, error = NULL, updated_at_ms = ? \
+                 WHERE id = ? AND state = 'queued' AND attempt = ?",
+            )
+            .bind(node_id)
+            .bind(now)
+            .bind(id.to_string())
+            .bind(i64::from(*attempt))
+            .execute(&mut *tx)
+            .await?
+            .rows_affected()
+                == 1;
+            if ok {
+                sqlx::query(
+                    "INSERT OR REPLACE INTO job_attempts (job_id, attempt, node_id, outcome, started_at_ms) \
+                     VALUES (?, ?, ?, 'assigned', ?)",
+                )
+                .bind(id.to_string())
+                .bind(i64::from(*attempt))
+                .bind(node_id)
+                .bind(now)
+                .execute(&mut *tx)
+                .await?;
+            }
+            done.push(ok);
+        }
+        tx.commit().await?;
+        Ok(done)
+    }
+
     /// `queued -> assigned` to `node_id` for `attempt`. False if the job is not
     /// queued at that attempt any more.
     pub async fn assign(&self, id: JobId, attempt: u32, node_id: &str) -> Result<bool, StoreError> {

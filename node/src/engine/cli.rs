@@ -1,7 +1,10 @@
 //! `mlx-node generate` and `mlx-node bench`: one-shot tools over [`Engine`].
 //!
 //! `generate` streams the model's output to stdout as it is produced;
-//! `bench` measures prefill and decode speed and prints one JSON object.
+//! `bench` measures prefill and decode speed and prints one JSON object,
+//! with the effective memory bandwidth and compute they imply; `--save`
+//! writes those figures where the node reads them at start-up, so its Hello
+//! carries measured figures the scheduler prefers to the chip table.
 //!
 //! # Threads
 //! candle sizes its CPU thread pools once, from `RAYON_NUM_THREADS` /
@@ -82,6 +85,10 @@ pub struct BenchArgs {
     /// Measured runs (the median is reported).
     #[arg(long, default_value_t = 3)]
     pub runs: usize,
+    /// Also write the measured figures here (the node reads
+    /// `<data_dir>/bench.json` at start-up).
+    #[arg(long)]
+    pub save: Option<PathBuf>,
 }
 
 /// Sets candle's CPU thread count. Must run before candle computes anything.
@@ -207,6 +214,21 @@ pub fn bench(args: BenchArgs) -> anyhow::Result<()> {
         v.sort_by(f64::total_cmp);
         v[v.len() / 2]
     };
+    let prefill_tok_s = median(&mut prefill);
+    let decode_tok_s = median(&mut decode);
+    // Bytes read per generated token: the weights plus the KV cache (f32) at
+    // mid-generation, as the scheduler's cost model counts them.
+    let kv_per_token = 2 * engine.info.layers * engine.info.kv_heads * engine.info.head_dim * 4;
+    let bytes_per_token = model_bytes(&args.model)? as f64
+        + (kv_per_token * (args.prompt_tokens + args.gen_tokens / 2)) as f64;
+    let figures = crate::hardware::BenchFigures {
+        memory_bandwidth_bytes_per_s: (bytes_per_token * decode_tok_s) as u64,
+        compute_flops: (2.0 * engine.info.parameters as f64 * prefill_tok_s) as u64,
+    };
+    if let Some(path) = &args.save {
+        std::fs::write(path, serde_json::to_vec_pretty(&figures)?)
+            .with_context(|| format!("writing {}", path.display()))?;
+    }
     let out = serde_json::json!({
         "model": args.model.display().to_string(),
         "architecture": engine.info.architecture,
@@ -216,11 +238,29 @@ pub fn bench(args: BenchArgs) -> anyhow::Result<()> {
         "gen_tokens": args.gen_tokens,
         "runs": args.runs,
         "load_s": load_s,
-        "prefill_tok_s": median(&mut prefill),
-        "decode_tok_s": median(&mut decode),
+        "prefill_tok_s": prefill_tok_s,
+        "decode_tok_s": decode_tok_s,
+        "memory_bandwidth_bytes_per_s": figures.memory_bandwidth_bytes_per_s,
+        "compute_flops": figures.compute_flops,
     });
     println!("{out}");
     Ok(())
+}
+
+/// Bytes of a model: the GGUF file, or a directory's safetensors files.
+fn model_bytes(path: &std::path::Path) -> anyhow::Result<u64> {
+    let meta = std::fs::metadata(path).with_context(|| format!("reading {}", path.display()))?;
+    if meta.is_file() {
+        return Ok(meta.len());
+    }
+    let mut total = 0;
+    for entry in std::fs::read_dir(path).with_context(|| format!("listing {}", path.display()))? {
+        let entry = entry?;
+        if entry.path().extension().is_some_and(|e| e == "safetensors") {
+            total += entry.metadata()?.len();
+        }
+    }
+    Ok(total)
 }
 
 /// A prompt of exactly `n` tokens (English text, repeated as needed).

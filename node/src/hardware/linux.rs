@@ -171,6 +171,8 @@ pub fn profile(
         memory_bandwidth_bytes_per_s: 0,
         thunderbolt5: false,
         model_name,
+        // Filled from `mlx-node bench --save` at start-up, if it ran.
+        ..HardwareProfile::default()
     };
     super::apply_chip_table(&mut p);
     p

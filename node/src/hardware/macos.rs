@@ -187,6 +187,8 @@ pub fn profile(
         memory_bandwidth_bytes_per_s: 0,
         thunderbolt5: false,
         model_name: sp.model_name.clone().unwrap_or_default(),
+        // Filled from `mlx-node bench --save` at start-up, if it ran.
+        ..HardwareProfile::default()
     };
     super::apply_chip_table(&mut p);
     p

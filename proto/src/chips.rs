@@ -1,13 +1,18 @@
-//! Apple silicon chip table: unified-memory bandwidth and Thunderbolt 5, per
-//! chip (M1..M5, base / Pro / Max / Ultra). The one place these figures live;
-//! the node reports them in its hardware profile and the scheduler reuses them
-//! when a node has not measured itself (`mlx-node bench`).
+//! Apple silicon chip table: unified-memory bandwidth, GPU cores, GPU compute
+//! and Thunderbolt 5, per chip (M1..M5, base / Pro / Max / Ultra). The one
+//! place these figures live: the node reports them in its hardware profile and
+//! the coordinator's scheduler falls back on them when a node has not measured
+//! itself (`mlx-node bench`); measured figures always win.
 //!
 //! Bandwidth is Apple's published peak for the fastest bin of each chip (some
 //! M3 Max / M4 Max bins with fewer GPU cores are slower: 300 and 410 GB/s).
 //! M5 Pro / Max / Ultra follow the family's pattern (Max = 2 x Pro,
 //! Ultra = 2 x Max, Ultra about 1.2 TB/s as Apple states for the M5 Ultra
-//! Mac Studio). Thunderbolt 5: M3 Ultra, M4 Pro, M4 Max and the M5 Pro, Max
+//! Mac Studio); their GPU core counts follow the same pattern (20 / 40 / 80).
+//! GPU cores are the top bin of each chip. Compute is an estimate, not an
+//! Apple figure: GPU cores x 128 ALUs x 2 FLOPs (fused multiply-add) x the
+//! generation's GPU clock (M1 1.28, M2 1.40, M3 1.38, M4 1.58, M5 1.60 GHz);
+//! e.g. M3 Ultra 80 cores = 28.3 FP32 TFLOPS. Thunderbolt 5: M3 Ultra, M4 Pro, M4 Max and the M5 Pro, Max
 //! and Ultra; base M4 and M5 have Thunderbolt 4, earlier chips Thunderbolt 3/4.
 //!
 //! # Failure
@@ -22,6 +27,10 @@ pub struct ChipSpec {
     pub memory_bandwidth_gb_s: u32,
     /// Has Thunderbolt 5 (RDMA over Thunderbolt possible from macOS 26.2).
     pub thunderbolt5: bool,
+    /// GPU cores of the chip's top bin.
+    pub gpu_cores: u32,
+    /// GPU clock of the generation, MHz (for the compute estimate).
+    pub gpu_clock_mhz: u32,
 }
 
 impl ChipSpec {
@@ -29,37 +38,56 @@ impl ChipSpec {
     pub fn memory_bandwidth_bytes_per_s(&self) -> u64 {
         u64::from(self.memory_bandwidth_gb_s) * 1_000_000_000
     }
+
+    /// Estimated peak GPU compute, FLOP/s (FP32 fused multiply-adds).
+    pub fn compute_flops(&self) -> f64 {
+        f64::from(self.gpu_cores) * 128.0 * 2.0 * f64::from(self.gpu_clock_mhz) * 1e6
+    }
 }
 
-const fn chip(name: &'static str, memory_bandwidth_gb_s: u32, thunderbolt5: bool) -> ChipSpec {
+const fn chip(
+    name: &'static str,
+    memory_bandwidth_gb_s: u32,
+    thunderbolt5: bool,
+    gpu_cores: u32,
+    gpu_clock_mhz: u32,
+) -> ChipSpec {
     ChipSpec {
         name,
         memory_bandwidth_gb_s,
         thunderbolt5,
+        gpu_cores,
+        gpu_clock_mhz,
     }
 }
 
+const M1: u32 = 1278;
+const M2: u32 = 1398;
+const M3: u32 = 1380;
+const M4: u32 = 1578;
+const M5: u32 = 1600;
+
 /// Every known Apple silicon Mac chip.
 pub const CHIPS: &[ChipSpec] = &[
-    chip("Apple M1", 68, false),
-    chip("Apple M1 Pro", 200, false),
-    chip("Apple M1 Max", 400, false),
-    chip("Apple M1 Ultra", 800, false),
-    chip("Apple M2", 100, false),
-    chip("Apple M2 Pro", 200, false),
-    chip("Apple M2 Max", 400, false),
-    chip("Apple M2 Ultra", 800, false),
-    chip("Apple M3", 100, false),
-    chip("Apple M3 Pro", 150, false),
-    chip("Apple M3 Max", 400, false),
-    chip("Apple M3 Ultra", 819, true),
-    chip("Apple M4", 120, false),
-    chip("Apple M4 Pro", 273, true),
-    chip("Apple M4 Max", 546, true),
-    chip("Apple M5", 153, false),
-    chip("Apple M5 Pro", 307, true),
-    chip("Apple M5 Max", 614, true),
-    chip("Apple M5 Ultra", 1228, true),
+    chip("Apple M1", 68, false, 8, M1),
+    chip("Apple M1 Pro", 200, false, 16, M1),
+    chip("Apple M1 Max", 400, false, 32, M1),
+    chip("Apple M1 Ultra", 800, false, 64, M1),
+    chip("Apple M2", 100, false, 10, M2),
+    chip("Apple M2 Pro", 200, false, 19, M2),
+    chip("Apple M2 Max", 400, false, 38, M2),
+    chip("Apple M2 Ultra", 800, false, 76, M2),
+    chip("Apple M3", 100, false, 10, M3),
+    chip("Apple M3 Pro", 150, false, 18, M3),
+    chip("Apple M3 Max", 400, false, 40, M3),
+    chip("Apple M3 Ultra", 819, true, 80, M3),
+    chip("Apple M4", 120, false, 10, M4),
+    chip("Apple M4 Pro", 273, true, 20, M4),
+    chip("Apple M4 Max", 546, true, 40, M4),
+    chip("Apple M5", 153, false, 10, M5),
+    chip("Apple M5 Pro", 307, true, 20, M5),
+    chip("Apple M5 Max", 614, true, 40, M5),
+    chip("Apple M5 Ultra", 1228, true, 80, M5),
 ];
 
 /// Looks a chip up by the name macOS reports ("Apple M3 Ultra"); case and
@@ -97,6 +125,9 @@ mod tests {
         assert!(!lookup("Apple M4").unwrap().thunderbolt5);
         assert!(lookup("Intel(R) Core(TM) i9-9880H").is_none());
         assert!(lookup("Apple M9 Hyper").is_none());
+        assert_eq!(ultra.gpu_cores, 80);
+        let tflops = ultra.compute_flops() / 1e12;
+        assert!((28.0..29.0).contains(&tflops), "{tflops}");
     }
 
     #[test]
@@ -119,6 +150,12 @@ mod tests {
                 .map(|c| c.memory_bandwidth_gb_s)
                 .collect();
             assert!(bw.windows(2).all(|w| w[0] <= w[1]), "M{gen}: {bw:?}");
+            let cores: Vec<u32> = ["", " Pro", " Max", " Ultra"]
+                .iter()
+                .filter_map(|t| lookup(&format!("M{gen}{t}")))
+                .map(|c| c.gpu_cores)
+                .collect();
+            assert!(cores.windows(2).all(|w| w[0] < w[1]), "M{gen}: {cores:?}");
         }
         // Thunderbolt 5 exactly where Apple ships it.
         let tb5: Vec<&str> = CHIPS
