@@ -176,11 +176,14 @@ impl Dispatcher {
         let queued = self.store.queued_jobs(PLACEMENT_BATCH).await?;
         let sessions = self.sessions.all();
         let mut fleet = Sessions::fleet(&sessions);
+        let ids: Vec<JobId> = queued.iter().map(|j| j.id).collect();
+        let accounts = self.store.job_accounts(&ids).await?;
         let mut queue = Queue::new(queued.len());
         for job in queued {
-            // Accounts and priorities arrive with the ledger; until then every
-            // job is the one demo account's, at one priority.
-            let _ = queue.push("", 0, job);
+            // Fair share across the accounts that pay (the ledger's holds);
+            // jobs carry no priority field yet, so all share one level.
+            let account = accounts.get(&job.id).cloned().unwrap_or_default();
+            let _ = queue.push(&account, 0, job);
         }
         let placed = scheduler::schedule(&mut queue, &mut fleet, |job| {
             let model = self.catalogue.get(&job.model)?;

@@ -106,6 +106,30 @@ impl SqliteStore {
         rows.iter().map(job_from_row).collect()
     }
 
+    /// The paying account of each of `jobs` that has a hold (jobs from before
+    /// the ledger have none), for fair share across accounts.
+    pub async fn job_accounts(
+        &self,
+        jobs: &[JobId],
+    ) -> Result<std::collections::HashMap<JobId, String>, StoreError> {
+        let mut out = std::collections::HashMap::with_capacity(jobs.len());
+        if jobs.is_empty() {
+            return Ok(out);
+        }
+        let marks = vec!["?"; jobs.len()].join(",");
+        let sql = format!("SELECT job_id, account_id FROM job_holds WHERE job_id IN ({marks})");
+        let mut query = sqlx::query_as::<_, (String, String)>(&sql);
+        for id in jobs {
+            query = query.bind(id.to_string());
+        }
+        for (job, account) in query.fetch_all(&self.pool).await? {
+            if let Ok(id) = job.parse::<JobId>() {
+                out.insert(id, account);
+            }
+        }
+        Ok(out)
+    }
+
     pub async fn count_queued(&self) -> Result<u64, StoreError> {
         let n: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM jobs WHERE state = 'queued'")
             .fetch_one(&self.pool)
