@@ -405,16 +405,19 @@ pub fn par_chunks_mut(out: &mut [f32], chunk_len: usize, f: impl Fn(usize, &mut 
     });
 }
 
-/// `out = acts × wᵀ`: `out` is `[rows][n]` for the `rows` activation rows last
-/// quantized into `scratch`, computed on `isa`.
-pub fn matmul(
-    w: &QuantMatrix<'_>,
-    scratch: &mut Scratch,
-    out: &mut [f32],
+/// Checks a product's shapes and borrows the quantized activations (with the
+/// minimum-term factor `format` needs) and the transposition buffer from
+/// `scratch`; `None` when there is nothing to compute.
+fn prepare<'s>(
+    format: QuantFormat,
+    n: usize,
+    k: usize,
+    scratch: &'s mut Scratch,
+    out: &[f32],
     isa: Isa,
-) -> Result<(), KernelError> {
+) -> Result<Option<(Acts<'s>, &'s mut Vec<f32>)>, KernelError> {
     isa.check()?;
-    let (m, n, k) = (scratch.rows, w.n, w.k);
+    let m = scratch.rows;
     if scratch.k != k || out.len() != m * n {
         return Err(KernelError::Shape {
             rows: m,
@@ -425,7 +428,7 @@ pub fn matmul(
         });
     }
     if m == 0 || n == 0 {
-        return Ok(());
+        return Ok(None);
     }
     let Scratch {
         qs,
@@ -435,16 +438,27 @@ pub fn matmul(
         out_t,
         ..
     } = scratch;
-    let acts = Acts {
-        k,
-        qs,
-        d,
-        s: match w.format {
-            QuantFormat::Q4_0 => sx,
-            QuantFormat::Q4_1 => s81,
-            QuantFormat::Q8_0 => &[],
-        },
+    let s: &[f32] = match format {
+        QuantFormat::Q4_0 => sx,
+        QuantFormat::Q4_1 => s81,
+        QuantFormat::Q8_0 => &[],
     };
+    Ok(Some((Acts { k, qs, d, s }, out_t)))
+}
+
+/// `out = acts × wᵀ`: `out` is `[rows][n]` for the `rows` activation rows last
+/// quantized into `scratch`, computed on `isa`.
+pub fn matmul(
+    w: &QuantMatrix<'_>,
+    scratch: &mut Scratch,
+    out: &mut [f32],
+    isa: Isa,
+) -> Result<(), KernelError> {
+    let Some((acts, out_t)) = prepare(w.format, w.n, w.k, scratch, out, isa)? else {
+        return Ok(());
+    };
+    // `prepare` checked `out` is `[m][n]` with `n > 0`.
+    let (m, n) = (out.len() / w.n, w.n);
     let row_bytes = w.row_bytes();
     let threads = pool_threads();
     if m >= SPLIT_ACTS_MIN {
@@ -510,38 +524,11 @@ fn matmul_packed(
     isa: Isa,
 ) -> Result<(), KernelError> {
     use packed::GROUP;
-    isa.check()?;
-    let (m, n, k) = (scratch.rows, w.n, w.k);
-    if scratch.k != k || out.len() != m * n {
-        return Err(KernelError::Shape {
-            rows: m,
-            k: scratch.k,
-            n,
-            wk: k,
-            out: out.len(),
-        });
-    }
-    if m == 0 || n == 0 {
+    let Some((acts, out_t)) = prepare(w.format, w.n, w.k, scratch, out, isa)? else {
         return Ok(());
-    }
-    let Scratch {
-        qs,
-        d,
-        s81,
-        sx,
-        out_t,
-        ..
-    } = scratch;
-    let acts = Acts {
-        k,
-        qs,
-        d,
-        s: match w.format {
-            QuantFormat::Q4_0 => sx,
-            QuantFormat::Q4_1 => s81,
-            QuantFormat::Q8_0 => &[],
-        },
     };
+    // `prepare` checked `out` is `[m][n]` with `n > 0`.
+    let (m, n) = (out.len() / w.n, w.n);
     let groups = n / GROUP;
     let parts = (pool_threads() * 8).min(groups).clamp(1, MAX_PARTS);
     let per_part = groups.div_ceil(parts);

@@ -7,9 +7,10 @@
 //! `x += down(silu(gate(norm(x))) * up(norm(x)))`, then a final norm and the
 //! output projection (tied to the embedding when the file has none).
 //!
-//! Attention and feed-forward are separate modules ([`Attention`], [`Mlp`])
-//! whose weights are whole matrices today; a pod shards a layer by giving each
-//! rank a range of heads and of feed-forward columns of the same modules.
+//! One [`Block`] type and one [`Block::forward`] serve the whole model and a
+//! pod rank's share of it (`super::sharded`): a rank's block holds its range of
+//! heads and feed-forward columns, and passes an all-reduce where a single
+//! node passes nothing.
 //!
 //! # Invariants
 //! - The KV cache holds `capacity` positions per layer, allocated once per
@@ -24,32 +25,89 @@ use super::ops::{self, AttnShape, LayerCache, Rope};
 use super::weights::{Embedding, WeightSource};
 use super::EngineError;
 
-/// One layer's attention: projections, optional q/k norms, its KV cache.
-#[derive(Debug, Clone)]
-pub struct Attention {
-    q: Linear,
-    k: Linear,
-    v: Linear,
-    o: Linear,
-    q_norm: Option<Vec<f32>>,
-    k_norm: Option<Vec<f32>>,
-}
-
-/// One layer's SwiGLU feed-forward.
-#[derive(Debug, Clone)]
-pub struct Mlp {
-    gate: Linear,
-    up: Linear,
-    down: Linear,
-}
-
-/// One transformer block.
+/// One transformer block: norms, attention projections (optional q/k norms),
+/// SwiGLU feed-forward. A pod rank holds a block of the same type with its
+/// share of the heads and feed-forward columns.
 #[derive(Debug, Clone)]
 pub struct Block {
-    attn_norm: Vec<f32>,
-    attn: Attention,
-    ffn_norm: Vec<f32>,
-    mlp: Mlp,
+    pub(crate) attn_norm: Vec<f32>,
+    pub(crate) q: Linear,
+    pub(crate) k: Linear,
+    pub(crate) v: Linear,
+    pub(crate) o: Linear,
+    pub(crate) q_norm: Option<Vec<f32>>,
+    pub(crate) k_norm: Option<Vec<f32>>,
+    pub(crate) ffn_norm: Vec<f32>,
+    pub(crate) gate: Linear,
+    pub(crate) up: Linear,
+    pub(crate) down: Linear,
+}
+
+/// Everything a block needs besides its weights, for one forward pass.
+pub(crate) struct Step<'a> {
+    /// Tokens in this pass.
+    pub s: usize,
+    /// Position of the first of them.
+    pub pos: usize,
+    pub shape: AttnShape,
+    pub eps: f32,
+    pub rope: &'a Rope,
+    /// Scratch for the cos/sin of one position.
+    pub cs: &'a mut Vec<(f32, f32)>,
+}
+
+impl Block {
+    /// `x += attn(x)`, then `x += ffn(x)`, on `x` = `[s][hidden]`, storing the
+    /// new keys and values in `cache`. `reduce` sums the attention and the
+    /// feed-forward outputs across a pod's ranks before they are added (a
+    /// single node passes a no-op).
+    pub(crate) fn forward<E: From<candle_core::Error>>(
+        &self,
+        x: &mut [f32],
+        cache: &mut LayerCache,
+        step: &mut Step<'_>,
+        reduce: &mut dyn FnMut(&mut [f32]) -> Result<(), E>,
+    ) -> Result<(), E> {
+        let (s, pos, shape, eps) = (step.s, step.pos, step.shape, step.eps);
+        let hd = shape.head_dim;
+        let mut hn = x.to_vec();
+        ops::rms_norm(&mut hn, &self.attn_norm, eps);
+        let mut q = self.q.forward_slice(&hn, s)?;
+        let mut k = self.k.forward_slice(&hn, s)?;
+        let v = self.v.forward_slice(&hn, s)?;
+        if let Some(w) = &self.q_norm {
+            ops::rms_norm(&mut q, w, eps);
+        }
+        if let Some(w) = &self.k_norm {
+            ops::rms_norm(&mut k, w, eps);
+        }
+        for t in 0..s {
+            step.rope.cos_sin(pos + t, step.cs);
+            for head in q[t * shape.heads * hd..(t + 1) * shape.heads * hd].chunks_exact_mut(hd) {
+                step.rope.apply(head, step.cs);
+            }
+            for head in
+                k[t * shape.kv_heads * hd..(t + 1) * shape.kv_heads * hd].chunks_exact_mut(hd)
+            {
+                step.rope.apply(head, step.cs);
+            }
+        }
+        cache.store(shape, pos, &k, &v);
+        let att = ops::attention(&q, cache, shape, pos);
+        let mut o = self.o.forward_slice(&att, s)?;
+        reduce(&mut o)?;
+        ops::add_assign(x, &o);
+
+        let mut hn = x.to_vec();
+        ops::rms_norm(&mut hn, &self.ffn_norm, eps);
+        let mut g = self.gate.forward_slice(&hn, s)?;
+        let u = self.up.forward_slice(&hn, s)?;
+        ops::swiglu(&mut g, &u);
+        let mut d = self.down.forward_slice(&g, s)?;
+        reduce(&mut d)?;
+        ops::add_assign(x, &d);
+        Ok(())
+    }
 }
 
 /// The whole model with its KV cache.
@@ -92,20 +150,16 @@ impl Model {
             };
             blocks.push(Block {
                 attn_norm: w.vector(&p("attn_norm"), "weight", h)?,
-                attn: Attention {
-                    q: w.linear(&p("attn_q"), q_out, h, cfg.qkv_bias)?,
-                    k: w.linear(&p("attn_k"), kv_out, h, cfg.qkv_bias)?,
-                    v: w.linear(&p("attn_v"), kv_out, h, cfg.qkv_bias)?,
-                    o: w.linear(&p("attn_output"), h, q_out, false)?,
-                    q_norm,
-                    k_norm,
-                },
+                q: w.linear(&p("attn_q"), q_out, h, cfg.qkv_bias)?,
+                k: w.linear(&p("attn_k"), kv_out, h, cfg.qkv_bias)?,
+                v: w.linear(&p("attn_v"), kv_out, h, cfg.qkv_bias)?,
+                o: w.linear(&p("attn_output"), h, q_out, false)?,
+                q_norm,
+                k_norm,
                 ffn_norm: w.vector(&p("ffn_norm"), "weight", h)?,
-                mlp: Mlp {
-                    gate: w.linear(&p("ffn_gate"), ff, h, false)?,
-                    up: w.linear(&p("ffn_up"), ff, h, false)?,
-                    down: w.linear(&p("ffn_down"), h, ff, false)?,
-                },
+                gate: w.linear(&p("ffn_gate"), ff, h, false)?,
+                up: w.linear(&p("ffn_up"), ff, h, false)?,
+                down: w.linear(&p("ffn_down"), h, ff, false)?,
             });
         }
         let norm = w.vector("output_norm", "weight", h)?;
@@ -153,9 +207,9 @@ impl Model {
         let mut n = (self.embed.rows() as u64) * h + h;
         for b in &self.blocks {
             n += 2 * h;
-            n += lin(&b.attn.q) + lin(&b.attn.k) + lin(&b.attn.v) + lin(&b.attn.o);
-            n += lin(&b.mlp.gate) + lin(&b.mlp.up) + lin(&b.mlp.down);
-            n += [&b.attn.q_norm, &b.attn.k_norm]
+            n += lin(&b.q) + lin(&b.k) + lin(&b.v) + lin(&b.o);
+            n += lin(&b.gate) + lin(&b.up) + lin(&b.down);
+            n += [&b.q_norm, &b.k_norm]
                 .iter()
                 .filter_map(|v| v.as_ref())
                 .map(|v| v.len() as u64)
@@ -198,50 +252,20 @@ impl Model {
     pub fn forward(&mut self, tokens: &[u32]) -> Result<Vec<f32>, EngineError> {
         let s = tokens.len();
         let h = self.cfg.hidden_size;
-        let hd = self.cfg.head_dim;
         let eps = self.cfg.rms_eps;
         let pos = self.pos;
         let shape = self.shape();
         let mut x = self.embed.lookup(tokens)?;
+        let mut step = Step {
+            s,
+            pos,
+            shape,
+            eps,
+            rope: &self.rope,
+            cs: &mut self.cs,
+        };
         for (block, cache) in self.blocks.iter().zip(self.cache.iter_mut()) {
-            // Attention.
-            let mut hn = x.clone();
-            ops::rms_norm(&mut hn, &block.attn_norm, eps);
-            let a = &block.attn;
-            let mut q = a.q.forward_slice(&hn, s)?;
-            let mut k = a.k.forward_slice(&hn, s)?;
-            let v = a.v.forward_slice(&hn, s)?;
-            if let Some(w) = &a.q_norm {
-                ops::rms_norm(&mut q, w, eps);
-            }
-            if let Some(w) = &a.k_norm {
-                ops::rms_norm(&mut k, w, eps);
-            }
-            for t in 0..s {
-                self.rope.cos_sin(pos + t, &mut self.cs);
-                for head in q[t * shape.heads * hd..(t + 1) * shape.heads * hd].chunks_exact_mut(hd)
-                {
-                    self.rope.apply(head, &self.cs);
-                }
-                for head in
-                    k[t * shape.kv_heads * hd..(t + 1) * shape.kv_heads * hd].chunks_exact_mut(hd)
-                {
-                    self.rope.apply(head, &self.cs);
-                }
-            }
-            cache.store(shape, pos, &k, &v);
-            let att = ops::attention(&q, cache, shape, pos);
-            let o = a.o.forward_slice(&att, s)?;
-            ops::add_assign(&mut x, &o);
-
-            // Feed-forward.
-            let mut hn = x.clone();
-            ops::rms_norm(&mut hn, &block.ffn_norm, eps);
-            let mut g = block.mlp.gate.forward_slice(&hn, s)?;
-            let u = block.mlp.up.forward_slice(&hn, s)?;
-            ops::swiglu(&mut g, &u);
-            let d = block.mlp.down.forward_slice(&g, s)?;
-            ops::add_assign(&mut x, &d);
+            block.forward::<EngineError>(&mut x, cache, &mut step, &mut |_| Ok(()))?;
         }
         self.pos += s;
         let mut last = x[(s - 1) * h..].to_vec();

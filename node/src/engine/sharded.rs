@@ -43,6 +43,7 @@ use candle_core::{Device, Tensor};
 use super::config::{ModelConfig, RopeScaling};
 use super::gguf::GgufFile;
 use super::linear::Linear;
+use super::model::{Block, Step};
 use super::ops::{self, AttnShape, LayerCache, Rope};
 use super::weights::{Embedding, WeightSource};
 use super::EngineError;
@@ -129,21 +130,6 @@ impl PodPlan {
             PodPlan::Pipeline { layers } => layers.len(),
         }
     }
-}
-
-#[derive(Debug)]
-struct Block {
-    attn_norm: Vec<f32>,
-    q: Linear,
-    k: Linear,
-    v: Linear,
-    o: Linear,
-    q_norm: Option<Vec<f32>>,
-    k_norm: Option<Vec<f32>>,
-    ffn_norm: Vec<f32>,
-    gate: Linear,
-    up: Linear,
-    down: Linear,
 }
 
 /// One rank's part of the model, with its KV cache.
@@ -510,51 +496,22 @@ impl PodModel {
             }
         };
         let eps = self.cfg.rms_eps;
-        let hd = self.cfg.head_dim;
-        let pos = self.pos;
-        let shape = self.shape();
+        let mut step = Step {
+            s,
+            pos: self.pos,
+            shape: self.shape(),
+            eps,
+            rope: &self.rope,
+            cs: &mut self.cs,
+        };
+        let mut reduce = |part: &mut [f32]| -> Result<(), PodModelError> {
+            if tensor {
+                all_reduce(comm, part)?;
+            }
+            Ok(())
+        };
         for (block, cache) in self.blocks.iter().zip(self.cache.iter_mut()) {
-            let mut hn = x.clone();
-            ops::rms_norm(&mut hn, &block.attn_norm, eps);
-            let mut q = block.q.forward_slice(&hn, s)?;
-            let mut k = block.k.forward_slice(&hn, s)?;
-            let v = block.v.forward_slice(&hn, s)?;
-            if let Some(w) = &block.q_norm {
-                ops::rms_norm(&mut q, w, eps);
-            }
-            if let Some(w) = &block.k_norm {
-                ops::rms_norm(&mut k, w, eps);
-            }
-            for t in 0..s {
-                self.rope.cos_sin(pos + t, &mut self.cs);
-                for head in q[t * shape.heads * hd..(t + 1) * shape.heads * hd].chunks_exact_mut(hd)
-                {
-                    self.rope.apply(head, &self.cs);
-                }
-                for head in
-                    k[t * shape.kv_heads * hd..(t + 1) * shape.kv_heads * hd].chunks_exact_mut(hd)
-                {
-                    self.rope.apply(head, &self.cs);
-                }
-            }
-            cache.store(shape, pos, &k, &v);
-            let att = ops::attention(&q, cache, shape, pos);
-            let mut o = block.o.forward_slice(&att, s)?;
-            if tensor {
-                all_reduce(comm, &mut o)?;
-            }
-            ops::add_assign(&mut x, &o);
-
-            let mut hn = x.clone();
-            ops::rms_norm(&mut hn, &block.ffn_norm, eps);
-            let mut g = block.gate.forward_slice(&hn, s)?;
-            let u = block.up.forward_slice(&hn, s)?;
-            ops::swiglu(&mut g, &u);
-            let mut d = block.down.forward_slice(&g, s)?;
-            if tensor {
-                all_reduce(comm, &mut d)?;
-            }
-            ops::add_assign(&mut x, &d);
+            block.forward(&mut x, cache, &mut step, &mut reduce)?;
         }
         self.pos += s;
         let logits = |x: &[f32], head: &(Vec<f32>, Linear)| -> Result<Vec<f32>, PodModelError> {
