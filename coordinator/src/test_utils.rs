@@ -39,6 +39,25 @@ impl tonic::service::Interceptor for Bearer {
 pub type Authed =
     tonic::service::interceptor::InterceptedService<tonic::transport::Channel, Bearer>;
 
+/// The catalogue's test model.
+pub const MODEL: &str = "smollm2-135m-instruct";
+
+/// A plain-prompt job of [`MODEL`] generating at most `max_tokens`.
+pub fn prompt_job(prompt: &str, max_tokens: u32) -> mlxnet_proto::v1::SubmitJobRequest {
+    use mlxnet_proto::v1::{job_input, JobInput, SamplingParams, SubmitJobRequest};
+    SubmitJobRequest {
+        model: MODEL.into(),
+        input: Some(JobInput {
+            kind: Some(job_input::Kind::Prompt(prompt.into())),
+        }),
+        sampling: Some(SamplingParams {
+            max_tokens,
+            ..Default::default()
+        }),
+        max_price_micro_mlx: 0,
+    }
+}
+
 /// Starting balance of the test client: 1,000 MLX.
 pub const CLIENT_GRANT: i64 = 1_000_000_000;
 

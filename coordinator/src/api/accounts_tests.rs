@@ -7,35 +7,18 @@ use mlxnet_proto::{
     claim,
     frame::write_frame,
     v1::{
-        accounts_client::AccountsClient, job_event, job_input, job_update, jobs_client::JobsClient,
+        accounts_client::AccountsClient, job_event, job_update, jobs_client::JobsClient,
         models_client::ModelsClient, BalanceRequest, CancelJobRequest, CreateApiKeyRequest,
-        EarningsRequest, GetJobRequest, HistoryRequest, JobInput, JobUpdate, ListJobsRequest,
-        ListModelsRequest, ResultClaim, RevokeApiKeyRequest, SamplingParams, SubmitJobRequest,
-        WatchJobRequest,
+        EarningsRequest, GetJobRequest, HistoryRequest, JobUpdate, ListJobsRequest,
+        ListModelsRequest, ResultClaim, RevokeApiKeyRequest, WatchJobRequest,
     },
 };
 use tonic::Code;
 
 use crate::{
     ledger::{keys::Scopes, AccountKind, FEE},
-    test_utils::{spawn_app, FakeNode, CLIENT_GRANT},
+    test_utils::{prompt_job as job, spawn_app, FakeNode, CLIENT_GRANT},
 };
-
-const MODEL: &str = "smollm2-135m-instruct";
-
-fn job(prompt: &str, max_tokens: u32) -> SubmitJobRequest {
-    SubmitJobRequest {
-        model: MODEL.into(),
-        input: Some(JobInput {
-            kind: Some(job_input::Kind::Prompt(prompt.into())),
-        }),
-        sampling: Some(SamplingParams {
-            max_tokens,
-            ..Default::default()
-        }),
-        max_price_micro_mlx: 0,
-    }
-}
 
 #[tokio::test]
 async fn missing_wrong_revoked_and_expired_keys_are_indistinguishable() {

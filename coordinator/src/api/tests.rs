@@ -8,28 +8,12 @@ use mlxnet_proto::{
     v1::{
         job_event, job_input, job_update, jobs_client::JobsClient, models_client::ModelsClient,
         ChatMessage, ChatMessages, GetJobRequest, JobInput, JobState, JobUpdate, ListJobsRequest,
-        ListModelsRequest, ResultClaim, SamplingParams, SubmitJobRequest, WatchJobRequest,
+        ListModelsRequest, ResultClaim, WatchJobRequest,
     },
 };
 use tonic::Code;
 
-use crate::test_utils::{spawn_app, Authed, FakeNode, TestApp};
-
-const MODEL: &str = "smollm2-135m-instruct";
-
-fn prompt_job(prompt: &str, max_tokens: u32) -> SubmitJobRequest {
-    SubmitJobRequest {
-        model: MODEL.into(),
-        input: Some(JobInput {
-            kind: Some(job_input::Kind::Prompt(prompt.into())),
-        }),
-        sampling: Some(SamplingParams {
-            max_tokens,
-            ..Default::default()
-        }),
-        max_price_micro_mlx: 0,
-    }
-}
+use crate::test_utils::{prompt_job, spawn_app, Authed, FakeNode, TestApp};
 
 async fn jobs(app: &TestApp) -> JobsClient<Authed> {
     JobsClient::new(app.grpc().await)
