@@ -785,10 +785,7 @@ impl QuantLinear {
                     wk: self.k,
                     out: data.len(),
                 })?;
-            SCRATCH.with(|scratch| {
-                let mut scratch = scratch.borrow_mut();
-                self.forward_slice(xs, rows, &mut out, &mut scratch)
-            })?;
+            self.forward_local(xs, rows, &mut out)?;
         }
         let mut out_dims = dims.to_vec();
         if let Some(last) = out_dims.last_mut() {

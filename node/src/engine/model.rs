@@ -43,6 +43,26 @@ pub struct Block {
     pub(crate) down: Linear,
 }
 
+/// The rotary embedding the config and the file ask for (frequency factors
+/// from the config or the file's `rope_freqs`, linear scaling).
+pub(crate) fn rope_for(cfg: &ModelConfig, w: &WeightSource<'_>) -> Result<Rope, EngineError> {
+    let factors = match &cfg.rope_scaling {
+        RopeScaling::FreqFactors(f) => Some(f.clone()),
+        _ => w.optional_vector("rope_freqs.weight", cfg.rope_dims / 2)?,
+    };
+    let freq_scale = match cfg.rope_scaling {
+        RopeScaling::Linear { factor } => 1.0 / factor,
+        _ => 1.0,
+    };
+    Ok(Rope::new(
+        cfg.rope_dims,
+        cfg.rope_theta,
+        freq_scale,
+        factors,
+        cfg.rope_interleaved,
+    ))
+}
+
 /// Everything a block needs besides its weights, for one forward pass.
 pub(crate) struct Step<'a> {
     /// Tokens in this pass.
@@ -170,21 +190,7 @@ impl Model {
         } else {
             w.linear("token_embd", cfg.vocab_size, h, false)?
         };
-        let rope_factors = match &cfg.rope_scaling {
-            RopeScaling::FreqFactors(f) => Some(f.clone()),
-            _ => w.optional_vector("rope_freqs.weight", cfg.rope_dims / 2)?,
-        };
-        let freq_scale = match cfg.rope_scaling {
-            RopeScaling::Linear { factor } => 1.0 / factor,
-            _ => 1.0,
-        };
-        let rope = Rope::new(
-            cfg.rope_dims,
-            cfg.rope_theta,
-            freq_scale,
-            rope_factors,
-            cfg.rope_interleaved,
-        );
+        let rope = rope_for(&cfg, w)?;
         Ok(Model {
             cfg,
             embed,

@@ -40,10 +40,10 @@ use candle_core::quantized::ggml_file::qtensor_from_ggml;
 use candle_core::quantized::GgmlDType;
 use candle_core::{Device, Tensor};
 
-use super::config::{ModelConfig, RopeScaling};
+use super::config::ModelConfig;
 use super::gguf::GgufFile;
 use super::linear::Linear;
-use super::model::{Block, Step};
+use super::model::{rope_for, Block, Step};
 use super::ops::{self, AttnShape, LayerCache, Rope};
 use super::weights::{Embedding, WeightSource};
 use super::EngineError;
@@ -407,21 +407,7 @@ impl PodModel {
         } else {
             None
         };
-        let rope_factors = match &cfg.rope_scaling {
-            RopeScaling::FreqFactors(f) => Some(f.clone()),
-            _ => w.optional_vector("rope_freqs.weight", cfg.rope_dims / 2)?,
-        };
-        let freq_scale = match cfg.rope_scaling {
-            RopeScaling::Linear { factor } => 1.0 / factor,
-            _ => 1.0,
-        };
-        let rope = Rope::new(
-            cfg.rope_dims,
-            cfg.rope_theta,
-            freq_scale,
-            rope_factors,
-            cfg.rope_interleaved,
-        );
+        let rope = rope_for(&cfg, &w)?;
         Ok(PodModel {
             heads: kvr.len() * group,
             kv_heads: kvr.len(),

@@ -57,6 +57,19 @@ fn magnitudes(w: &QuantMatrix<'_>, scratch: &Scratch) -> Vec<f32> {
     out
 }
 
+/// Every output within f32 rounding of the scalar reference: `1e-5` of the
+/// sum of its terms' magnitudes (`mags`), plus `1e-6`.
+fn assert_within_rounding(got: &[f32], reference: &[f32], mags: &[f32], what: &str) {
+    for (i, ((g, r), mag)) in got.iter().zip(reference).zip(mags).enumerate() {
+        let tol = 1e-5 * mag + 1e-6;
+        assert!(
+            (g - r).abs() <= tol,
+            "{what} out[{i}]: {g} vs scalar {r} (tol {tol})"
+        );
+    }
+    assert_eq!(got.len(), reference.len(), "{what}: output length");
+}
+
 fn product(w: &QuantMatrix<'_>, scratch: &mut Scratch, isa: Isa) -> Vec<f32> {
     let mut out = vec![f32::NAN; scratch.rows * w.n];
     matmul(w, scratch, &mut out, isa).expect("matmul");
@@ -81,15 +94,12 @@ fn every_available_isa_matches_the_scalar_reference() {
                 let mags = magnitudes(&w, &scratch);
                 for &isa in Isa::available() {
                     let got = product(&w, &mut scratch, isa);
-                    for i in 0..m * n {
-                        let tol = 1e-5 * mags[i] + 1e-6;
-                        assert!(
-                            (got[i] - reference[i]).abs() <= tol,
-                            "{isa:?} {format:?} n={n} k={k} m={m} out[{i}]: {} vs scalar {} (tol {tol})",
-                            got[i],
-                            reference[i]
-                        );
-                    }
+                    assert_within_rounding(
+                        &got,
+                        &reference,
+                        &mags,
+                        &format!("{isa:?} {format:?} n={n} k={k} m={m}"),
+                    );
                     checked += 1;
                 }
             }
@@ -123,15 +133,12 @@ fn repacked_weights_match_the_row_major_reference_on_every_isa() {
                 for &isa in Isa::available() {
                     let mut got = vec![f32::NAN; m * n];
                     matmul_packed(&p, &mut scratch, &mut got, isa).expect("packed matmul");
-                    for i in 0..m * n {
-                        let tol = 1e-5 * mags[i] + 1e-6;
-                        assert!(
-                            (got[i] - reference[i]).abs() <= tol,
-                            "packed {isa:?} {format:?} n={n} k={k} m={m} out[{i}]: {} vs {} (tol {tol})",
-                            got[i],
-                            reference[i]
-                        );
-                    }
+                    assert_within_rounding(
+                        &got,
+                        &reference,
+                        &mags,
+                        &format!("packed {isa:?} {format:?} n={n} k={k} m={m}"),
+                    );
                     checked += 1;
                 }
             }
