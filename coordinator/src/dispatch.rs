@@ -7,6 +7,16 @@
 //! that runs out (`job_lease_ms` without progress) fails the attempt like a
 //! lost stream, so the job is requeued and its watchers see why.
 //!
+//! Hand-off: an attempt that ends without finishing (node vanished, lease
+//! lost, node drained) leaves the tokens it streamed as a segment
+//! (`store::segments`); the next attempt is assigned the job's input plus
+//! every segment's tokens (`Assignment.resume`) and streams on from there,
+//! so the watcher sees one stream with no gap and no repeat. A drained
+//! node's partial claim (`finish_reason` "handoff") must cover exactly the
+//! tokens it streamed; it is kept with its segment and pays that node (see
+//! `ledger::settle`). Requeued jobs go ahead of new ones (queue level 1),
+//! so an interrupted stream resumes first.
+//!
 //! # Invariants
 //! - Every state change goes through the store's guarded transitions first;
 //!   events are published to watchers only after the store accepted them.
@@ -30,7 +40,7 @@ use mlxnet_proto::{
     claim,
     frame::FrameError,
     ids::JobId,
-    v1::{job_event, job_input, job_update, Assignment, JobInput, SignedClaim},
+    v1::{job_event, job_input, job_update, Assignment, JobInput, Resume, SignedClaim},
 };
 use tokio::{sync::Notify, task::JoinSet};
 use tokio_util::sync::CancellationToken;
@@ -43,12 +53,19 @@ use crate::{
     jobs::{self, EventHub},
     ledger::{self, settle::JobTerms, Ledger, LedgerError},
     link::{
-        job::{check_result, Expected, JobStream, CODE_CANCELLED, CODE_REFUSED, CODE_TIMEOUT},
+        job::{
+            check_handoff, check_result, Expected, JobStream, CODE_CANCELLED, CODE_REFUSED,
+            CODE_TIMEOUT,
+        },
         session::{Reservation, Session, Sessions},
     },
     metrics::Metrics,
     scheduler::{self, Queue, Target},
-    store::{now_ms, AttemptEnd, CancelOutcome, Completion, JobRecord, NewJob, Store, StoreError},
+    store::{
+        now_ms,
+        segments::{Segment, Streamed, StreamedEnd},
+        AttemptEnd, CancelOutcome, Completion, JobRecord, NewJob, Store, StoreError,
+    },
 };
 
 /// How often placement runs even when nothing woke it.
@@ -77,10 +94,20 @@ pub struct Dispatcher {
 /// How an attempt ended, as seen from its stream.
 enum Outcome {
     Completed(SignedClaim),
-    Failed { reason: String, retryable: bool },
+    Failed {
+        reason: String,
+        retryable: bool,
+    },
+    /// The node drained and handed the job back with this verified partial
+    /// claim of the tokens it streamed.
+    HandedOff(SignedClaim),
     Cancelled,
     Shutdown,
 }
+
+/// Queue level of requeued jobs: ahead of new ones, so a client's
+/// interrupted stream resumes first (bounded by `max_attempts`).
+const RESUME_LEVEL: u8 = 1;
 
 impl Dispatcher {
     pub fn new(config: CoordinatorConfig, store: Store, catalogue: Catalogue) -> Arc<Self> {
@@ -183,7 +210,8 @@ impl Dispatcher {
             // Fair share across the accounts that pay (the ledger's holds);
             // jobs carry no priority field yet, so all share one level.
             let account = accounts.get(&job.id).cloned().unwrap_or_default();
-            let _ = queue.push(&account, 0, job);
+            let level = if job.attempt > 1 { RESUME_LEVEL } else { 0 };
+            let _ = queue.push(&account, level, job);
         }
         let placed = scheduler::schedule(&mut queue, &mut fleet, |job| {
             let model = self.catalogue.get(&job.model)?;
@@ -203,6 +231,10 @@ impl Dispatcher {
             let Some(session) = sessions.iter().find(|s| s.node_id == node) else {
                 continue;
             };
+            if session.connection.close_reason().is_some() {
+                // Gone; its clean-up has not run yet.
+                continue;
+            }
             let reservation = session.reserve(placement.memory_per_member);
             if !self
                 .store
@@ -260,14 +292,23 @@ impl Dispatcher {
         let _ = self
             .world
             .set_status(&node_hex, crate::world::Status::Serving);
-        let outcome = self.drive(&job, &model, &session, &cancel).await;
+        let (outcome, mut segment) = self.drive(&job, &model, &session, &cancel).await;
         // A job has one attempt at a time, so the entry (if a cancel did not
         // already take it) is this attempt's.
         lock(&self.running).remove(&job.id);
         let result = match outcome {
             Outcome::Completed(signed) => self.record_completion(&job, &node_hex, signed).await,
             Outcome::Failed { reason, retryable } => {
-                self.record_failure(&job, &node_hex, &reason, retryable)
+                self.record_failure(&job, &node_hex, &reason, retryable, &segment)
+                    .await
+            }
+            Outcome::HandedOff(signed) => {
+                let reason = format!(
+                    "the node drained; handed off after token {}",
+                    segment.first_index as usize + segment.token_ids.len()
+                );
+                segment.claim = Some(signed);
+                self.record_failure(&job, &node_hex, &reason, true, &segment)
                     .await
             }
             Outcome::Cancelled | Outcome::Shutdown => Ok(()),
@@ -328,18 +369,17 @@ impl Dispatcher {
         node_hex: &str,
         reason: &str,
         retryable: bool,
+        segment: &Segment,
     ) -> Result<(), StoreError> {
-        let end = self
-            .store
-            .fail_attempt(
-                job.id,
-                job.attempt,
-                node_hex,
-                reason,
-                retryable,
-                self.config.limits.max_attempts,
-            )
-            .await?;
+        let end = StreamedEnd {
+            job: job.id,
+            attempt: job.attempt,
+            node_id: node_hex,
+            reason,
+            retryable,
+            max_attempts: self.config.limits.max_attempts,
+        };
+        let end = self.store.end_attempt_streamed(&end, segment).await?;
         match end {
             Some(AttemptEnd::Requeued { attempt }) => {
                 Metrics::inc(&self.metrics.jobs_requeued);
@@ -368,29 +408,75 @@ impl Dispatcher {
         Ok(())
     }
 
-    /// Sends the assignment and follows the node's updates to the end.
+    /// Sends the assignment (resuming after what earlier attempts streamed)
+    /// and follows the node's updates to the end. Returns how it ended and
+    /// the tokens this attempt streamed.
     async fn drive(
         &self,
         job: &JobRecord,
         model: &Model,
         session: &Session,
         cancel: &CancellationToken,
+    ) -> (Outcome, Segment) {
+        let mut segment = Segment {
+            attempt: job.attempt,
+            node_id: session.node_id.to_string(),
+            ..Segment::default()
+        };
+        let resumed = match self.store.segments(job.id).await {
+            Ok(s) => Streamed::of(&s),
+            Err(e) => {
+                let reason = format!("reading the job's streamed tokens: {}", error_chain(&e));
+                let failed = Outcome::Failed {
+                    reason,
+                    retryable: true,
+                };
+                return (failed, segment);
+            }
+        };
+        segment.first_index = resumed.token_ids.len() as u32;
+        self.hub.seed(
+            job.id,
+            job_event::Tokens {
+                index: 0,
+                token_ids: resumed.token_ids.clone(),
+                text: resumed.text.clone(),
+            },
+        );
+        let outcome = self
+            .drive_resumed(job, model, session, cancel, resumed, &mut segment)
+            .await;
+        (outcome, segment)
+    }
+
+    async fn drive_resumed(
+        &self,
+        job: &JobRecord,
+        model: &Model,
+        session: &Session,
+        cancel: &CancellationToken,
+        resumed: Streamed,
+        segment: &mut Segment,
     ) -> Outcome {
         let input = job.input.clone();
-        let assignment = Assignment {
-            job_id: job.id.to_string(),
-            attempt: job.attempt,
-            model: job.model.clone(),
-            model_sha256: model.sha256.to_vec(),
-            input: Some(input.clone()),
-            sampling: Some(job.sampling.clone()),
-        };
         let expected = Expected {
             job_id: job.id.to_string(),
             attempt: job.attempt,
             node_id: session.node_id,
             model_sha256: model.sha256,
-            input_sha256: claim::input_digest(&input),
+            input_sha256: claim::resumed_input_digest(&input, &resumed.token_ids),
+        };
+        let assignment = Assignment {
+            job_id: job.id.to_string(),
+            attempt: job.attempt,
+            model: job.model.clone(),
+            model_sha256: model.sha256.to_vec(),
+            input: Some(input),
+            sampling: Some(job.sampling.clone()),
+            resume: (!resumed.token_ids.is_empty()).then(|| Resume {
+                token_ids: resumed.token_ids,
+                text: resumed.text,
+            }),
         };
         let opened = tokio::select! {
             _ = cancel.cancelled() => return self.stopped(),
@@ -408,7 +494,7 @@ impl Dispatcher {
         let deadline = Duration::from_millis(self.config.job_timeout_ms);
         let ended = tokio::select! {
             _ = cancel.cancelled() => None,
-            r = tokio::time::timeout(deadline, self.follow(job, session, &expected, &mut stream)) => Some(r),
+            r = tokio::time::timeout(deadline, self.follow(job, session, &expected, &mut stream, segment)) => Some(r),
         };
         match ended {
             None => {
@@ -424,7 +510,15 @@ impl Dispatcher {
             }
             Some(Ok(Ok(signed))) => {
                 stream.finish();
-                Outcome::Completed(signed)
+                let handoff = signed
+                    .claim
+                    .as_ref()
+                    .is_some_and(|c| c.finish_reason == claim::FINISH_HANDOFF);
+                if handoff {
+                    Outcome::HandedOff(signed)
+                } else {
+                    Outcome::Completed(signed)
+                }
             }
             Some(Ok(Err(failure))) => {
                 stream.reset(CODE_REFUSED);
@@ -441,13 +535,15 @@ impl Dispatcher {
         }
     }
 
-    /// Reads updates until a verified result (`Ok`) or the attempt's failure.
+    /// Reads updates until a verified result (`Ok`) or the attempt's
+    /// failure, adding the tokens it streams to `segment`.
     async fn follow(
         &self,
         job: &JobRecord,
         session: &Session,
         expected: &Expected,
         stream: &mut JobStream,
+        segment: &mut Segment,
     ) -> Result<SignedClaim, Outcome> {
         let node_hex = session.node_id.to_string();
         // The lease: renewed by every update from the node.
@@ -488,6 +584,18 @@ impl Dispatcher {
                     }
                 }
                 Some(job_update::Msg::Tokens(t)) => {
+                    let next = segment.first_index as usize + segment.token_ids.len();
+                    if t.index as usize != next {
+                        return Err(Outcome::Failed {
+                            reason: format!(
+                                "the node sent token {} where token {next} was due",
+                                t.index
+                            ),
+                            retryable: true,
+                        });
+                    }
+                    segment.token_ids.extend_from_slice(&t.token_ids);
+                    segment.text.push_str(&t.text);
                     self.metrics.tokens_streamed.fetch_add(
                         t.token_ids.len() as u64,
                         std::sync::atomic::Ordering::Relaxed,
@@ -502,7 +610,9 @@ impl Dispatcher {
                     );
                 }
                 Some(job_update::Msg::Result(signed)) => {
-                    return match check_result(&signed, expected) {
+                    return match check_result(&signed, expected)
+                        .and_then(|()| check_handoff(&signed, segment))
+                    {
                         Ok(()) => Ok(signed),
                         Err(e) => {
                             Metrics::inc(&self.metrics.results_refused);

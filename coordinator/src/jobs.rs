@@ -9,8 +9,10 @@
 //! # Invariants
 //! - Token chunks are recorded and broadcast under one lock, so a subscriber
 //!   sees every chunk exactly once: in its replay or live, never both.
-//! - A job's buffer is cleared when it is requeued (a new attempt starts from
-//!   token 0) and dropped when it ends; memory is bounded by running jobs.
+//! - A job's buffer is kept when it is requeued: the next attempt resumes
+//!   after those tokens (hand-off), so a late watcher replays the whole
+//!   stream so far. It is dropped when the job ends; memory is bounded by
+//!   unfinished jobs.
 //!
 //! # Failure
 //! Nothing here fails; a watcher that falls behind the broadcast buffer
@@ -207,8 +209,21 @@ impl EventHub {
         })
     }
 
-    /// A state event. Requeue (`Queued`) clears the tokens of the old attempt;
-    /// a terminal event drops the job's entry after sending.
+    /// Puts `chunk` (what earlier attempts streamed, read back from the
+    /// store) in front of a job whose buffer is empty, e.g. after a
+    /// coordinator restart, so late watchers still replay the whole stream.
+    /// Live subscribers already saw those tokens (or will replay them on
+    /// reconnect), so nothing is sent.
+    pub fn seed(&self, job: JobId, chunk: job_event::Tokens) {
+        self.with(|map| {
+            let live = Self::live(map, job);
+            if live.tokens.is_empty() && !chunk.token_ids.is_empty() {
+                live.tokens.push(chunk);
+            }
+        })
+    }
+
+    /// A state event. A terminal event drops the job's entry after sending.
     pub fn publish(&self, job: JobId, event: job_event::Event) {
         self.with(|map| {
             let terminal = matches!(
@@ -218,9 +233,6 @@ impl EventHub {
                     | job_event::Event::Cancelled(_)
             );
             let live = Self::live(map, job);
-            if matches!(event, job_event::Event::Queued(_)) {
-                live.tokens.clear();
-            }
             let _ = live.tx.send(JobEvent {
                 job_id: job.to_string(),
                 event: Some(event),
@@ -289,10 +301,10 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn requeue_clears_the_old_attempts_tokens() {
+    async fn requeue_keeps_the_streamed_tokens_the_next_attempt_resumes_after() {
         let hub = EventHub::default();
         let job = JobId::new();
-        hub.tokens(job, chunk(0, "old"));
+        hub.tokens(job, chunk(0, "kept"));
         hub.publish(
             job,
             job_event::Event::Queued(job_event::Queued {
@@ -300,7 +312,12 @@ mod tests {
                 reason: "node lost".into(),
             }),
         );
-        assert!(hub.subscribe(job).tokens.is_empty());
+        hub.tokens(job, chunk(1, " on"));
+        let replay = hub.subscribe(job).tokens;
+        assert_eq!(
+            replay.iter().map(|t| t.text.as_str()).collect::<String>(),
+            "kept on"
+        );
     }
 
     #[test]

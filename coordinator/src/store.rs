@@ -17,6 +17,7 @@
 //! [`StoreError`]: database errors (kept as the source, never shown to clients)
 //! and rows that do not decode (a corrupt or foreign database).
 
+pub mod segments;
 pub mod sqlite;
 
 use mlxnet_proto::{

@@ -29,7 +29,7 @@ use std::process::Command;
 use std::time::Instant;
 
 use anyhow::{bail, Context};
-use mlx_node::engine::{Engine, GenerateRequest, PromptInput, Sampling};
+use mlx_node::engine::{Engine, GenerateRequest, PromptInput, Resume, Sampling};
 use serde_json::{json, Value};
 
 const GEN_TOKENS: usize = 128;
@@ -77,6 +77,7 @@ fn run_ours(model: &Path, runs: usize) -> anyhow::Result<Value> {
             max_tokens: GEN_TOKENS,
             ..Sampling::default()
         },
+        resume: Resume::default(),
     };
     let prompt_ids = engine.prompt_tokens(&request.input)?;
     let (mut prefill, mut decode) = (Vec::new(), Vec::new());

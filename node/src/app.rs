@@ -106,6 +106,8 @@ impl Node {
             reconnect_min: Duration::from_millis(config.reconnect_min_ms),
             reconnect_max: Duration::from_millis(config.reconnect_max_ms),
             slots: Arc::new(Semaphore::new(config.max_concurrent_jobs as usize)),
+            drain: Arc::default(),
+            drain_grace: Duration::from_millis(config.drain_grace_ms),
         };
         Ok(Node {
             ctx: Arc::new(ctx),

@@ -55,6 +55,10 @@ pub struct NodeConfig {
     pub reconnect_max_ms: u64,
     /// Limit on dialing + the QUIC/TLS handshake + registration. Default 10 s.
     pub connect_timeout_ms: u64,
+    /// On shutdown (SIGTERM, Ctrl-C) the node drains: it takes no new job,
+    /// lets running jobs finish for this long, then hands the rest back at a
+    /// token boundary so they resume on another node. Default 30 s.
+    pub drain_grace_ms: u64,
     /// Whether the Mac is lent full-time or only while idle. Default dedicated.
     pub mode: NodeMode,
     /// Owner-declared coarse location for the World page. Default none.
@@ -222,6 +226,7 @@ pub struct ConfigLayer {
     pub reconnect_min_ms: Option<u64>,
     pub reconnect_max_ms: Option<u64>,
     pub connect_timeout_ms: Option<u64>,
+    pub drain_grace_ms: Option<u64>,
     pub mode: Option<NodeMode>,
     pub location: Option<Location>,
     pub operator_account: Option<String>,
@@ -295,6 +300,10 @@ impl ConfigLayer {
                     layer.reconnect_max_ms =
                         Some(parse_num(value).map_err(|_| bad("expected milliseconds"))?)
                 }
+                "DRAIN_GRACE_MS" => {
+                    layer.drain_grace_ms =
+                        Some(parse_num(value).map_err(|_| bad("expected milliseconds"))?)
+                }
                 "CONNECT_TIMEOUT_MS" => {
                     layer.connect_timeout_ms =
                         Some(parse_num(value).map_err(|_| bad("expected milliseconds"))?)
@@ -360,6 +369,9 @@ impl ConfigLayer {
         if let Some(v) = self.connect_timeout_ms {
             base.connect_timeout_ms = v;
         }
+        if let Some(v) = self.drain_grace_ms {
+            base.drain_grace_ms = v;
+        }
         if let Some(v) = self.mode {
             base.mode = v;
         }
@@ -411,6 +423,7 @@ impl NodeConfig {
             reconnect_min_ms: 500,
             reconnect_max_ms: 30_000,
             connect_timeout_ms: 10_000,
+            drain_grace_ms: 30_000,
             mode: NodeMode::Dedicated,
             location: None,
             operator_account: String::new(),

@@ -121,6 +121,24 @@ pub struct ChatTurn {
 pub struct GenerateRequest {
     pub input: PromptInput,
     pub sampling: Sampling,
+    /// Where an earlier attempt stopped (hand-off); empty for a fresh job.
+    pub resume: Resume,
+}
+
+/// The tokens an earlier attempt of the same job already produced and the
+/// text its client already received. A resumed generation prefills the
+/// prompt followed by `token_ids`, numbers its tokens from
+/// `token_ids.len()`, counts them against the same `max_tokens`, and first
+/// emits whatever text of `token_ids` the client has not seen yet (an
+/// unfinished character, or text held back for a stop string), so the
+/// client's stream continues with no gap and no repeat. A sampled
+/// (temperature > 0) generation skips one random draw per resumed token, so
+/// it continues exactly as the uninterrupted run would.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Resume {
+    pub token_ids: Vec<u32>,
+    /// The text already streamed; must be a prefix of the tokens' text.
+    pub text: String,
 }
 
 /// How to pick tokens and when to stop.
@@ -161,7 +179,7 @@ impl Default for Sampling {
 /// One generated token, as streamed to the callback.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TokenChunk {
-    /// 0-based index of this generated token.
+    /// 0-based index of this token in the job (resumed tokens count).
     pub index: usize,
     pub token_id: u32,
     /// Newly decodable text: valid UTF-8, may be empty (an incomplete
@@ -248,6 +266,8 @@ pub enum EngineError {
     InvalidSampling(String),
     #[error("tensor computation failed: {0}")]
     Candle(#[from] candle_core::Error),
+    #[error("resume text is not a prefix of the resumed tokens' text")]
+    ResumeMismatch,
 }
 
 impl EngineError {
@@ -259,6 +279,7 @@ impl EngineError {
                 | EngineError::EmptyPrompt
                 | EngineError::Template(_)
                 | EngineError::InvalidSampling(_)
+                | EngineError::ResumeMismatch
         )
     }
 }
@@ -363,7 +384,9 @@ impl Engine {
     ) -> Result<Generation, EngineError> {
         let s = &request.sampling;
         sampler::validate(s)?;
-        let prompt = self.prompt_tokens(&request.input)?;
+        let resume = &request.resume;
+        let mut prompt = self.prompt_tokens(&request.input)?;
+        prompt.extend_from_slice(&resume.token_ids);
         let ctx = self.model.cfg.context_length;
         if prompt.len() >= ctx {
             return Err(EngineError::PromptTooLong {
@@ -371,7 +394,10 @@ impl Engine {
                 max: ctx - 1,
             });
         }
-        let max_new = s.max_tokens.min(ctx - prompt.len());
+        let max_new = s
+            .max_tokens
+            .saturating_sub(resume.token_ids.len())
+            .min(ctx - prompt.len());
         let start = Instant::now();
         let mut generation = Generation {
             prompt_tokens: prompt.len(),
@@ -381,7 +407,20 @@ impl Engine {
             prefill: Duration::ZERO,
             decode: Duration::ZERO,
         };
-        if max_new == 0 {
+        let mut detok = Detokenizer::default();
+        // Text of the resumed tokens the client has not received yet: it
+        // goes out before (in front of) the first new token's text.
+        let mut unsent = self.unsent_resume_text(resume, &mut detok)?;
+        let ended = resume
+            .token_ids
+            .last()
+            .is_some_and(|t| self.tokenizer.eog.contains(t));
+        if max_new == 0 || ended {
+            unsent.push_str(&detok.finish());
+            generation.text = unsent;
+            if ended {
+                generation.finish = FinishReason::Eos;
+            }
             return Ok(generation);
         }
         self.model.reset(prompt.len() + max_new);
@@ -390,7 +429,7 @@ impl Engine {
             logits = self.model.forward(chunk)?;
         }
         let mut sampler = Sampler::new(s);
-        let mut detok = Detokenizer::default();
+        sampler.skip(resume.token_ids.len());
         let mut stop = StopBuffer::new(&s.stop);
         let mut history = prompt;
         let mut decode_start = None;
@@ -400,11 +439,11 @@ impl Engine {
                 generation.prefill = start.elapsed();
                 decode_start = Some(Instant::now());
             }
-            let index = generation.output_token_ids.len();
+            let index = resume.token_ids.len() + generation.output_token_ids.len();
             if self.tokenizer.eog.contains(&token) {
                 generation.finish = FinishReason::Eos;
                 let (StopCheck::Stopped(mut text) | StopCheck::Emit(mut text)) =
-                    stop.push(&detok.finish());
+                    stop.push(&(std::mem::take(&mut unsent) + &detok.finish()));
                 text.push_str(&stop.finish());
                 if !text.is_empty() {
                     generation.text.push_str(&text);
@@ -422,7 +461,8 @@ impl Engine {
             generation.output_token_ids.push(token);
             history.push(token);
             let last = generation.output_token_ids.len() == max_new;
-            let mut piece = detok.push(self.tokenizer.token_bytes(token));
+            let mut piece = std::mem::take(&mut unsent);
+            piece.push_str(&detok.push(self.tokenizer.token_bytes(token)));
             if last {
                 piece.push_str(&detok.finish());
             }
@@ -458,6 +498,25 @@ impl Engine {
             generation.decode = d.elapsed();
         }
         Ok(generation)
+    }
+
+    /// Feeds the resumed tokens to `detok` and returns the part of their
+    /// text that `resume.text` (what the client has) does not cover.
+    fn unsent_resume_text(
+        &self,
+        resume: &Resume,
+        detok: &mut Detokenizer,
+    ) -> Result<String, EngineError> {
+        let mut decoded = String::new();
+        for &t in &resume.token_ids {
+            if !self.tokenizer.eog.contains(&t) {
+                decoded.push_str(&detok.push(self.tokenizer.token_bytes(t)));
+            }
+        }
+        decoded
+            .strip_prefix(resume.text.as_str())
+            .map(str::to_owned)
+            .ok_or(EngineError::ResumeMismatch)
     }
 }
 

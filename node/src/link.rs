@@ -26,8 +26,11 @@
 //!   the link is in.
 //! - The engine thread never waits on the network: tokens go through a
 //!   bounded channel and are coalesced while it is full.
-//! - Shutdown sends `Drain`, closes the connection with code 0 and waits
-//!   (briefly) for the close to be delivered.
+//! - Shutdown drains ([`drain`]): `Drain` is sent at once and no job is
+//!   taken after it; running jobs get `drain_grace` to finish, then hand
+//!   their streamed tokens back (partial claims) so they resume elsewhere;
+//!   then the connection is closed with code 0 and the node waits (briefly)
+//!   for the close to be delivered.
 //!
 //! # Failure
 //! Every way a session ends is a [`LinkError`]; the reconnect loop reports
@@ -49,6 +52,7 @@ use crate::{
 };
 
 pub mod backoff;
+pub mod drain;
 pub mod job;
 pub mod session;
 pub mod tls;
@@ -132,6 +136,10 @@ pub struct LinkContext {
     /// One permit per job slot; shared across sessions, so a job still
     /// finishing from a dropped session keeps its slot.
     pub slots: Arc<Semaphore>,
+    /// Set on shutdown: no new jobs, then hand-off (see [`drain`]).
+    pub drain: Arc<drain::DrainState>,
+    /// How long running jobs may go on once the node drains.
+    pub drain_grace: Duration,
 }
 
 impl LinkContext {

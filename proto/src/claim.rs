@@ -26,6 +26,11 @@ use crate::{
 
 const CLAIM_DOMAIN: &[u8] = b"mlxnet/claim/v1\0";
 const INPUT_DOMAIN: &[u8] = b"mlxnet/input/v1\0";
+const RESUME_DOMAIN: &[u8] = b"mlxnet/resume/v1\0";
+
+/// `finish_reason` of a partial claim: a draining node stopped here and the
+/// job resumes elsewhere.
+pub const FINISH_HANDOFF: &str = "handoff";
 
 /// Why a signed claim is not acceptable.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -117,6 +122,23 @@ pub fn input_digest(input: &JobInput) -> [u8; 32] {
     h.finalize().into()
 }
 
+/// What a resumed attempt's claim binds as its prompt: the job's input
+/// followed by the tokens earlier attempts produced. Without resumed tokens
+/// it is [`input_digest`], so a fresh attempt's claim is unchanged.
+pub fn resumed_input_digest(input: &JobInput, resumed: &[u32]) -> [u8; 32] {
+    if resumed.is_empty() {
+        return input_digest(input);
+    }
+    let mut h = Sha256::new();
+    h.update(RESUME_DOMAIN);
+    h.update(input_digest(input));
+    h.update((resumed.len() as u32).to_le_bytes());
+    for t in resumed {
+        h.update(t.to_le_bytes());
+    }
+    h.finalize().into()
+}
+
 fn put_bytes(out: &mut Vec<u8>, b: &[u8]) {
     out.extend_from_slice(&(b.len() as u32).to_le_bytes());
     out.extend_from_slice(b);
@@ -131,6 +153,18 @@ fn hash_bytes(h: &mut Sha256, b: &[u8]) {
 mod tests {
     use super::*;
     use crate::v1::{ChatMessage, ChatMessages};
+
+    #[test]
+    fn a_resumed_digest_binds_the_resumed_tokens_and_is_the_input_digest_without_them() {
+        let input = JobInput {
+            kind: Some(job_input::Kind::Prompt("Hello".into())),
+        };
+        assert_eq!(resumed_input_digest(&input, &[]), input_digest(&input));
+        let a = resumed_input_digest(&input, &[1, 2]);
+        assert_ne!(a, input_digest(&input));
+        assert_ne!(a, resumed_input_digest(&input, &[1, 3]));
+        assert_ne!(a, resumed_input_digest(&input, &[1, 2, 0]));
+    }
 
     fn sample(key: &SigningKey) -> ResultClaim {
         ResultClaim {

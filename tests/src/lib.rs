@@ -220,22 +220,37 @@ impl TestCoordinator {
 
     /// A node config that dials this coordinator and serves the test model.
     pub fn node_config(&self, data_dir: &Path, name: &str) -> NodeConfig {
-        let mut config = NodeConfig::new(
-            data_dir.to_path_buf(),
-            self.quic_addr.to_string(),
-            self.fingerprint.clone(),
-        );
-        config.name = name.to_string();
-        config.models = vec![ModelEntry {
-            id: TEST_MODEL_ID.to_string(),
-            path: test_model(),
-        }];
-        config.threads = Some(1);
-        config.reconnect_min_ms = 50;
-        config.reconnect_max_ms = 500;
-        config.operator_account = self.accounts.operator_account.clone();
-        config
+        node_config_for(
+            data_dir,
+            &self.quic_addr.to_string(),
+            &self.fingerprint,
+            &self.accounts.operator_account,
+            name,
+        )
     }
+}
+
+/// A node config that dials the coordinator at `quic_addr` (pinned by
+/// `fingerprint`), serves the test model on one thread and earns for
+/// `operator_account` (for nodes in another process).
+pub fn node_config_for(
+    data_dir: &Path,
+    quic_addr: &str,
+    fingerprint: &str,
+    operator_account: &str,
+    name: &str,
+) -> NodeConfig {
+    let mut config = NodeConfig::new(data_dir.to_path_buf(), quic_addr, fingerprint);
+    config.name = name.to_string();
+    config.models = vec![ModelEntry {
+        id: TEST_MODEL_ID.to_string(),
+        path: test_model(),
+    }];
+    config.threads = Some(1);
+    config.reconnect_min_ms = 50;
+    config.reconnect_max_ms = 500;
+    config.operator_account = operator_account.to_string();
+    config
 }
 
 impl Drop for TestCoordinator {

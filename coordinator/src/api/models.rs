@@ -40,7 +40,7 @@ impl Models for ModelsApi {
                 price_output_micro_mlx_per_mtok: m.price().output_per_mtok,
                 nodes_serving: sessions
                     .iter()
-                    .filter(|s| s.models.contains(&m.sha256))
+                    .filter(|s| s.models.contains(&m.sha256) && !s.is_draining())
                     .count() as u32,
             })
             .collect();

@@ -247,12 +247,13 @@ impl Ledger {
                         let attempt: i64 = row.try_get("attempt")?;
                         let claim = ResultClaim::decode(claim.unwrap_or_default().as_slice())
                             .map_err(|e| LedgerError::Corrupt(format!("claim of job {id}: {e}")))?;
-                        let share = Share {
+                        let finisher = Share {
                             node_id: node.unwrap_or_default(),
                             attempt: attempt as u32,
                             input_tokens: u64::from(claim.prompt_tokens),
                             output_tokens: u64::from(claim.completion_tokens),
                         };
+                        let shares = job_shares(&mut tx, job, finisher).await?;
                         let terms = terms(&mut tx, &id).await?.ok_or_else(|| {
                             LedgerError::Corrupt(format!("job {id} has a hold but no terms"))
                         })?;
@@ -261,7 +262,7 @@ impl Ledger {
                             &mut tx,
                             &id,
                             &terms.price,
-                            std::slice::from_ref(&share),
+                            &shares,
                             self.config().fee_bps,
                             now_ms.min(deadline),
                         )
@@ -404,6 +405,42 @@ async fn submit_one(
     .execute(&mut *conn)
     .await?;
     Ok(insert_job_on(conn, job, now_ms).await?)
+}
+
+/// Who is paid for a completed job, given its finishing attempt's share
+/// (input = the prompt tokens its claim states).
+///
+/// A job handed off between nodes pays each token once, to the node whose
+/// signed claim covers it:
+/// - each hand-off segment with a verified partial claim (a drained node)
+///   is paid its output tokens;
+/// - the finishing attempt is paid its output tokens and the prompt once:
+///   its claim's prompt tokens less the resumed ones it prefilled again;
+/// - tokens a node streamed before it vanished carry no signature: they are
+///   paid to nobody and cost the client nothing.
+///
+/// So a split job never costs the client more than the same job run
+/// uninterrupted, and no attempt is paid twice.
+async fn job_shares(
+    conn: &mut SqliteConnection,
+    job: JobId,
+    mut finisher: Share,
+) -> Result<Vec<Share>, LedgerError> {
+    let segments = crate::store::segments::segments_on(conn, job).await?;
+    let resumed: u64 = segments.iter().map(|s| s.token_ids.len() as u64).sum();
+    finisher.input_tokens = finisher.input_tokens.saturating_sub(resumed);
+    let mut shares: Vec<Share> = segments
+        .iter()
+        .filter(|s| s.claim.is_some())
+        .map(|s| Share {
+            node_id: s.node_id.clone(),
+            attempt: s.attempt,
+            input_tokens: 0,
+            output_tokens: s.token_ids.len() as u64,
+        })
+        .collect();
+    shares.push(finisher);
+    Ok(shares)
 }
 
 async fn terms(conn: &mut SqliteConnection, job: &str) -> Result<Option<JobTerms>, LedgerError> {

@@ -18,6 +18,8 @@ use mlxnet_proto::{
     v1::{Assignment, JobUpdate, SignedClaim},
 };
 
+use crate::store::segments::Segment;
+
 /// Stream error code: the coordinator cancelled the job.
 pub const CODE_CANCELLED: u32 = 1;
 /// Stream error code: the coordinator refused the node's result or update.
@@ -41,6 +43,8 @@ pub enum ResultError {
     WrongModel,
     #[error("claim is about another input")]
     WrongInput,
+    #[error("hand-off claim covers {claimed} tokens, not the {streamed} streamed")]
+    HandoffMismatch { claimed: usize, streamed: usize },
 }
 
 /// What the coordinator assigned, for checking the result against.
@@ -81,6 +85,23 @@ pub fn check_result(signed: &SignedClaim, expected: &Expected) -> Result<(), Res
     }
     if c.prompt_sha256 != expected.input_sha256 {
         return Err(ResultError::WrongInput);
+    }
+    Ok(())
+}
+
+/// A hand-off claim must cover exactly the tokens its attempt streamed:
+/// those are what the next attempt resumes after and what the node is paid.
+pub fn check_handoff(signed: &SignedClaim, streamed: &Segment) -> Result<(), ResultError> {
+    let Some(c) = signed.claim.as_ref() else {
+        return Ok(());
+    };
+    if c.finish_reason == claim::FINISH_HANDOFF
+        && (c.output_token_ids != streamed.token_ids || c.output_text != streamed.text)
+    {
+        return Err(ResultError::HandoffMismatch {
+            claimed: c.output_token_ids.len(),
+            streamed: streamed.token_ids.len(),
+        });
     }
     Ok(())
 }

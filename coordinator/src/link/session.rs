@@ -70,6 +70,11 @@ impl Session {
         self.draining.store(true, Ordering::Relaxed);
     }
 
+    /// Whether the node asked for no new jobs.
+    pub fn is_draining(&self) -> bool {
+        self.draining.load(Ordering::Relaxed)
+    }
+
     /// Records what the node reported in a heartbeat.
     pub fn report_free_memory(&self, bytes: u64) {
         self.free_memory_bytes.store(bytes, Ordering::Relaxed);

@@ -19,8 +19,9 @@ use sqlx::{
 };
 
 use super::{
-    now_ms, AttemptEnd, CancelOutcome, Completion, JobRecord, JobStats, NewJob, NodeRecord,
-    StoreError,
+    now_ms,
+    segments::{self, StreamedEnd},
+    AttemptEnd, CancelOutcome, Completion, JobRecord, JobStats, NewJob, NodeRecord, StoreError,
 };
 use crate::jobs::JobState;
 
@@ -247,18 +248,22 @@ impl SqliteStore {
 
     /// `assigned | running -> completed` with the verified claim. Only the
     /// node holding this attempt can complete it, once; anything else
-    /// returns false and changes nothing.
+    /// returns false and changes nothing. A resumed job's output is what
+    /// its earlier attempts streamed followed by the claim's.
     pub async fn complete(&self, c: &Completion) -> Result<bool, StoreError> {
         let now = now_ms();
         let claim = c.result.claim.clone().unwrap_or_default();
         let mut tx = self.pool.begin().await?;
+        let before = segments::Streamed::of(&segments::segments_on(&mut tx, c.job_id).await?);
+        let output_text = before.text + &claim.output_text;
+        let completion_tokens = before.token_ids.len() as i64 + i64::from(claim.completion_tokens);
         let done = sqlx::query(
             "UPDATE jobs SET state = 'completed', output_text = ?, completion_tokens = ?, \
              claim = ?, signature = ?, error = NULL, updated_at_ms = ? \
              WHERE id = ? AND state IN ('assigned', 'running') AND attempt = ? AND node_id = ?",
         )
-        .bind(&claim.output_text)
-        .bind(i64::from(claim.completion_tokens))
+        .bind(&output_text)
+        .bind(completion_tokens)
         .bind(claim.encode_to_vec())
         .bind(&c.result.signature)
         .bind(now)
@@ -295,49 +300,18 @@ impl SqliteStore {
         retryable: bool,
         max_attempts: u32,
     ) -> Result<Option<AttemptEnd>, StoreError> {
-        let now = now_ms();
-        let mut tx = self.pool.begin().await?;
-        let row = sqlx::query(
-            "UPDATE jobs SET \
-               state = CASE WHEN ?1 AND attempt < ?2 THEN 'queued' ELSE 'failed' END, \
-               attempt = CASE WHEN ?1 AND attempt < ?2 THEN attempt + 1 ELSE attempt END, \
-               node_id = CASE WHEN ?1 AND attempt < ?2 THEN NULL ELSE node_id END, \
-               error = ?3, updated_at_ms = ?4 \
-             WHERE id = ?5 AND state IN ('assigned', 'running') AND attempt = ?6 AND node_id = ?7 \
-             RETURNING state, attempt",
-        )
-        .bind(retryable)
-        .bind(i64::from(max_attempts))
-        .bind(reason)
-        .bind(now)
-        .bind(id.to_string())
-        .bind(i64::from(attempt))
-        .bind(node_id)
-        .fetch_optional(&mut *tx)
-        .await?;
-        let Some(row) = row else {
-            tx.commit().await?;
-            return Ok(None);
+        let end = StreamedEnd {
+            job: id,
+            attempt,
+            node_id,
+            reason,
+            retryable,
+            max_attempts,
         };
-        sqlx::query(
-            "UPDATE job_attempts SET outcome = 'failed', error = ?, ended_at_ms = ? WHERE job_id = ? AND attempt = ?",
-        )
-        .bind(reason)
-        .bind(now)
-        .bind(id.to_string())
-        .bind(i64::from(attempt))
-        .execute(&mut *tx)
-        .await?;
+        let mut tx = self.pool.begin().await?;
+        let ended = fail_attempt_on(&mut tx, &end, now_ms()).await?;
         tx.commit().await?;
-        let state: String = row.try_get("state")?;
-        let new_attempt: i64 = row.try_get("attempt")?;
-        Ok(Some(if state == "queued" {
-            AttemptEnd::Requeued {
-                attempt: new_attempt as u32,
-            }
-        } else {
-            AttemptEnd::Failed
-        }))
+        Ok(ended)
     }
 
     /// Cancels a job that has not finished.
@@ -556,6 +530,54 @@ fn parse_state(id: &str, s: &str) -> Result<JobState, StoreError> {
         id: id.to_owned(),
         what: format!("unknown state {s:?}"),
     })
+}
+
+/// The guarded end of an attempt (see [`SqliteStore::fail_attempt`]) on
+/// `conn`, inside the caller's transaction.
+pub(crate) async fn fail_attempt_on(
+    conn: &mut SqliteConnection,
+    end: &StreamedEnd<'_>,
+    now: i64,
+) -> Result<Option<AttemptEnd>, StoreError> {
+    let row = sqlx::query(
+        "UPDATE jobs SET \
+           state = CASE WHEN ?1 AND attempt < ?2 THEN 'queued' ELSE 'failed' END, \
+           attempt = CASE WHEN ?1 AND attempt < ?2 THEN attempt + 1 ELSE attempt END, \
+           node_id = CASE WHEN ?1 AND attempt < ?2 THEN NULL ELSE node_id END, \
+           error = ?3, updated_at_ms = ?4 \
+         WHERE id = ?5 AND state IN ('assigned', 'running') AND attempt = ?6 AND node_id = ?7 \
+         RETURNING state, attempt",
+    )
+    .bind(end.retryable)
+    .bind(i64::from(end.max_attempts))
+    .bind(end.reason)
+    .bind(now)
+    .bind(end.job.to_string())
+    .bind(i64::from(end.attempt))
+    .bind(end.node_id)
+    .fetch_optional(&mut *conn)
+    .await?;
+    let Some(row) = row else {
+        return Ok(None);
+    };
+    sqlx::query(
+        "UPDATE job_attempts SET outcome = 'failed', error = ?, ended_at_ms = ? WHERE job_id = ? AND attempt = ?",
+    )
+    .bind(end.reason)
+    .bind(now)
+    .bind(end.job.to_string())
+    .bind(i64::from(end.attempt))
+    .execute(&mut *conn)
+    .await?;
+    let state: String = row.try_get("state")?;
+    let new_attempt: i64 = row.try_get("attempt")?;
+    Ok(Some(if state == "queued" {
+        AttemptEnd::Requeued {
+            attempt: new_attempt as u32,
+        }
+    } else {
+        AttemptEnd::Failed
+    }))
 }
 
 fn job_from_row(row: &SqliteRow) -> Result<JobRecord, StoreError> {

@@ -22,7 +22,7 @@ use std::time::Instant;
 
 use anyhow::Context;
 
-use super::{ChatTurn, Engine, GenerateRequest, PromptInput, Sampling};
+use super::{ChatTurn, Engine, GenerateRequest, PromptInput, Resume, Sampling};
 
 /// Arguments of `mlx-node generate`.
 #[derive(Debug, Clone, clap::Args)]
@@ -140,6 +140,7 @@ pub fn generate(args: GenerateArgs) -> anyhow::Result<()> {
             max_tokens: args.max_tokens,
             stop: args.stop.clone(),
         },
+        resume: Resume::default(),
     };
     let stdout = std::io::stdout();
     let mut out = stdout.lock();

@@ -59,6 +59,17 @@ impl Sampler {
         }
     }
 
+    /// Advances the random stream as `n` sampled tokens would have (a
+    /// greedy sampler draws nothing), so a resumed generation continues
+    /// the uninterrupted run's draws.
+    pub fn skip(&mut self, n: usize) {
+        if self.params.temperature > 0.0 {
+            for _ in 0..n {
+                let _: f64 = self.rng.gen();
+            }
+        }
+    }
+
     /// The next token. `history` is every token so far (prompt and output),
     /// used by the repetition penalty. `logits` is modified.
     pub fn sample(&mut self, logits: &mut [f32], history: &[u32]) -> u32 {

@@ -23,6 +23,7 @@ fn text(prompt: &str, sampling: Sampling) -> GenerateRequest {
     GenerateRequest {
         input: PromptInput::Text(prompt.to_string()),
         sampling,
+        resume: Resume::default(),
     }
 }
 
@@ -33,6 +34,7 @@ fn chat(question: &str, sampling: Sampling) -> GenerateRequest {
             content: question.into(),
         }]),
         sampling,
+        resume: Resume::default(),
     }
 }
 
@@ -749,6 +751,7 @@ fn smollm_knows_the_capital_of_france() {
             },
         ]),
         sampling: greedy(64),
+        resume: Resume::default(),
     };
     let (g, chunks) = run(&mut engine, &request);
     assert!(g.text.contains("Paris"), "answer: {:?}", g.text);
@@ -826,4 +829,53 @@ fn smollm_long_prompt_prefill_in_one_batch_equals_token_by_token() {
         .fold(0f32, f32::max);
     assert!(max_diff < 0.05, "logits differ by up to {max_diff}");
     assert_eq!(argmax(&batch), argmax(&single));
+}
+
+/// A job resumed from any token of an earlier attempt continues that
+/// attempt's stream: indices go on from the cut, the texts join without a
+/// gap or a repeat, and the tokens are the uninterrupted run's (greedy, and
+/// sampled with the same seed, since the sampler skips the resumed draws).
+#[test]
+fn smollm_resumed_generation_continues_the_uninterrupted_stream() {
+    let mut engine = smollm();
+    let sampled = Sampling {
+        temperature: 0.8,
+        top_k: 40,
+        seed: 7,
+        max_tokens: 40,
+        ..Sampling::default()
+    };
+    for sampling in [greedy(40), sampled] {
+        let request = chat("Tell me a story about a lighthouse keeper.", sampling);
+        let (full, chunks) = run(&mut engine, &request);
+        assert!(chunks.len() > 20, "the reference run is too short");
+        for cut in [1, 7, chunks.len() - 1] {
+            let resumed = GenerateRequest {
+                resume: Resume {
+                    token_ids: chunks[..cut].iter().map(|c| c.token_id).collect(),
+                    text: chunks[..cut].iter().map(|c| c.text.as_str()).collect(),
+                },
+                ..request.clone()
+            };
+            let (rest, rest_chunks) = run(&mut engine, &resumed);
+            assert_eq!(rest_chunks[0].index, cut, "indices go on from the cut");
+            let mut ids = resumed.resume.token_ids.clone();
+            ids.extend(&rest.output_token_ids);
+            assert_eq!(ids, full.output_token_ids, "cut at {cut}");
+            assert_eq!(resumed.resume.text + &rest.text, full.text, "cut at {cut}");
+            assert_eq!(rest.finish, full.finish);
+        }
+    }
+    // Text the client does not have is refused, not silently repeated.
+    let bad = GenerateRequest {
+        resume: Resume {
+            token_ids: vec![1, 2],
+            text: "not the tokens' text".into(),
+        },
+        ..chat("Hi", greedy(4))
+    };
+    let err = engine
+        .generate(&bad, &mut |_| ControlFlow::Continue(()))
+        .unwrap_err();
+    assert!(matches!(err, EngineError::ResumeMismatch), "{err}");
 }

@@ -13,6 +13,13 @@
 //!   token ids are the streamed ids.
 //! - A stream reset (or stop) by the coordinator cancels the generation at
 //!   the next token; nothing more is sent.
+//! - A resumed assignment (`Assignment.resume`) continues the job's stream:
+//!   token indices go on from the resumed count and the claim binds the
+//!   input plus the resumed tokens (`claim::resumed_input_digest`), while
+//!   its tokens and text are only what this attempt produced.
+//! - While the node drains no job starts (refused, retryable); on hand-off
+//!   a running job stops at the next token and sends a partial claim
+//!   (`finish_reason` "handoff") of exactly the tokens it streamed.
 //!
 //! # Failure
 //! The job's own fault (model not held, digest mismatch, no input, engine
@@ -40,10 +47,10 @@ use mlxnet_proto::{
 use tokio::sync::mpsc;
 use tracing::Instrument;
 
-use super::LinkContext;
+use super::{drain::DrainState, LinkContext};
 use crate::engine::{
-    ChatTurn, EngineError, FinishReason, GenerateRequest, Generation, PromptInput, Sampling,
-    TokenChunk,
+    ChatTurn, EngineError, FinishReason, GenerateRequest, Generation, PromptInput, Resume,
+    Sampling, TokenChunk,
 };
 
 /// How long the coordinator may take to send the assignment after opening
@@ -89,20 +96,27 @@ pub struct Coalescer {
     tx: mpsc::Sender<TokenBatch>,
     pending: Option<TokenBatch>,
     cancel: Arc<AtomicBool>,
+    drain: Arc<DrainState>,
 }
 
 impl Coalescer {
-    pub fn new(tx: mpsc::Sender<TokenBatch>, cancel: Arc<AtomicBool>) -> Self {
+    pub fn new(
+        tx: mpsc::Sender<TokenBatch>,
+        cancel: Arc<AtomicBool>,
+        drain: Arc<DrainState>,
+    ) -> Self {
         Self {
             tx,
             pending: None,
             cancel,
+            drain,
         }
     }
 
-    /// Offers one token; `Break` when the job was cancelled or nobody listens.
+    /// Offers one token; `Break` (the token is not taken) when the job was
+    /// cancelled, the node hands its jobs off, or nobody listens.
     pub fn push(&mut self, chunk: &TokenChunk) -> ControlFlow<()> {
-        if self.cancel.load(Ordering::Relaxed) {
+        if self.cancel.load(Ordering::Relaxed) || self.drain.is_handing_off() {
             return ControlFlow::Break(());
         }
         match &mut self.pending {
@@ -184,6 +198,13 @@ async fn run(
     send: &mut quinn::SendStream,
     recv: quinn::RecvStream,
 ) -> Result<(), JobError> {
+    if ctx.drain.is_draining() {
+        let outcome = Outcome::Failure {
+            reason: "node is draining".into(),
+            retryable: true,
+        };
+        return finish(send, outcome).await;
+    }
     let Ok(_permit) = ctx.slots.clone().try_acquire_owned() else {
         let reason = format!(
             "node is busy: all {} job slots in use",
@@ -215,10 +236,16 @@ async fn run(
         };
         return finish(send, outcome).await;
     };
+    let resume = a.resume.clone().unwrap_or_default();
     let request = GenerateRequest {
         input: prompt_input(&input),
         sampling: sampling(a.sampling.as_ref()),
+        resume: Resume {
+            token_ids: resume.token_ids,
+            text: resume.text,
+        },
     };
+    let prompt_sha256 = claim::resumed_input_digest(&input, &request.resume.token_ids);
     tracing::info!(job_id = %a.job_id, attempt = a.attempt, "job started");
     write_frame(
         send,
@@ -231,7 +258,7 @@ async fn run(
     let cancel = Arc::new(AtomicBool::new(false));
     let (tx, mut rx) = mpsc::channel(TOKEN_CHANNEL);
     let engine = model.engine.clone();
-    let mut coalescer = Coalescer::new(tx, cancel.clone());
+    let mut coalescer = Coalescer::new(tx, cancel.clone(), ctx.drain.clone());
     let generation = tokio::task::spawn_blocking(move || {
         let mut engine = engine.lock().unwrap_or_else(PoisonError::into_inner);
         let result = engine.generate(&request, &mut |chunk| coalescer.push(chunk));
@@ -242,12 +269,14 @@ async fn run(
     tokio::pin!(peer_cancel);
     let mut cancelled = false;
     let mut write_failed = None;
+    let mut streamed = Streamed::default();
     // Forward batches until the engine drops its sender (generation ended).
     loop {
         tokio::select! {
             batch = rx.recv() => match batch {
                 Some(batch) => {
                     if write_failed.is_none() {
+                        streamed.add(&batch);
                         if let Err(e) = write_frame(send, &batch.update()).await {
                             cancel.store(true, Ordering::Relaxed);
                             write_failed = Some(e);
@@ -277,9 +306,15 @@ async fn run(
         },
         Ok((result, leftover)) => {
             if let Some(batch) = leftover {
+                streamed.add(&batch);
                 write_frame(send, &batch.update()).await?;
             }
-            outcome(ctx, a, &input, &model.held.sha256, result)
+            let attempt = Attempt {
+                a,
+                prompt_sha256,
+                model_sha256: &model.held.sha256,
+            };
+            outcome(ctx, &attempt, result, streamed)
         }
     };
     finish(send, outcome).await
@@ -314,31 +349,72 @@ async fn watch_cancel(
     }
 }
 
+/// What the node streamed of one attempt, as sent.
+#[derive(Debug, Default)]
+struct Streamed {
+    token_ids: Vec<u32>,
+    text: String,
+}
+
+impl Streamed {
+    fn add(&mut self, batch: &TokenBatch) {
+        self.token_ids.extend_from_slice(&batch.token_ids);
+        self.text.push_str(&batch.text);
+    }
+}
+
+/// What a claim of this attempt binds.
+struct Attempt<'a> {
+    a: &'a Assignment,
+    prompt_sha256: [u8; 32],
+    model_sha256: &'a [u8; 32],
+}
+
 fn outcome(
     ctx: &LinkContext,
-    a: &Assignment,
-    input: &JobInput,
-    model_sha256: &[u8; 32],
+    at: &Attempt<'_>,
     result: Result<Generation, EngineError>,
+    streamed: Streamed,
 ) -> Outcome {
-    match result {
-        Ok(g) if g.finish == FinishReason::Cancelled => Outcome::Cancelled,
-        Ok(g) => Outcome::Claim(claim::sign(
+    let claim = |g: &Generation, token_ids: Vec<u32>, text: String, finish: &str| {
+        claim::sign(
             ResultClaim {
-                job_id: a.job_id.clone(),
-                attempt: a.attempt,
-                model_sha256: model_sha256.to_vec(),
-                prompt_sha256: claim::input_digest(input).to_vec(),
-                completion_tokens: g.output_token_ids.len() as u32,
-                output_token_ids: g.output_token_ids,
-                output_text: g.text,
+                job_id: at.a.job_id.clone(),
+                attempt: at.a.attempt,
+                model_sha256: at.model_sha256.to_vec(),
+                prompt_sha256: at.prompt_sha256.to_vec(),
+                completion_tokens: token_ids.len() as u32,
+                output_token_ids: token_ids,
+                output_text: text,
                 prompt_tokens: g.prompt_tokens as u32,
                 prefill_micros: g.prefill.as_micros() as u64,
                 decode_micros: g.decode.as_micros() as u64,
                 node_id: ctx.identity.node_id().as_bytes().to_vec(),
-                finish_reason: g.finish.as_str().into(),
+                finish_reason: finish.into(),
             },
             ctx.identity.signing_key(),
+        )
+    };
+    match result {
+        // Stopped for the hand-off: a partial claim of what was streamed.
+        Ok(g) if g.finish == FinishReason::Cancelled && ctx.drain.is_handing_off() => {
+            tracing::info!(
+                tokens = streamed.token_ids.len(),
+                "handing the job off at a token boundary"
+            );
+            Outcome::Claim(claim(
+                &g,
+                streamed.token_ids,
+                streamed.text,
+                claim::FINISH_HANDOFF,
+            ))
+        }
+        Ok(g) if g.finish == FinishReason::Cancelled => Outcome::Cancelled,
+        Ok(g) => Outcome::Claim(claim(
+            &g,
+            g.output_token_ids.clone(),
+            g.text.clone(),
+            g.finish.as_str(),
         )),
         Err(e) => Outcome::Failure {
             retryable: !e.is_client_error(),
@@ -437,7 +513,7 @@ mod tests {
     #[test]
     fn tokens_coalesce_while_the_channel_is_full_and_none_are_lost() {
         let (tx, mut rx) = mpsc::channel(1);
-        let mut c = Coalescer::new(tx, Arc::new(AtomicBool::new(false)));
+        let mut c = Coalescer::new(tx, Arc::new(AtomicBool::new(false)), Arc::default());
         for i in 0..5 {
             assert!(c.push(&chunk(i)).is_continue());
         }
@@ -474,15 +550,32 @@ mod tests {
     fn cancel_or_a_gone_listener_stops_the_engine() {
         let (tx, _rx) = mpsc::channel(4);
         let cancel = Arc::new(AtomicBool::new(false));
-        let mut c = Coalescer::new(tx, cancel.clone());
+        let mut c = Coalescer::new(tx, cancel.clone(), Arc::default());
         assert!(c.push(&chunk(0)).is_continue());
         cancel.store(true, Ordering::Relaxed);
         assert!(c.push(&chunk(1)).is_break());
 
         let (tx, rx) = mpsc::channel(4);
-        let mut c = Coalescer::new(tx, Arc::new(AtomicBool::new(false)));
+        let mut c = Coalescer::new(tx, Arc::new(AtomicBool::new(false)), Arc::default());
         drop(rx);
         assert!(c.push(&chunk(0)).is_break());
+
+        // A hand-off stops it too, and the refused token is not taken.
+        let (tx, mut rx) = mpsc::channel(4);
+        let drain = Arc::new(DrainState::default());
+        let mut c = Coalescer::new(tx, Arc::new(AtomicBool::new(false)), drain.clone());
+        assert!(c.push(&chunk(0)).is_continue());
+        drain.start();
+        assert!(
+            c.push(&chunk(1)).is_continue(),
+            "draining alone lets jobs run"
+        );
+        drain.hand_off();
+        assert!(c.push(&chunk(2)).is_break());
+        assert_eq!(c.finish(), None);
+        assert_eq!(rx.try_recv().unwrap().index, 0);
+        assert_eq!(rx.try_recv().unwrap().index, 1);
+        assert!(rx.try_recv().is_err());
     }
 
     #[test]

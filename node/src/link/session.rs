@@ -1,6 +1,11 @@
 //! One session with the coordinator: dial, prove the key, register, then
 //! heartbeat and accept job streams until the link drops or the node stops.
 //!
+//! Shutdown drains (see [`super::drain`]): `Drain` goes out at once, new
+//! job streams are refused, running jobs get the grace period, then hand
+//! off; the session ends once no job task is left (or
+//! [`HANDOFF_WAIT`] after the hand-off began).
+//!
 //! # Failure
 //! Returns `Ok(())` only when shut down on request (after `Drain` and a
 //! graceful close); every other end is a [`LinkError`].
@@ -35,6 +40,9 @@ const MISSED_ACKS: u32 = 4;
 const MIN_ACK_DEADLINE: Duration = Duration::from_secs(3);
 /// How long a graceful close may take to reach the coordinator.
 const CLOSE_GRACE: Duration = Duration::from_secs(2);
+/// How long jobs that were told to hand off may take to send their partial
+/// claims (one token's compute, then a frame) before the session ends anyway.
+pub const HANDOFF_WAIT: Duration = Duration::from_secs(10);
 
 type ControlFrames = Pin<Box<dyn Stream<Item = Result<CoordinatorControl, FrameError>> + Send>>;
 
@@ -65,15 +73,11 @@ pub async fn run(
     let result = serve(ctx, &conn, &mut send, &mut frames, interval, shutdown).await;
     match &result {
         Ok(()) => {
-            let drain = NodeControl {
-                msg: Some(node_control::Msg::Drain(Drain {
-                    reason: "node shutting down".into(),
-                })),
-            };
             // Closing a QUIC connection drops undelivered stream data: wait
-            // (briefly) until the coordinator has acknowledged the Drain.
+            // (briefly) until the coordinator has read the control stream
+            // (the Drain) to its end.
             let _ = tokio::time::timeout(CLOSE_GRACE, async {
-                if write_frame(&mut send, &drain).await.is_ok() && send.finish().is_ok() {
+                if send.finish().is_ok() {
                     let _ = send.stopped().await;
                 }
             })
@@ -195,9 +199,36 @@ async fn serve(
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let ack_deadline = (interval * MISSED_ACKS).max(MIN_ACK_DEADLINE);
     let mut last_heard = Instant::now();
+    // When the node began draining, and when it began handing jobs off.
+    let mut drained_at: Option<Instant> = None;
+    let mut handoff_at: Option<Instant> = None;
     loop {
+        if drained_at.is_some() && jobs.is_empty() {
+            return Ok(());
+        }
+        let handoff_due = drained_at.map(|t| t + ctx.drain_grace);
+        let give_up = handoff_at.map(|t| t + HANDOFF_WAIT);
         tokio::select! {
-            _ = shutdown.cancelled() => return Ok(()),
+            _ = shutdown.cancelled(), if drained_at.is_none() => {
+                ctx.drain.start();
+                drained_at = Some(Instant::now());
+                tracing::info!(running = jobs.len(), grace = ?ctx.drain_grace, "draining: no new jobs");
+                let drain = NodeControl {
+                    msg: Some(node_control::Msg::Drain(Drain {
+                        reason: "node shutting down".into(),
+                    })),
+                };
+                write_frame(send, &drain).await?;
+            }
+            _ = sleep_until_some(handoff_due), if handoff_at.is_none() => {
+                tracing::info!(running = jobs.len(), "grace period over: handing running jobs off");
+                ctx.drain.hand_off();
+                handoff_at = Some(Instant::now());
+            }
+            _ = sleep_until_some(give_up) => {
+                tracing::warn!(running = jobs.len(), "jobs did not hand off in time; leaving");
+                return Ok(());
+            }
             _ = ticker.tick() => {
                 if last_heard.elapsed() > ack_deadline {
                     return Err(LinkError::HeartbeatTimeout(last_heard.elapsed()));
@@ -241,6 +272,14 @@ async fn serve(
                 }
             }
         }
+    }
+}
+
+/// Sleeps until `at`, or forever when there is no `at`.
+async fn sleep_until_some(at: Option<Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at).await,
+        None => std::future::pending().await,
     }
 }
 

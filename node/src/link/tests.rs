@@ -61,6 +61,8 @@ impl TestLink {
             reconnect_min: Duration::from_millis(10),
             reconnect_max: Duration::from_millis(50),
             slots: Arc::new(Semaphore::new(slots as usize)),
+            drain: Arc::default(),
+            drain_grace: Duration::from_millis(100),
         });
         let (tx, status) = watch::channel(LinkStatus::Connecting);
         let stop = CancellationToken::new();
@@ -346,6 +348,7 @@ fn assignment(job: &str, question: &str, max_tokens: u32, sha: &str) -> Assignme
             seed: Some(1),
             ..Default::default()
         }),
+        resume: None,
     }
 }
 

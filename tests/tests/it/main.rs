@@ -5,6 +5,7 @@
 mod auth;
 mod crash;
 mod devnet;
+mod handoff;
 mod jobs;
 mod ledger;
 mod restart;

@@ -1,0 +1,203 @@
+//! Hand-off state: what ended attempts streamed to the client, so the next
+//! attempt resumes after it (see `migrations/sqlite/*_handoff.sql`).
+//!
+//! # Invariants
+//! - A segment is written in the same transaction as its attempt's end, and
+//!   only when that end was accepted (the job was at that attempt on that
+//!   node), so a late or foreign report adds nothing.
+//! - A job's segments are contiguous: each starts where the ones before it
+//!   end (`first_index` = tokens streamed so far), which the unique
+//!   `(job_id, first_index)` index and [`SqliteStore::end_attempt_streamed`]'s
+//!   check enforce.
+//!
+//! # Failure
+//! [`StoreError`]; a segment that does not decode is `Corrupt`.
+
+use mlxnet_proto::{
+    ids::JobId,
+    v1::{ResultClaim, SignedClaim},
+};
+use prost::Message;
+use sqlx::{Row, SqliteConnection};
+
+use super::{now_ms, sqlite::SqliteStore, AttemptEnd, StoreError};
+
+/// The tokens one attempt streamed before it ended without finishing.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Segment {
+    pub attempt: u32,
+    pub node_id: String,
+    /// Index of its first token in the job's stream.
+    pub first_index: u32,
+    pub token_ids: Vec<u32>,
+    pub text: String,
+    /// A drained node's signed partial claim (verified); none when the node
+    /// vanished.
+    pub claim: Option<SignedClaim>,
+}
+
+/// Everything a job's ended attempts streamed, in order.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Streamed {
+    pub token_ids: Vec<u32>,
+    pub text: String,
+}
+
+impl Streamed {
+    /// Joins `segments` (in stream order).
+    pub fn of(segments: &[Segment]) -> Self {
+        let mut out = Streamed::default();
+        for s in segments {
+            out.token_ids.extend_from_slice(&s.token_ids);
+            out.text.push_str(&s.text);
+        }
+        out
+    }
+}
+
+/// How an attempt that streamed tokens ended.
+#[derive(Clone, Debug)]
+pub struct StreamedEnd<'a> {
+    pub job: JobId,
+    pub attempt: u32,
+    pub node_id: &'a str,
+    pub reason: &'a str,
+    pub retryable: bool,
+    pub max_attempts: u32,
+}
+
+impl SqliteStore {
+    /// [`SqliteStore::fail_attempt`], and in the same transaction records
+    /// `segment` (when it holds tokens) for the next attempt to resume after.
+    /// A segment that does not start where the job's stream ends is refused
+    /// as `Corrupt` and nothing changes.
+    pub async fn end_attempt_streamed(
+        &self,
+        end: &StreamedEnd<'_>,
+        segment: &Segment,
+    ) -> Result<Option<AttemptEnd>, StoreError> {
+        let now = now_ms();
+        let mut tx = self.pool().begin().await?;
+        let ended = super::sqlite::fail_attempt_on(&mut tx, end, now).await?;
+        if ended.is_some() && !segment.token_ids.is_empty() {
+            let so_far = streamed_count_on(&mut tx, end.job).await?;
+            if u64::from(segment.first_index) != so_far {
+                return Err(StoreError::Corrupt {
+                    id: end.job.to_string(),
+                    what: format!(
+                        "segment of attempt {} starts at token {}, the stream is at {so_far}",
+                        end.attempt, segment.first_index
+                    ),
+                });
+            }
+            let (claim, signature) = match &segment.claim {
+                Some(s) => (
+                    s.claim.as_ref().map(Message::encode_to_vec),
+                    Some(s.signature.clone()),
+                ),
+                None => (None, None),
+            };
+            sqlx::query(
+                "INSERT INTO job_segments (job_id, attempt, node_id, first_index, token_count, \
+                 token_ids, text, claim, signature, created_at_ms) \
+                 VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            )
+            .bind(end.job.to_string())
+            .bind(i64::from(end.attempt))
+            .bind(end.node_id)
+            .bind(i64::from(segment.first_index))
+            .bind(segment.token_ids.len() as i64)
+            .bind(encode_ids(&segment.token_ids))
+            .bind(&segment.text)
+            .bind(claim)
+            .bind(signature)
+            .bind(now)
+            .execute(&mut *tx)
+            .await?;
+        }
+        tx.commit().await?;
+        Ok(ended)
+    }
+
+    /// A job's segments in stream order.
+    pub async fn segments(&self, job: JobId) -> Result<Vec<Segment>, StoreError> {
+        let mut conn = self.pool().acquire().await?;
+        segments_on(&mut conn, job).await
+    }
+}
+
+/// Tokens a job's segments hold.
+pub(crate) async fn streamed_count_on(
+    conn: &mut SqliteConnection,
+    job: JobId,
+) -> Result<u64, StoreError> {
+    let n: i64 = sqlx::query_scalar(
+        "SELECT COALESCE(SUM(token_count), 0) FROM job_segments WHERE job_id = ?",
+    )
+    .bind(job.to_string())
+    .fetch_one(&mut *conn)
+    .await?;
+    Ok(n.max(0) as u64)
+}
+
+/// A job's segments in stream order, on `conn` (inside a caller's transaction).
+pub(crate) async fn segments_on(
+    conn: &mut SqliteConnection,
+    job: JobId,
+) -> Result<Vec<Segment>, StoreError> {
+    let id = job.to_string();
+    let rows = sqlx::query(
+        "SELECT attempt, node_id, first_index, token_ids, text, claim, signature \
+         FROM job_segments WHERE job_id = ? ORDER BY first_index",
+    )
+    .bind(&id)
+    .fetch_all(&mut *conn)
+    .await?;
+    let corrupt = |what: String| StoreError::Corrupt {
+        id: id.clone(),
+        what,
+    };
+    rows.iter()
+        .map(|r| {
+            let attempt: i64 = r.try_get("attempt")?;
+            let first: i64 = r.try_get("first_index")?;
+            let ids: Vec<u8> = r.try_get("token_ids")?;
+            let claim: Option<Vec<u8>> = r.try_get("claim")?;
+            let signature: Option<Vec<u8>> = r.try_get("signature")?;
+            let claim = match claim {
+                Some(bytes) => Some(SignedClaim {
+                    claim: Some(
+                        ResultClaim::decode(bytes.as_slice())
+                            .map_err(|e| corrupt(format!("segment claim: {e}")))?,
+                    ),
+                    signature: signature.unwrap_or_default(),
+                }),
+                None => None,
+            };
+            Ok(Segment {
+                attempt: attempt as u32,
+                node_id: r.try_get("node_id")?,
+                first_index: first as u32,
+                token_ids: decode_ids(&ids).ok_or_else(|| corrupt("segment token ids".into()))?,
+                text: r.try_get("text")?,
+                claim,
+            })
+        })
+        .collect()
+}
+
+fn encode_ids(ids: &[u32]) -> Vec<u8> {
+    ids.iter().flat_map(|t| t.to_le_bytes()).collect()
+}
+
+fn decode_ids(bytes: &[u8]) -> Option<Vec<u32>> {
+    if bytes.len() % 4 != 0 {
+        return None;
+    }
+    Some(
+        bytes
+            .chunks_exact(4)
+            .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect(),
+    )
+}

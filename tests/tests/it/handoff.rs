@@ -1,0 +1,352 @@
+//! Hand-off end to end: a job whose node vanishes (SIGKILL) or drains
+//! mid-stream finishes on another node, and its client sees one stream with
+//! no gap and no repeated token; the ledger pays each token once.
+//!
+//! The vanishing node is a real `mlx-node` in another process (this test
+//! binary run again as [`node_child`]), killed with SIGKILL, so the
+//! coordinator learns of it only from silence (heartbeat timeout), as it
+//! would from a Mac that lost power. The draining node runs in process and
+//! is stopped the way SIGTERM stops `mlx-node run`.
+
+use std::{
+    io::{BufRead, BufReader},
+    process::{Child, Command, Stdio},
+    time::Duration,
+};
+
+use anyhow::{bail, Context};
+use mlxnet_coordinator::config::CoordinatorConfig;
+use mlxnet_proto::{
+    claim,
+    v1::{
+        job_event, BalanceRequest, EarningsRequest, JobState, ListModelsRequest, SubmitJobRequest,
+        WatchJobRequest,
+    },
+};
+use mlxnet_tests::{
+    coordinator_config, node_config_for, prompt_job, spawn_coordinator, spawn_node, state,
+    test_model, within, Client, JobRun, TestCoordinator, CLIENT_GRANT,
+};
+
+/// A coordinator that notices a silent node within about a second.
+fn quick_config(dir: &std::path::Path) -> CoordinatorConfig {
+    let mut config = coordinator_config(dir);
+    config.heartbeat_interval_ms = 200;
+    config.heartbeat_timeout_ms = 1_200;
+    config
+}
+
+/// A long greedy job: the test model keeps writing for its whole budget.
+fn long_job() -> SubmitJobRequest {
+    prompt_job("Once upon a time, in a small village by the sea,", 160)
+}
+
+/// The node process of [`a_killed_nodes_job_finishes_on_another_node_in_one_stream`].
+#[test]
+#[ignore = "run as a child process by a_killed_nodes_job_finishes_on_another_node_in_one_stream"]
+fn node_child() -> anyhow::Result<()> {
+    let var = |k: &str| std::env::var(k).with_context(|| format!("{k} is not set"));
+    let config = node_config_for(
+        std::path::Path::new(&var("HANDOFF_NODE_DIR")?),
+        &var("HANDOFF_QUIC")?,
+        &var("HANDOFF_FINGERPRINT")?,
+        &var("HANDOFF_OPERATOR")?,
+        "doomed",
+    );
+    let runtime = tokio::runtime::Runtime::new()?;
+    runtime.block_on(async {
+        let mut node = spawn_node(config).await?;
+        node.registered().await?;
+        println!("registered {}", node.id);
+        std::future::pending::<()>().await;
+        anyhow::Ok(())
+    })
+}
+
+/// Starts [`node_child`] for `coord`; returns the process and its node id.
+fn spawn_node_process(
+    coord: &TestCoordinator,
+    dir: &std::path::Path,
+) -> anyhow::Result<(Child, String)> {
+    let mut child = Command::new(std::env::current_exe()?)
+        .args(["--exact", "handoff::node_child", "--ignored", "--nocapture"])
+        .env("HANDOFF_NODE_DIR", dir)
+        .env("HANDOFF_QUIC", coord.quic_addr.to_string())
+        .env("HANDOFF_FINGERPRINT", &coord.fingerprint)
+        .env("HANDOFF_OPERATOR", &coord.accounts.operator_account)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()?;
+    let stdout = child.stdout.take().context("no stdout")?;
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+            if let Some(id) = line.strip_prefix("registered ") {
+                let _ = tx.send(id.to_owned());
+            }
+        }
+    });
+    match rx.recv_timeout(Duration::from_secs(120)) {
+        Ok(id) => Ok((child, id)),
+        Err(_) => {
+            let _ = child.kill();
+            bail!("the node process did not register")
+        }
+    }
+}
+
+/// Waits until `job` has streamed at least `n` tokens (from a watch of its own).
+async fn streamed_at_least(client: &mut Client, job: &str, n: usize) -> anyhow::Result<()> {
+    let mut events = client
+        .jobs
+        .watch(WatchJobRequest {
+            job_id: job.to_owned(),
+        })
+        .await?
+        .into_inner();
+    within("tokens to stream", async {
+        let mut seen = 0;
+        while let Some(e) = events.message().await? {
+            match e.event {
+                Some(job_event::Event::Tokens(t)) => {
+                    seen = t.index as usize + t.token_ids.len();
+                    if seen >= n {
+                        return Ok(());
+                    }
+                }
+                Some(job_event::Event::Completed(_) | job_event::Event::Failed(_)) => {
+                    bail!("the job ended after {seen} tokens, before the test could interrupt it")
+                }
+                _ => {}
+            }
+        }
+        bail!("the watch ended")
+    })
+    .await?
+}
+
+/// The model's prices (micro-MLX per million input and output tokens).
+async fn prices(client: &mut Client) -> anyhow::Result<(u64, u64)> {
+    let models = client.models.list(ListModelsRequest {}).await?.into_inner();
+    let m = models.models.first().context("no model")?;
+    Ok((
+        m.price_input_micro_mlx_per_mtok,
+        m.price_output_micro_mlx_per_mtok,
+    ))
+}
+
+/// The ledger's price of one share, rounded up to a whole micro-MLX.
+fn price((input, output): (u64, u64), in_tokens: u64, out_tokens: u64) -> i64 {
+    (in_tokens * input + out_tokens * output).div_ceil(1_000_000) as i64
+}
+
+/// One continuous stream: the result is exactly what was streamed, the
+/// finishing claim is the second node's and covers only what it computed,
+/// bound to the input plus the tokens it resumed after. Returns how many
+/// tokens the first node streamed.
+fn check_one_stream(
+    run: &JobRun,
+    request: &SubmitJobRequest,
+    first: &str,
+    second: &str,
+) -> anyhow::Result<usize> {
+    assert_eq!(state(&run.job), JobState::Completed, "{:?}", run.job);
+    assert_eq!(run.assigned_to, [first, second], "attempts went elsewhere");
+    assert_eq!(
+        run.streamed_text, run.job.output_text,
+        "stream and result differ"
+    );
+    let signed = run.job.result.clone().context("no claim")?;
+    assert_eq!(claim::verify(&signed)?.to_string(), second);
+    let c = signed.claim.context("no claim")?;
+    let cut = run.streamed_ids.len() - c.output_token_ids.len();
+    assert!(cut > 0, "the first node streamed nothing");
+    assert_eq!(
+        c.output_token_ids,
+        run.streamed_ids[cut..],
+        "the claim covers the rest"
+    );
+    let input = request.input.clone().context("no input")?;
+    assert_eq!(
+        c.prompt_sha256,
+        claim::resumed_input_digest(&input, &run.streamed_ids[..cut]).to_vec()
+    );
+    assert_eq!(c.attempt, 2);
+    Ok(cut)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_nodes_job_finishes_on_another_node_in_one_stream() -> anyhow::Result<()> {
+    test_model();
+    let dir = tempfile::tempdir()?;
+    let coord = spawn_coordinator(quick_config(&dir.path().join("coord"))).await?;
+    let (mut doomed, doomed_id) = spawn_node_process(&coord, &dir.path().join("doomed"))?;
+    let mut client = coord.client().await?;
+    let request = long_job();
+    let job = client.jobs.submit(request.clone()).await?.into_inner();
+    let mut follower = client.clone();
+    let followed = tokio::spawn({
+        let id = job.id.clone();
+        async move { follower.follow(id).await }
+    });
+    streamed_at_least(&mut client, &job.id, 8).await?;
+
+    let mut survivor =
+        spawn_node(coord.node_config(&dir.path().join("survivor"), "survivor")).await?;
+    survivor.registered().await?;
+    doomed.kill()?; // SIGKILL: no goodbye reaches the coordinator
+    let _ = doomed.wait();
+
+    let run = within("the resumed job", followed).await???;
+    let cut = check_one_stream(&run, &request, &doomed_id, &survivor.id.to_string())?;
+
+    // The same job run whole on one node gives the same tokens: the resume
+    // neither repeated nor dropped one.
+    let whole = client.run_job(request.clone()).await?;
+    assert_eq!(
+        whole.streamed_ids, run.streamed_ids,
+        "resumed at token {cut}"
+    );
+    assert_eq!(whole.job.output_text, run.job.output_text);
+
+    // Paid once: the vanished node signed nothing, so its tokens cost the
+    // client nothing; the finishing node is paid the prompt and its tokens.
+    let c = run
+        .job
+        .result
+        .clone()
+        .and_then(|s| s.claim)
+        .context("claim")?;
+    let p = prices(&mut client).await?;
+    let paid = price(
+        p,
+        u64::from(c.prompt_tokens) - cut as u64,
+        u64::from(c.completion_tokens),
+    );
+    let whole_claim = whole.job.result.and_then(|s| s.claim).context("claim")?;
+    let whole_paid = price(
+        p,
+        u64::from(whole_claim.prompt_tokens),
+        u64::from(whole_claim.completion_tokens),
+    );
+    assert!(
+        paid < whole_paid,
+        "the split job cost {paid}, the whole one {whole_paid}"
+    );
+    let balance = client
+        .accounts
+        .balance(BalanceRequest {})
+        .await?
+        .into_inner();
+    assert_eq!(balance.balance_micro_mlx, CLIENT_GRANT - paid - whole_paid);
+    assert_eq!(balance.held_micro_mlx, 0);
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_draining_nodes_job_finishes_on_another_node_and_it_takes_no_new_job(
+) -> anyhow::Result<()> {
+    test_model();
+    let dir = tempfile::tempdir()?;
+    let coord = spawn_coordinator(quick_config(&dir.path().join("coord"))).await?;
+    let mut config = coord.node_config(&dir.path().join("owner"), "owner-returns");
+    // Room for a second job, so only the drain can keep one off it.
+    config.max_concurrent_jobs = 2;
+    config.drain_grace_ms = 300;
+    let mut draining = spawn_node(config).await?;
+    draining.registered().await?;
+    let draining_id = draining.id.to_string();
+
+    let mut client = coord.client().await?;
+    let request = long_job();
+    let job = client.jobs.submit(request.clone()).await?.into_inner();
+    let mut follower = client.clone();
+    let followed = tokio::spawn({
+        let id = job.id.clone();
+        async move { follower.follow(id).await }
+    });
+    streamed_at_least(&mut client, &job.id, 8).await?;
+
+    let mut survivor =
+        spawn_node(coord.node_config(&dir.path().join("survivor"), "survivor")).await?;
+    survivor.registered().await?;
+    let survivor_id = survivor.id.to_string();
+    // The owner returns: the node drains (as on SIGTERM) and leaves.
+    let stopped = tokio::spawn(draining.stop());
+    within("the coordinator to see the drain", async {
+        loop {
+            let models = client.models.list(ListModelsRequest {}).await?.into_inner();
+            if models.models.first().is_some_and(|m| m.nodes_serving == 1) {
+                return anyhow::Ok(());
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await??;
+    let newcomer = client
+        .run_job(prompt_job("The capital of France is", 8))
+        .await?;
+    assert_eq!(state(&newcomer.job), JobState::Completed);
+    assert_eq!(
+        newcomer.assigned_to,
+        [survivor_id.as_str()],
+        "placed on a draining node"
+    );
+
+    let run = within("the handed-off job", followed).await???;
+    let cut = check_one_stream(&run, &request, &draining_id, &survivor_id)?;
+    within("the drained node to leave", stopped).await???;
+
+    // Each node is paid for the tokens its signed claim covers: the drained
+    // node for what it streamed before the hand-off, the survivor the rest
+    // (and the prompt, once).
+    let earned = coord
+        .client_with(Some(&coord.accounts.operator_key))
+        .await?
+        .accounts
+        .earnings(EarningsRequest {})
+        .await?
+        .into_inner();
+    let tokens_of = |node: &str| {
+        earned
+            .nodes
+            .iter()
+            .find(|n| n.node_id == node)
+            .and_then(|n| n.all_time)
+            .map_or(0, |p| p.tokens)
+    };
+    let c = run
+        .job
+        .result
+        .clone()
+        .and_then(|s| s.claim)
+        .context("claim")?;
+    assert_eq!(tokens_of(&draining_id), cut as u64);
+    let newcomer_claim = newcomer.job.result.and_then(|s| s.claim).context("claim")?;
+    assert_eq!(
+        tokens_of(&survivor_id),
+        u64::from(c.completion_tokens) + u64::from(newcomer_claim.completion_tokens)
+    );
+    let p = prices(&mut client).await?;
+    let job_price = price(p, 0, cut as u64)
+        + price(
+            p,
+            u64::from(c.prompt_tokens) - cut as u64,
+            u64::from(c.completion_tokens),
+        );
+    let newcomer_price = price(
+        p,
+        u64::from(newcomer_claim.prompt_tokens),
+        u64::from(newcomer_claim.completion_tokens),
+    );
+    let balance = client
+        .accounts
+        .balance(BalanceRequest {})
+        .await?
+        .into_inner();
+    assert_eq!(
+        balance.balance_micro_mlx,
+        CLIENT_GRANT - job_price - newcomer_price
+    );
+    Ok(())
+}
