@@ -382,6 +382,7 @@ async fn main() -> anyhow::Result<()> {
                         seed: Some(1),
                         ..SamplingParams::default()
                     },
+                    priority: 0,
                 })
                 .await?;
         }

@@ -82,6 +82,7 @@ fn request(i: usize) -> SubmitJobRequest {
             ..Default::default()
         }),
         max_price_micro_mlx: 0,
+        priority: 0,
     }
 }
 
@@ -216,6 +217,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
                         max_tokens: 64,
                         ..Default::default()
                     },
+                    priority: 0,
                 };
                 let t0 = Instant::now();
                 if ledger.submit_job(&job, &terms, now_ms()).await.is_ok() {

@@ -208,10 +208,10 @@ impl Dispatcher {
         let mut queue = Queue::new(queued.len());
         for job in queued {
             // Fair share across the accounts that pay (the ledger's holds);
-            // jobs carry no priority field yet, so all share one level.
+            // a job's priority orders only its own account's jobs.
             let account = accounts.get(&job.id).cloned().unwrap_or_default();
             let level = if job.attempt > 1 { RESUME_LEVEL } else { 0 };
-            let _ = queue.push(&account, level, job);
+            let _ = queue.push_ranked(&account, level, job.priority, job);
         }
         let placed = scheduler::schedule(&mut queue, &mut fleet, |job| {
             let model = self.catalogue.get(&job.model)?;

@@ -117,6 +117,7 @@ pub fn to_proto(job: &JobRecord) -> v1::Job {
         updated_at_ms: job.updated_at_ms,
         sampling: Some(job.sampling.clone()),
         input: Some(job.input.clone()),
+        priority: u32::from(job.priority),
     }
 }
 

@@ -48,6 +48,8 @@ pub struct JobRecord {
     pub model: String,
     pub input: JobInput,
     pub sampling: SamplingParams,
+    /// 0..=3: orders the account's own queued jobs (see `scheduler::queue`).
+    pub priority: u8,
     pub state: JobState,
     /// The current attempt (1-based); a requeue increments it.
     pub attempt: u32,
@@ -70,6 +72,8 @@ pub struct NewJob {
     pub input: JobInput,
     /// Seed already chosen.
     pub sampling: SamplingParams,
+    /// 0..=3, checked at the API.
+    pub priority: u8,
 }
 
 /// A verified result to record.

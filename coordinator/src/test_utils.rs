@@ -55,6 +55,7 @@ pub fn prompt_job(prompt: &str, max_tokens: u32) -> mlxnet_proto::v1::SubmitJobR
             ..Default::default()
         }),
         max_price_micro_mlx: 0,
+        priority: 0,
     }
 }
 

@@ -528,6 +528,7 @@ pub fn chat_job(question: &str, max_tokens: u32) -> SubmitJobRequest {
             ..Default::default()
         }),
         max_price_micro_mlx: 0,
+        priority: 0,
     }
 }
 
@@ -543,6 +544,7 @@ pub fn prompt_job(prompt: &str, max_tokens: u32) -> SubmitJobRequest {
             ..Default::default()
         }),
         max_price_micro_mlx: 0,
+        priority: 0,
     }
 }
 

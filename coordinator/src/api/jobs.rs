@@ -31,6 +31,8 @@ use crate::{
 
 /// Chat roles a model template knows.
 const ROLES: [&str; 3] = ["system", "user", "assistant"];
+/// Highest job priority a client may ask for (see `SubmitJobRequest.priority`).
+pub const MAX_PRIORITY: u8 = crate::scheduler::queue::MAX_RANK;
 const LIST_DEFAULT: u32 = 20;
 const LIST_MAX: u32 = 200;
 
@@ -160,11 +162,21 @@ pub fn validate_submit(
     if s.seed.is_none() {
         s.seed = Some(seed());
     }
+    let priority = u8::try_from(req.priority)
+        .ok()
+        .filter(|p| *p <= MAX_PRIORITY)
+        .ok_or_else(|| {
+            invalid(format!(
+                "priority must be 0 to {MAX_PRIORITY}, got {}",
+                req.priority
+            ))
+        })?;
     Ok(NewJob {
         id: JobId::new(),
         model: model.info.id.clone(),
         input,
         sampling: s,
+        priority,
     })
 }
 

@@ -74,6 +74,10 @@ enum Command {
         /// Refuse the job if it may cost more than this many micro-MLX (0: no limit).
         #[arg(long, default_value_t = 0)]
         max_price: u64,
+        /// 0 to 3: runs before this account's lower-priority queued jobs
+        /// (other accounts keep their fair share).
+        #[arg(long, default_value_t = 0)]
+        priority: u32,
         /// The prompt.
         prompt: String,
     },
@@ -199,6 +203,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             temperature,
             seed,
             max_price,
+            priority,
             prompt,
         } => {
             let mut messages = Vec::new();
@@ -229,6 +234,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                     ..Default::default()
                 }),
                 max_price_micro_mlx: max_price,
+                priority,
             };
             submit(JobsClient::with_interceptor(channel, auth), request, &input).await
         }

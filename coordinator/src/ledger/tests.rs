@@ -417,6 +417,7 @@ impl Walk {
                         max_tokens,
                         ..Default::default()
                     },
+                    priority: 0,
                 };
                 let terms = JobTerms {
                     account: self.clients[client].clone(),
@@ -1042,6 +1043,7 @@ async fn concurrent_submits_commit_in_groups_and_each_gets_its_own_answer() {
                     max_tokens: 8,
                     ..Default::default()
                 },
+                priority: 0,
             };
             let terms = JobTerms {
                 account: account.clone(),
@@ -1073,5 +1075,125 @@ async fn concurrent_submits_commit_in_groups_and_each_gets_its_own_answer() {
     }
     assert_eq!((rich_ok, poor_ok, refused), (20, 3, 17));
     assert_eq!(ledger.totals().await.unwrap().open_holds, 23);
+    assert!(ledger.audit().await.unwrap().is_empty());
+}
+
+/// A job split across three attempts pays each token once, to the node whose
+/// signed claim covers it: the drained node (partial claim) its output, the
+/// vanished node (no claim) nothing, the finisher the prompt once and its
+/// output. The client pays no more than the job run whole.
+#[tokio::test]
+async fn a_handed_off_job_pays_each_signed_token_once() {
+    use crate::store::segments::{Segment, StreamedEnd};
+    let (_dir, store, ledger) = fresh(LedgerConfig::default()).await;
+    let client = ledger
+        .create_account("client", AccountKind::Client)
+        .await
+        .unwrap();
+    ledger.grant("c", &client.id, 1_000_000, "").await.unwrap();
+    let op = ledger
+        .create_account("op", AccountKind::Operator)
+        .await
+        .unwrap();
+    for n in ["drained", "vanished", "finisher"] {
+        ledger.link_node(n, &op.id).await.unwrap();
+    }
+    let job = NewJob {
+        id: JobId::new(),
+        model: "m".into(),
+        input: JobInput {
+            kind: Some(job_input::Kind::Prompt("hello there".into())),
+        },
+        sampling: SamplingParams {
+            seed: Some(1),
+            max_tokens: 100,
+            ..Default::default()
+        },
+        priority: 0,
+    };
+    let terms = JobTerms {
+        account: client.id.clone(),
+        price: PRICE,
+        max_price: 10_000,
+    };
+    let now = crate::store::now_ms();
+    ledger.submit_job(&job, &terms, now).await.unwrap();
+    let partial = SignedClaim {
+        claim: Some(ResultClaim {
+            finish_reason: "handoff".into(),
+            completion_tokens: 40,
+            ..Default::default()
+        }),
+        signature: vec![1; 64],
+    };
+    let attempts = [
+        ("drained", 0, 40, Some(partial)),
+        ("vanished", 40, 25, None),
+    ];
+    for (i, (node, first, n, claim)) in attempts.into_iter().enumerate() {
+        let attempt = i as u32 + 1;
+        assert!(store.assign(job.id, attempt, node).await.unwrap());
+        let end = StreamedEnd {
+            job: job.id,
+            attempt,
+            node_id: node,
+            reason: "gone",
+            retryable: true,
+            max_attempts: 3,
+        };
+        let segment = Segment {
+            attempt,
+            node_id: node.into(),
+            first_index: first,
+            token_ids: vec![9; n],
+            text: "x".repeat(n),
+            claim,
+        };
+        store.end_attempt_streamed(&end, &segment).await.unwrap();
+    }
+    assert!(store.assign(job.id, 3, "finisher").await.unwrap());
+    let prompt = 12;
+    let finished = Completion {
+        job_id: job.id,
+        attempt: 3,
+        node_id: "finisher".into(),
+        result: SignedClaim {
+            claim: Some(ResultClaim {
+                // It prefilled the prompt and the 65 resumed tokens.
+                prompt_tokens: prompt + 65,
+                completion_tokens: 35,
+                finish_reason: "length".into(),
+                ..Default::default()
+            }),
+            signature: vec![1; 64],
+        },
+    };
+    assert!(store.complete(&finished).await.unwrap());
+    let drained = PRICE.of(0, 40);
+    let finisher = PRICE.of(u64::from(prompt), 35);
+    let fee = |p: i64| p * i64::from(FEE_BPS) / 10_000;
+    match ledger.settle_job(job.id, now + 1).await.unwrap() {
+        Settlement::Paid { price, .. } => assert_eq!(price, drained + finisher),
+        other => panic!("{other:?}"),
+    }
+    assert!(drained + finisher <= PRICE.of(u64::from(prompt), 100) + 1);
+    let earned: HashMap<String, (i64, i64)> = ledger
+        .earnings(&op.id, 0)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|e| (e.node_id, (e.micro_mlx, e.tokens)))
+        .collect();
+    assert_eq!(earned["drained"], (drained - fee(drained), 40));
+    assert_eq!(earned["finisher"], (finisher - fee(finisher), 35));
+    assert!(
+        !earned.contains_key("vanished"),
+        "unsigned tokens pay nobody"
+    );
+    assert_eq!(
+        ledger.settle_job(job.id, now + 2).await.unwrap(),
+        Settlement::NothingOpen,
+        "paid once"
+    );
     assert!(ledger.audit().await.unwrap().is_empty());
 }

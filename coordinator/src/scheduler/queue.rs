@@ -2,9 +2,17 @@
 //! accounts, a bound on its size.
 //!
 //! # Order
-//! Higher priority first, strictly (priorities are set by the coordinator,
-//! not chosen freely by clients). Within a priority, accounts take turns
-//! round-robin and each account's jobs go in submission order. A pass offers
+//! Two kinds of priority:
+//! - **Levels**, set by the coordinator, never by clients: a higher level
+//!   goes first, strictly (requeued jobs resuming a client's interrupted
+//!   stream use one).
+//! - **Ranks**, a client's job priority (0 to [`MAX_RANK`]): within one
+//!   level they order only the submitting account's own jobs (higher rank
+//!   first, then submission order). They do not change whose turn it is, so
+//!   no rank can take a placement from another account, and ranks are free.
+//!
+//! Within a level, accounts take turns round-robin and each account offers
+//! its jobs in rank, then submission order. A pass offers
 //! each account's jobs in turn; a job that cannot be placed now is passed
 //! over for this pass (smaller jobs behind it may go), and the account keeps
 //! its turn for its next job. An account served moves to the back of the
@@ -22,6 +30,9 @@
 //! - Every job pushed is returned by exactly one pass, or is still queued.
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
+
+/// Highest client rank (job priority).
+pub const MAX_RANK: u8 = 3;
 
 /// Why a job was not queued.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -43,7 +54,8 @@ pub enum Offer {
 struct Level<T> {
     /// Accounts with queued jobs, next to serve first.
     ring: VecDeque<String>,
-    jobs: HashMap<String, VecDeque<T>>,
+    /// Per account: (rank, job), highest rank first, then oldest first.
+    jobs: HashMap<String, VecDeque<(u8, T)>>,
 }
 
 impl<T> Default for Level<T> {
@@ -85,8 +97,23 @@ impl<T> Queue<T> {
         self.capacity
     }
 
-    /// Queues `job` for `account` at `priority` (higher goes first).
+    /// Queues `job` for `account` at `priority` (a level: higher goes
+    /// first), rank 0.
     pub fn push(&mut self, account: &str, priority: u8, job: T) -> Result<(), QueueError> {
+        self.push_ranked(account, priority, 0, job)
+    }
+
+    /// Queues `job` for `account` at level `priority` with the client's
+    /// `rank` (clamped to [`MAX_RANK`]): it goes after the account's jobs of
+    /// the same or a higher rank and before its lower-ranked ones.
+    pub fn push_ranked(
+        &mut self,
+        account: &str,
+        priority: u8,
+        rank: u8,
+        job: T,
+    ) -> Result<(), QueueError> {
+        let rank = rank.min(MAX_RANK);
         if self.len >= self.capacity {
             return Err(QueueError::Full {
                 capacity: self.capacity,
@@ -100,7 +127,11 @@ impl<T> Queue<T> {
                 level.jobs.entry(account.to_owned()).or_default()
             }
         };
-        jobs.push_back(job);
+        let at = jobs
+            .iter()
+            .position(|(r, _)| *r < rank)
+            .unwrap_or(jobs.len());
+        jobs.insert(at, (rank, job));
         self.len += 1;
         Ok(())
     }
@@ -123,14 +154,14 @@ impl<T> Queue<T> {
                     let skip = tried.entry(account.clone()).or_insert(0);
                     let mut hit = None;
                     while *skip < jobs.len() {
-                        if offer(&jobs[*skip]) == Offer::Placed {
+                        if offer(&jobs[*skip].1) == Offer::Placed {
                             hit = Some(*skip);
                             break;
                         }
                         *skip += 1;
                     }
                     let Some(i) = hit else { continue };
-                    if let Some(job) = jobs.remove(i) {
+                    if let Some((_, job)) = jobs.remove(i) {
                         placed.push(job);
                         self.len -= 1;
                     }
@@ -160,7 +191,7 @@ impl<T> Queue<T> {
         for level in self.levels.values_mut() {
             for jobs in level.jobs.values_mut() {
                 let before = jobs.len();
-                jobs.retain(|j| !pred(j));
+                jobs.retain(|(_, j)| !pred(j));
                 removed += before - jobs.len();
             }
             level.jobs.retain(|_, j| !j.is_empty());
@@ -189,6 +220,59 @@ mod tests {
         let placed = q.pass(|_| Offer::Placed);
         assert_eq!(placed, ["c0", "a0", "b0", "a1", "b1", "a2", "a3", "a4"]);
         assert!(q.is_empty());
+    }
+
+    #[test]
+    fn a_rank_reorders_only_its_own_accounts_jobs() {
+        let mut q = Queue::new(100);
+        q.push_ranked("alice", 0, 0, "a0").unwrap();
+        q.push_ranked("alice", 0, 0, "a1").unwrap();
+        q.push_ranked("bob", 0, 0, "b0").unwrap();
+        q.push_ranked("bob", 0, 0, "b1").unwrap();
+        // Bob's urgent jobs jump his own queue, in submission order among
+        // themselves, but Alice still gets every other turn.
+        q.push_ranked("bob", 0, 3, "b-urgent").unwrap();
+        q.push_ranked("bob", 0, 1, "b-soon").unwrap();
+        q.push_ranked("bob", 0, 3, "b-urgent2").unwrap();
+        q.push_ranked("alice", 0, 9, "a-clamped").unwrap();
+        let placed = q.pass(|_| Offer::Placed);
+        assert_eq!(
+            placed,
+            [
+                "a-clamped",
+                "b-urgent",
+                "a0",
+                "b-urgent2",
+                "a1",
+                "b-soon",
+                "b0",
+                "b1"
+            ]
+        );
+    }
+
+    #[test]
+    fn ranks_cannot_starve_another_account() {
+        // One account floods the queue at the top rank; another submits at
+        // rank 0. Placements alternate while both have jobs.
+        let mut q = Queue::new(1000);
+        for i in 0..200 {
+            q.push_ranked("flood", 0, MAX_RANK, ("flood", i)).unwrap();
+        }
+        for i in 0..20 {
+            q.push_ranked("modest", 0, 0, ("modest", i)).unwrap();
+        }
+        let mut budget = 40;
+        let placed = q.pass(|_| {
+            if budget == 0 {
+                return Offer::Blocked;
+            }
+            budget -= 1;
+            Offer::Placed
+        });
+        let modest = placed.iter().filter(|(a, _)| *a == "modest").count();
+        assert_eq!(modest, 20, "every other placement was the modest account's");
+        assert!(placed.chunks(2).all(|pair| pair[0].0 != pair[1].0));
     }
 
     #[test]

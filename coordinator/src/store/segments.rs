@@ -201,3 +201,86 @@ fn decode_ids(bytes: &[u8]) -> Option<Vec<u32>> {
             .collect(),
     )
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::sqlite::tests::{completion, fresh, queued};
+
+    fn end<'a>(job: JobId, attempt: u32, node: &'a str) -> StreamedEnd<'a> {
+        StreamedEnd {
+            job,
+            attempt,
+            node_id: node,
+            reason: "node lost",
+            retryable: true,
+            max_attempts: 3,
+        }
+    }
+
+    fn segment(attempt: u32, node: &str, first: u32, ids: &[u32], text: &str) -> Segment {
+        Segment {
+            attempt,
+            node_id: node.into(),
+            first_index: first,
+            token_ids: ids.to_vec(),
+            text: text.into(),
+            claim: None,
+        }
+    }
+
+    #[tokio::test]
+    async fn ended_attempts_leave_their_tokens_and_the_result_joins_them() {
+        let (_dir, store) = fresh().await;
+        let job = queued(&store).await;
+        assert!(store.assign(job.id, 1, "n1").await.unwrap());
+        let s1 = segment(1, "n1", 0, &[5, 6], "Once upon");
+        assert_eq!(
+            store
+                .end_attempt_streamed(&end(job.id, 1, "n1"), &s1)
+                .await
+                .unwrap(),
+            Some(AttemptEnd::Requeued { attempt: 2 })
+        );
+        // A late report of the same attempt adds nothing.
+        let late = segment(1, "n1", 2, &[7], " a");
+        assert_eq!(
+            store
+                .end_attempt_streamed(&end(job.id, 1, "n1"), &late)
+                .await
+                .unwrap(),
+            None
+        );
+        assert!(store.assign(job.id, 2, "n2").await.unwrap());
+        // A segment that does not start where the stream ends is refused,
+        // and the attempt stays as it was.
+        let gap = segment(2, "n2", 3, &[7], " a");
+        assert!(matches!(
+            store
+                .end_attempt_streamed(&end(job.id, 2, "n2"), &gap)
+                .await,
+            Err(StoreError::Corrupt { .. })
+        ));
+        let s2 = segment(2, "n2", 2, &[7], " a");
+        store
+            .end_attempt_streamed(&end(job.id, 2, "n2"), &s2)
+            .await
+            .unwrap();
+        assert_eq!(store.segments(job.id).await.unwrap(), [s1, s2]);
+        assert_eq!(
+            Streamed::of(&store.segments(job.id).await.unwrap()),
+            Streamed {
+                token_ids: vec![5, 6, 7],
+                text: "Once upon a".into()
+            }
+        );
+        assert!(store.assign(job.id, 3, "n3").await.unwrap());
+        assert!(store
+            .complete(&completion(&job, 3, "n3", " time"))
+            .await
+            .unwrap());
+        let done = store.get_job(job.id).await.unwrap().unwrap();
+        assert_eq!(done.output_text, "Once upon a time");
+        assert_eq!(done.completion_tokens, 3 + 3, "resumed plus the claim's");
+    }
+}

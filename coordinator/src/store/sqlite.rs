@@ -28,7 +28,7 @@ use crate::jobs::JobState;
 static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("../migrations/sqlite");
 
 const JOB_COLUMNS: &str = "id, model, input, sampling, state, attempt, node_id, output_text, \
-     completion_tokens, claim, signature, error, created_at_ms, updated_at_ms";
+     completion_tokens, claim, signature, error, created_at_ms, updated_at_ms, priority";
 
 /// Jobs and nodes in SQLite.
 #[derive(Clone, Debug)]
@@ -497,8 +497,8 @@ pub(crate) async fn insert_job_on(
     now: i64,
 ) -> Result<JobRecord, StoreError> {
     sqlx::query(
-        "INSERT INTO jobs (id, model, input, sampling, state, attempt, created_at_ms, updated_at_ms) \
-         VALUES (?, ?, ?, ?, 'queued', 1, ?, ?)",
+        "INSERT INTO jobs (id, model, input, sampling, state, attempt, created_at_ms, updated_at_ms, priority) \
+         VALUES (?, ?, ?, ?, 'queued', 1, ?, ?, ?)",
     )
     .bind(job.id.to_string())
     .bind(&job.model)
@@ -506,6 +506,7 @@ pub(crate) async fn insert_job_on(
     .bind(job.sampling.encode_to_vec())
     .bind(now)
     .bind(now)
+    .bind(i64::from(job.priority))
     .execute(&mut *conn)
     .await?;
     Ok(JobRecord {
@@ -513,6 +514,7 @@ pub(crate) async fn insert_job_on(
         model: job.model.clone(),
         input: job.input.clone(),
         sampling: job.sampling.clone(),
+        priority: job.priority,
         state: JobState::Queued,
         attempt: 1,
         node_id: None,
@@ -610,6 +612,7 @@ fn job_from_row(row: &SqliteRow) -> Result<JobRecord, StoreError> {
         sampling: SamplingParams::decode(sampling.as_slice())
             .map_err(|e| corrupt(format!("sampling: {e}")))?,
         state: parse_state(&id_text, &state)?,
+        priority: row.try_get::<i64, _>("priority")?.clamp(0, 3) as u8,
         attempt: attempt as u32,
         node_id: row.try_get("node_id")?,
         output_text: row.try_get("output_text")?,
@@ -622,18 +625,18 @@ fn job_from_row(row: &SqliteRow) -> Result<JobRecord, StoreError> {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use mlxnet_proto::v1::job_input;
 
-    async fn fresh() -> (tempfile::TempDir, SqliteStore) {
+    pub(crate) async fn fresh() -> (tempfile::TempDir, SqliteStore) {
         let dir = tempfile::tempdir().unwrap();
         let url = format!("sqlite://{}", dir.path().join("t.db").display());
         let store = SqliteStore::connect(&url).await.unwrap();
         (dir, store)
     }
 
-    async fn queued(store: &SqliteStore) -> JobRecord {
+    pub(crate) async fn queued(store: &SqliteStore) -> JobRecord {
         store
             .insert_job(&NewJob {
                 id: JobId::new(),
@@ -646,12 +649,13 @@ mod tests {
                     max_tokens: 16,
                     ..Default::default()
                 },
+                priority: 0,
             })
             .await
             .unwrap()
     }
 
-    fn completion(job: &JobRecord, attempt: u32, node: &str, text: &str) -> Completion {
+    pub(crate) fn completion(job: &JobRecord, attempt: u32, node: &str, text: &str) -> Completion {
         Completion {
             job_id: job.id,
             attempt,
