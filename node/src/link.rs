@@ -132,6 +132,16 @@ pub struct LinkContext {
     /// One permit per job slot; shared across sessions, so a job still
     /// finishing from a dropped session keeps its slot.
     pub slots: Arc<Semaphore>,
+    /// Set on a pod member: its pod and the one model the pod serves.
+    pub pod: Option<Arc<PodLink>>,
+}
+
+/// A pod member's side of the link: the leader runs the coordinator's jobs
+/// across the pod; every member reports the pod in its Hello.
+#[derive(Debug)]
+pub struct PodLink {
+    pub runtime: Arc<crate::pod::runtime::PodRuntime>,
+    pub held: crate::models::HeldModel,
 }
 
 impl LinkContext {

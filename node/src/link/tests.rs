@@ -61,6 +61,7 @@ impl TestLink {
             reconnect_min: Duration::from_millis(10),
             reconnect_max: Duration::from_millis(50),
             slots: Arc::new(Semaphore::new(slots as usize)),
+            pod: None,
         });
         let (tx, status) = watch::channel(LinkStatus::Connecting);
         let stop = CancellationToken::new();

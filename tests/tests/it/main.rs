@@ -7,6 +7,7 @@ mod crash;
 mod devnet;
 mod jobs;
 mod ledger;
+mod pod;
 mod restart;
 mod validation;
 mod world;
