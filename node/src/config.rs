@@ -252,6 +252,12 @@ const ENV_KEYS: &[&str] = &[
     "LOCATION__LAT",
     "LOCATION__LON",
     "LOCATION__HIDDEN",
+    "POD__HOSTFILE",
+    "POD__RANK",
+    "POD__PORT",
+    "POD__PARALLELISM",
+    "POD__MEMORY_LIMIT_BYTES",
+    "POD__MAX_CONTEXT",
 ];
 
 /// One layer of configuration: every key optional. The TOML file is read
@@ -754,6 +760,51 @@ mod tests {
             (wire.latitude, wire.longitude, wire.hidden),
             (-33.9, 18.4, true)
         );
+    }
+
+    #[test]
+    fn pod_settings_come_from_the_file_or_env_and_need_one_model() {
+        let file = ConfigLayer::from_toml(
+            "[pod]\nhostfile = \"/etc/pod.json\"\nrank = 2\nparallelism = \"tensor\"\n",
+        )
+        .unwrap();
+        let pod = file.pod.clone().unwrap();
+        assert_eq!(
+            (pod.rank, pod.port, pod.parallelism),
+            (2, 32323, crate::pod::runtime::Parallelism::Tensor)
+        );
+        let mut c = NodeConfig::load(
+            None,
+            env(&[
+                ("MLX_NODE__MODELS", "a=/x/a.gguf"),
+                ("MLX_NODE__POD__HOSTFILE", "/p.json"),
+                ("MLX_NODE__POD__RANK", "1"),
+                ("MLX_NODE__POD__PORT", "4000"),
+                ("MLX_NODE__POD__MEMORY_LIMIT_BYTES", "1000"),
+                ("MLX_NODE__POD__MAX_CONTEXT", "512"),
+                ("MLX_NODE__COORDINATOR_FINGERPRINT", &"ab".repeat(32)),
+            ]),
+            ConfigLayer::default(),
+        )
+        .unwrap();
+        let pod = c.pod.clone().unwrap();
+        assert_eq!(pod.hostfile, PathBuf::from("/p.json"));
+        assert_eq!(
+            (pod.rank, pod.port, pod.memory_limit_bytes, pod.max_context),
+            (1, 4000, Some(1000), Some(512))
+        );
+        c.validate().unwrap();
+        c.models.push(ModelEntry {
+            id: "b".into(),
+            path: "/x/b.gguf".into(),
+        });
+        let err = c.validate().unwrap_err().to_string();
+        assert!(err.contains("exactly one model"), "{err}");
+        let bad = ConfigLayer::from_env(env(&[("MLX_NODE__POD__PARALLELISM", "ring")]));
+        assert!(bad
+            .unwrap_err()
+            .to_string()
+            .contains("MLX_NODE__POD__PARALLELISM"));
     }
 
     #[test]
