@@ -224,15 +224,28 @@ impl Dispatcher {
             let Some(model) = self.catalogue.get(&job.model).cloned() else {
                 continue;
             };
-            // Sessions are single nodes until pods register on the link.
-            let Target::Node(node) = placement.target else {
-                continue;
+            // A pod's job goes to its leader (rank 0), which speaks for the
+            // pod; every other member's slot and share are held meanwhile.
+            let (node, others) = match &placement.target {
+                Target::Node(node) => (*node, &[][..]),
+                Target::Pod { members, .. } => match members.split_first() {
+                    Some((leader, others)) => (*leader, others),
+                    None => continue,
+                },
             };
             let Some(session) = sessions.iter().find(|s| s.node_id == node) else {
                 continue;
             };
             if session.connection.close_reason().is_some() {
                 // Gone; its clean-up has not run yet.
+                continue;
+            }
+            let held: Vec<Reservation> = others
+                .iter()
+                .filter_map(|m| sessions.iter().find(|s| s.node_id == *m))
+                .map(|s| s.reserve(placement.memory_per_member))
+                .collect();
+            if held.len() != others.len() {
                 continue;
             }
             let reservation = session.reserve(placement.memory_per_member);
@@ -254,7 +267,12 @@ impl Dispatcher {
             );
             debug!(job_id = %job.id, node = %node.short(), attempt = job.attempt, reason = %placement.reason, "assigned");
             let this = Arc::clone(self);
-            self.spawn(async move { this.run_attempt(job, model, reservation, token).await });
+            self.spawn(async move {
+                let wake = Arc::clone(&this);
+                this.run_attempt(job, model, reservation, token).await;
+                drop(held);
+                wake.wake();
+            });
         }
         Ok(())
     }
@@ -299,6 +317,11 @@ impl Dispatcher {
         let result = match outcome {
             Outcome::Completed(signed) => self.record_completion(&job, &node_hex, signed).await,
             Outcome::Failed { reason, retryable } => {
+                // A pod leader's failure takes its pod out of placement
+                // until its next heartbeat says it is whole again.
+                if retryable && session.pod.as_ref().is_some_and(|p| p.rank == 0) {
+                    session.report_pod_degraded(&reason);
+                }
                 self.record_failure(&job, &node_hex, &reason, retryable, &segment)
                     .await
             }

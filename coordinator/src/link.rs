@@ -204,6 +204,9 @@ async fn control_loop(
         match msg.msg {
             Some(node_control::Msg::Heartbeat(hb)) => {
                 session.report_free_memory(hb.free_memory_bytes);
+                if session.pod.is_some() {
+                    session.report_pod_degraded(&hb.pod_degraded);
+                }
                 let ack = CoordinatorControl {
                     msg: Some(coordinator_control::Msg::HeartbeatAck(HeartbeatAck {})),
                 };

@@ -24,7 +24,11 @@ use crate::{
     hardware::{self, HardwareError},
     identity::{Identity, IdentityError},
     link::{self, LinkContext, LinkError, LinkStatus},
-    models::{ModelError, ModelSet},
+    models::{HeldModel, ModelError, ModelSet},
+    pod::{
+        hostfile::PodConfig,
+        runtime::{PodError, PodRuntime, PodSetup},
+    },
 };
 
 /// Why the node could not start or run.
@@ -45,6 +49,8 @@ pub enum NodeError {
     Task(#[from] tokio::task::JoinError),
     #[error("cannot listen for shutdown signals: {0}")]
     Signal(std::io::Error),
+    #[error("pod: {0}")]
+    Pod(#[from] PodError),
 }
 
 /// A node ready to dial its coordinator.
@@ -81,9 +87,46 @@ impl Node {
             Ok(false) => {}
             Err(e) => tracing::warn!(error = %e, "ignoring unreadable bench figures"),
         }
-        let entries = config.models.clone();
-        let models = tokio::task::spawn_blocking(move || ModelSet::load(&entries)).await??;
         let node_id = identity.node_id();
+        let (models, pod) = match &config.pod {
+            None => {
+                let entries = config.models.clone();
+                let models =
+                    tokio::task::spawn_blocking(move || ModelSet::load(&entries)).await??;
+                (models, None)
+            }
+            Some(settings) => {
+                // A pod member loads only its share, in the pod runtime.
+                let entry = config.models[0].clone();
+                let held = tokio::task::spawn_blocking(move || HeldModel::hash(&entry)).await??;
+                let text =
+                    std::fs::read_to_string(&settings.hostfile).map_err(|e| PodError::Read {
+                        path: settings.hostfile.clone(),
+                        reason: e.to_string(),
+                    })?;
+                let setup = PodSetup {
+                    config: PodConfig::parse(&text).map_err(PodError::Config)?,
+                    rank: settings.rank,
+                    port: settings.port,
+                    parallelism: settings.parallelism,
+                    node_id: *node_id.as_bytes(),
+                    memory_budget: settings
+                        .memory_limit_bytes
+                        .unwrap_or(hardware.free_memory_bytes.max(1)),
+                    max_context: settings.max_context,
+                    model: held.path.clone(),
+                    compute: crate::engine::sharded::Compute::Native,
+                    tcp: Default::default(),
+                };
+                tracing::info!(rank = settings.rank, hostfile = %settings.hostfile.display(), "forming the pod");
+                let runtime =
+                    tokio::task::spawn_blocking(move || PodRuntime::start(setup)).await??;
+                (
+                    ModelSet::default(),
+                    Some(Arc::new(link::PodLink { runtime, held })),
+                )
+            }
+        };
         let name = if config.name.trim().is_empty() {
             format!("node-{}", node_id.short())
         } else {
@@ -101,11 +144,20 @@ impl Node {
             mode: config.mode,
             operator_account: config.operator_account.clone(),
             location: config.location.clone(),
-            max_concurrent_jobs: config.max_concurrent_jobs,
             connect_timeout: Duration::from_millis(config.connect_timeout_ms),
             reconnect_min: Duration::from_millis(config.reconnect_min_ms),
             reconnect_max: Duration::from_millis(config.reconnect_max_ms),
-            slots: Arc::new(Semaphore::new(config.max_concurrent_jobs as usize)),
+            slots: Arc::new(Semaphore::new(if pod.is_some() {
+                1
+            } else {
+                config.max_concurrent_jobs as usize
+            })),
+            max_concurrent_jobs: if pod.is_some() {
+                1
+            } else {
+                config.max_concurrent_jobs
+            },
+            pod,
             drain: Arc::default(),
             drain_grace: Duration::from_millis(config.drain_grace_ms),
         };

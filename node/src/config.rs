@@ -68,6 +68,53 @@ pub struct NodeConfig {
     /// Empty (default): the coordinator keeps the node's current link, or
     /// gives a new node an account of its own.
     pub operator_account: String,
+    /// Set when this node is a member of a pod (see [`PodSettings`]).
+    /// Default none: a single Mac.
+    pub pod: Option<PodSettings>,
+}
+
+/// Pod membership: the MLX hostfile, this node's rank in it, and how the
+/// pod splits its model. A pod node serves exactly one model (its only
+/// `models` entry), across the pod; it takes no job of its own.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PodSettings {
+    /// The MLX hostfile (JSON), the same file on every member.
+    pub hostfile: PathBuf,
+    /// This node's rank (0 = leader, which speaks for the pod).
+    #[serde(default)]
+    pub rank: usize,
+    /// Rank `r` listens on `port + r` at its hostfile address. Default 32323.
+    #[serde(default = "default_pod_port")]
+    pub port: u16,
+    /// `auto` (tensor over RDMA, pipeline over TCP), `tensor` or `pipeline`.
+    #[serde(default)]
+    pub parallelism: crate::pod::runtime::Parallelism,
+    /// Memory this member may use for its share (weights + KV cache).
+    /// Default: the machine's free memory at start.
+    #[serde(default)]
+    pub memory_limit_bytes: Option<u64>,
+    /// Longest sequence (prompt + generated) the pod accepts; the KV cache
+    /// is budgeted for it. Default: the model's context length.
+    #[serde(default)]
+    pub max_context: Option<usize>,
+}
+
+fn default_pod_port() -> u16 {
+    32323
+}
+
+impl PodSettings {
+    fn layer(pod: &mut Option<PodSettings>) -> &mut PodSettings {
+        pod.get_or_insert_with(|| PodSettings {
+            hostfile: PathBuf::new(),
+            rank: 0,
+            port: default_pod_port(),
+            parallelism: Default::default(),
+            memory_limit_bytes: None,
+            max_context: None,
+        })
+    }
 }
 
 /// One model file the node holds: catalogue id and local path.
@@ -209,6 +256,12 @@ const ENV_KEYS: &[&str] = &[
     "LOCATION__LAT",
     "LOCATION__LON",
     "LOCATION__HIDDEN",
+    "POD__HOSTFILE",
+    "POD__RANK",
+    "POD__PORT",
+    "POD__PARALLELISM",
+    "POD__MEMORY_LIMIT_BYTES",
+    "POD__MAX_CONTEXT",
 ];
 
 /// One layer of configuration: every key optional. The TOML file is read
@@ -230,6 +283,7 @@ pub struct ConfigLayer {
     pub mode: Option<NodeMode>,
     pub location: Option<Location>,
     pub operator_account: Option<String>,
+    pub pod: Option<PodSettings>,
 }
 
 impl ConfigLayer {
@@ -331,6 +385,30 @@ impl ConfigLayer {
                         .map_err(|_| bad("expected true or false"))?;
                     location(&mut layer.location).hidden = Some(hidden);
                 }
+                "POD__HOSTFILE" => {
+                    PodSettings::layer(&mut layer.pod).hostfile = PathBuf::from(value)
+                }
+                "POD__RANK" => {
+                    PodSettings::layer(&mut layer.pod).rank =
+                        parse_num(value).map_err(|_| bad("expected a whole number"))?
+                }
+                "POD__PORT" => {
+                    PodSettings::layer(&mut layer.pod).port =
+                        parse_num(value).map_err(|_| bad("expected a port number"))?
+                }
+                "POD__PARALLELISM" => {
+                    PodSettings::layer(&mut layer.pod).parallelism = value
+                        .parse()
+                        .map_err(|_| bad("expected `auto`, `tensor` or `pipeline`"))?
+                }
+                "POD__MEMORY_LIMIT_BYTES" => {
+                    PodSettings::layer(&mut layer.pod).memory_limit_bytes =
+                        Some(parse_num(value).map_err(|_| bad("expected bytes"))?)
+                }
+                "POD__MAX_CONTEXT" => {
+                    PodSettings::layer(&mut layer.pod).max_context =
+                        Some(parse_num(value).map_err(|_| bad("expected a whole number"))?)
+                }
                 _ => return Err(ConfigError::UnknownEnv(key.to_owned())),
             }
         }
@@ -377,6 +455,9 @@ impl ConfigLayer {
         }
         if let Some(v) = self.operator_account {
             base.operator_account = v;
+        }
+        if let Some(v) = self.pod {
+            base.pod = Some(v);
         }
         if let Some(v) = self.location {
             // Location fields merge one by one, so env can refine a file's place.
@@ -427,6 +508,7 @@ impl NodeConfig {
             mode: NodeMode::Dedicated,
             location: None,
             operator_account: String::new(),
+            pod: None,
         }
     }
 
@@ -503,6 +585,22 @@ impl NodeConfig {
                 expected: "at least 1",
                 value: "0".into(),
             });
+        }
+        if let Some(pod) = &self.pod {
+            if pod.hostfile.as_os_str().is_empty() {
+                return Err(ConfigError::OutOfRange {
+                    key: "pod.hostfile",
+                    expected: "the path of the pod's MLX hostfile",
+                    value: String::new(),
+                });
+            }
+            if self.models.len() != 1 {
+                return Err(ConfigError::OutOfRange {
+                    key: "models",
+                    expected: "exactly one model on a pod member (the pod serves one model)",
+                    value: self.models.len().to_string(),
+                });
+            }
         }
         if let Some(loc) = &self.location {
             if loc.lat.is_none() || loc.lon.is_none() {
@@ -675,6 +773,51 @@ mod tests {
             (wire.latitude, wire.longitude, wire.hidden),
             (-33.9, 18.4, true)
         );
+    }
+
+    #[test]
+    fn pod_settings_come_from_the_file_or_env_and_need_one_model() {
+        let file = ConfigLayer::from_toml(
+            "[pod]\nhostfile = \"/etc/pod.json\"\nrank = 2\nparallelism = \"tensor\"\n",
+        )
+        .unwrap();
+        let pod = file.pod.clone().unwrap();
+        assert_eq!(
+            (pod.rank, pod.port, pod.parallelism),
+            (2, 32323, crate::pod::runtime::Parallelism::Tensor)
+        );
+        let mut c = NodeConfig::load(
+            None,
+            env(&[
+                ("MLX_NODE__MODELS", "a=/x/a.gguf"),
+                ("MLX_NODE__POD__HOSTFILE", "/p.json"),
+                ("MLX_NODE__POD__RANK", "1"),
+                ("MLX_NODE__POD__PORT", "4000"),
+                ("MLX_NODE__POD__MEMORY_LIMIT_BYTES", "1000"),
+                ("MLX_NODE__POD__MAX_CONTEXT", "512"),
+                ("MLX_NODE__COORDINATOR_FINGERPRINT", &"ab".repeat(32)),
+            ]),
+            ConfigLayer::default(),
+        )
+        .unwrap();
+        let pod = c.pod.clone().unwrap();
+        assert_eq!(pod.hostfile, PathBuf::from("/p.json"));
+        assert_eq!(
+            (pod.rank, pod.port, pod.memory_limit_bytes, pod.max_context),
+            (1, 4000, Some(1000), Some(512))
+        );
+        c.validate().unwrap();
+        c.models.push(ModelEntry {
+            id: "b".into(),
+            path: "/x/b.gguf".into(),
+        });
+        let err = c.validate().unwrap_err().to_string();
+        assert!(err.contains("exactly one model"), "{err}");
+        let bad = ConfigLayer::from_env(env(&[("MLX_NODE__POD__PARALLELISM", "ring")]));
+        assert!(bad
+            .unwrap_err()
+            .to_string()
+            .contains("MLX_NODE__POD__PARALLELISM"));
     }
 
     #[test]

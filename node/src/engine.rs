@@ -73,9 +73,50 @@ const PREFILL_CHUNK: usize = 256;
 pub struct Engine {
     info: ModelInfo,
     model: Model,
+    text: TextSide,
+}
+
+/// What generation needs from a model besides its forward pass: the
+/// tokenizer and the chat template. A pod leader holds this and only its
+/// share of the weights.
+pub struct TextSide {
     tokenizer: Tokenizer,
     /// The compiled chat template, or why there is none.
     template: Result<ChatTemplate, String>,
+}
+
+impl std::fmt::Debug for TextSide {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TextSide").finish_non_exhaustive()
+    }
+}
+
+/// The forward pass generation drives: room for a sequence, then passes
+/// that return the last position's logits. Two implementations: the whole
+/// model on this machine, and a pod leader driving the sharded model
+/// across its pod (`pod::runtime`).
+pub trait Forward {
+    type Error: From<EngineError>;
+    /// Longest sequence (prompt + generated) it accepts.
+    fn context_length(&self) -> usize;
+    /// Empties the cache and makes room for `capacity` positions.
+    fn reset(&mut self, capacity: usize) -> Result<(), Self::Error>;
+    /// Runs `tokens` at the next positions; the logits of the last one.
+    fn forward(&mut self, tokens: &[u32]) -> Result<Vec<f32>, Self::Error>;
+}
+
+impl Forward for Model {
+    type Error = EngineError;
+    fn context_length(&self) -> usize {
+        self.cfg.context_length
+    }
+    fn reset(&mut self, capacity: usize) -> Result<(), EngineError> {
+        Model::reset(self, capacity);
+        Ok(())
+    }
+    fn forward(&mut self, tokens: &[u32]) -> Result<Vec<f32>, EngineError> {
+        Model::forward(self, tokens)
+    }
 }
 
 impl std::fmt::Debug for Engine {
@@ -307,10 +348,7 @@ impl Engine {
                 model.cfg.vocab_size
             )));
         }
-        let template = match template_source {
-            Some(src) => ChatTemplate::new(&src).map_err(|e| e.to_string()),
-            None => Err("the model file has no chat template".to_string()),
-        };
+        let template = compile_template(template_source);
         let cfg = &model.cfg;
         let info = ModelInfo {
             architecture: cfg.architecture_name.clone(),
@@ -324,13 +362,96 @@ impl Engine {
         Ok(Engine {
             info,
             model,
-            tokenizer,
-            template,
+            text: TextSide {
+                tokenizer,
+                template,
+            },
         })
     }
 
     pub fn info(&self) -> &ModelInfo {
         &self.info
+    }
+
+    /// The prompt's token ids as [`Engine::generate`] would feed them
+    /// (chat template applied, BOS added when the model wants it).
+    pub fn prompt_tokens(&self, input: &PromptInput) -> Result<Vec<u32>, EngineError> {
+        self.text.prompt_tokens(input)
+    }
+
+    /// Tokenizes `text` as is (special tokens recognised, no BOS).
+    pub fn tokenize(&self, text: &str) -> Result<Vec<u32>, EngineError> {
+        self.text.tokenize(text)
+    }
+
+    /// Decodes ids to text.
+    pub fn detokenize(&self, ids: &[u32]) -> String {
+        self.text.detokenize(ids)
+    }
+
+    /// Runs one generation; see the module invariants.
+    ///
+    /// Text held back at the end (a partial stop string, an unfinished
+    /// character) is delivered when the generation ends: with the last
+    /// token's chunk, or, when the model ends with EOS, in one more chunk
+    /// carrying the EOS id (its `index` equals the number of output tokens).
+    pub fn generate(
+        &mut self,
+        request: &GenerateRequest,
+        on_token: &mut dyn FnMut(&TokenChunk) -> ControlFlow<()>,
+    ) -> Result<Generation, EngineError> {
+        self.text.generate(&mut self.model, request, on_token)
+    }
+}
+
+impl Engine {
+    /// Greedy decoding of `input` for at most `steps` tokens, stopping
+    /// before an end-of-generation token: each token with its top-2 logit
+    /// margin (how near a tie the choice was). The reference a sharded run
+    /// is compared against, where a near tie may go either way.
+    pub fn greedy_trace(
+        &mut self,
+        input: &PromptInput,
+        steps: usize,
+    ) -> Result<Vec<(u32, f32)>, EngineError> {
+        let prompt = self.prompt_tokens(input)?;
+        self.model.reset(prompt.len() + steps);
+        let mut logits = self.model.forward(&prompt)?;
+        let mut out = Vec::with_capacity(steps);
+        for _ in 0..steps {
+            let (mut best, mut second) = ((0u32, f32::NEG_INFINITY), f32::NEG_INFINITY);
+            for (i, &v) in logits.iter().enumerate() {
+                if v > best.1 {
+                    second = best.1;
+                    best = (i as u32, v);
+                } else if v > second {
+                    second = v;
+                }
+            }
+            if self.text.tokenizer.eog.contains(&best.0) {
+                break;
+            }
+            out.push((best.0, best.1 - second));
+            logits = self.model.forward(&[best.0])?;
+        }
+        Ok(out)
+    }
+}
+
+impl TextSide {
+    /// The tokenizer and chat template of a GGUF file, without its weights.
+    pub fn load_gguf(path: &Path) -> Result<TextSide, EngineError> {
+        let file = gguf::GgufFile::open(path)?;
+        let tokenizer = Tokenizer::from_gguf(&file.metadata)?;
+        let template = compile_template(
+            file.get("tokenizer.chat_template")
+                .and_then(gguf::MetaValue::as_str)
+                .map(str::to_string),
+        );
+        Ok(TextSide {
+            tokenizer,
+            template,
+        })
     }
 
     /// The prompt's token ids as [`Engine::generate`] would feed them
@@ -377,22 +498,24 @@ impl Engine {
     /// character) is delivered when the generation ends: with the last
     /// token's chunk, or, when the model ends with EOS, in one more chunk
     /// carrying the EOS id (its `index` equals the number of output tokens).
-    pub fn generate(
-        &mut self,
+    pub fn generate<F: Forward>(
+        &self,
+        model: &mut F,
         request: &GenerateRequest,
         on_token: &mut dyn FnMut(&TokenChunk) -> ControlFlow<()>,
-    ) -> Result<Generation, EngineError> {
+    ) -> Result<Generation, F::Error> {
         let s = &request.sampling;
         sampler::validate(s)?;
         let resume = &request.resume;
         let mut prompt = self.prompt_tokens(&request.input)?;
         prompt.extend_from_slice(&resume.token_ids);
-        let ctx = self.model.cfg.context_length;
+        let ctx = model.context_length();
         if prompt.len() >= ctx {
             return Err(EngineError::PromptTooLong {
                 tokens: prompt.len(),
-                max: ctx - 1,
-            });
+                max: ctx.saturating_sub(1),
+            }
+            .into());
         }
         let max_new = s
             .max_tokens
@@ -423,10 +546,10 @@ impl Engine {
             }
             return Ok(generation);
         }
-        self.model.reset(prompt.len() + max_new);
+        model.reset(prompt.len() + max_new)?;
         let mut logits = Vec::new();
         for chunk in prompt.chunks(PREFILL_CHUNK) {
-            logits = self.model.forward(chunk)?;
+            logits = model.forward(chunk)?;
         }
         let mut sampler = Sampler::new(s);
         sampler.skip(resume.token_ids.len());
@@ -492,7 +615,7 @@ impl Engine {
                 generation.finish = FinishReason::Length;
                 break;
             }
-            logits = self.model.forward(&[token])?;
+            logits = model.forward(&[token])?;
         }
         if let Some(d) = decode_start {
             generation.decode = d.elapsed();
@@ -517,6 +640,13 @@ impl Engine {
             .strip_prefix(resume.text.as_str())
             .map(str::to_owned)
             .ok_or(EngineError::ResumeMismatch)
+    }
+}
+
+fn compile_template(source: Option<String>) -> Result<ChatTemplate, String> {
+    match source {
+        Some(src) => ChatTemplate::new(&src).map_err(|e| e.to_string()),
+        None => Err("the model file has no chat template".to_string()),
     }
 }
 

@@ -140,6 +140,16 @@ pub struct LinkContext {
     pub drain: Arc<drain::DrainState>,
     /// How long running jobs may go on once the node drains.
     pub drain_grace: Duration,
+    /// Set on a pod member: its pod and the one model the pod serves.
+    pub pod: Option<Arc<PodLink>>,
+}
+
+/// A pod member's side of the link: the leader runs the coordinator's jobs
+/// across the pod; every member reports the pod in its Hello.
+#[derive(Debug)]
+pub struct PodLink {
+    pub runtime: Arc<crate::pod::runtime::PodRuntime>,
+    pub held: crate::models::HeldModel,
 }
 
 impl LinkContext {

@@ -8,10 +8,11 @@ use anyhow::Context;
 use clap::{Parser, Subcommand};
 use mlx_node::{
     app::Node,
-    config::{ConfigLayer, ModelEntry, NodeConfig},
+    config::{ConfigLayer, ModelEntry, NodeConfig, PodSettings},
     engine::cli::{self as engine_cli, BenchArgs, GenerateArgs},
     hardware,
     identity::Identity,
+    pod::runtime::Parallelism,
 };
 
 #[derive(Parser)]
@@ -60,6 +61,19 @@ enum Command {
         /// Compute threads (default: all cores).
         #[arg(long)]
         threads: Option<usize>,
+        /// Join a pod: its MLX hostfile (JSON); the node serves its one
+        /// model across the pod.
+        #[arg(long, value_name = "HOSTFILE")]
+        pod: Option<PathBuf>,
+        /// This node's rank in the pod (0 = leader).
+        #[arg(long, requires = "pod", default_value_t = 0)]
+        rank: usize,
+        /// Rank r listens on this port + r.
+        #[arg(long, requires = "pod", default_value_t = 32323)]
+        pod_port: u16,
+        /// auto (tensor over RDMA, pipeline over TCP), tensor or pipeline.
+        #[arg(long, requires = "pod", default_value = "auto")]
+        parallelism: Parallelism,
     },
     /// Print this node's id (creating its key on first use).
     Id {
@@ -126,8 +140,20 @@ fn main() -> anyhow::Result<()> {
             name,
             max_concurrent_jobs,
             threads,
+            pod,
+            rank,
+            pod_port,
+            parallelism,
         } => {
             let flags = ConfigLayer {
+                pod: pod.map(|hostfile| PodSettings {
+                    hostfile,
+                    rank,
+                    port: pod_port,
+                    parallelism,
+                    memory_limit_bytes: None,
+                    max_context: None,
+                }),
                 coordinator,
                 coordinator_fingerprint: fingerprint,
                 models: (!models.is_empty()).then_some(models),

@@ -4,7 +4,8 @@
 //! JSON and JACCL's bare device matrix, read unchanged), the sharding plan
 //! that splits one model across the members ([`shard`]; the split model
 //! itself is `engine::sharded`), forming the TCP data plane from the config
-//! and measuring each link ([`links`]), and `mlx-node doctor` ([`doctor`]).
+//! and measuring each link ([`links`]), the running pod that serves jobs
+//! ([`runtime`]), and `mlx-node doctor` ([`doctor`]).
 //!
 //! # Invariants
 //! - A [`hostfile::PodConfig`] that parsed has one host per rank, and every
@@ -19,4 +20,5 @@
 pub mod doctor;
 pub mod hostfile;
 pub mod links;
+pub mod runtime;
 pub mod shard;

@@ -84,6 +84,7 @@ mod tests {
             msg: Some(node_control::Msg::Heartbeat(Heartbeat {
                 free_memory_bytes: 42,
                 running_jobs: 1,
+                ..Default::default()
             })),
         };
         let mut buf = Vec::new();

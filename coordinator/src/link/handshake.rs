@@ -69,6 +69,35 @@ pub struct Registration {
     pub operator_account: String,
     /// Lent full-time (`mode = "dedicated"`): earns availability rewards.
     pub dedicated: bool,
+    /// Set when the node is a pod member.
+    pub pod: Option<PodMembership>,
+}
+
+/// A pod member's report of its pod (see `PodInfo` in node.proto).
+#[derive(Clone, Debug, PartialEq)]
+pub struct PodMembership {
+    pub name: String,
+    pub rank: u32,
+    /// Every member's id, by rank (empty when an id does not parse).
+    pub members: Vec<NodeId>,
+    /// Leader only: slowest link, one way, seconds.
+    pub link_latency_s: f64,
+    /// Leader only: slowest link, bytes/s.
+    pub link_bandwidth: f64,
+}
+
+impl PodMembership {
+    fn from_wire(p: &mlxnet_proto::v1::PodInfo) -> Self {
+        let members: Result<Vec<NodeId>, _> =
+            p.members.iter().map(|m| NodeId::from_bytes(m)).collect();
+        PodMembership {
+            name: p.name.chars().take(64).collect(),
+            rank: p.rank,
+            members: members.unwrap_or_default(),
+            link_latency_s: p.link_latency_s,
+            link_bandwidth: p.link_bandwidth,
+        }
+    }
 }
 
 /// A node that proved its key, with its control stream.
@@ -206,6 +235,7 @@ fn registration(node_id: NodeId, hello: &Hello, catalogue: &Catalogue) -> Regist
         world: crate::world::NodeView::from_hello(node_id.to_string(), hello),
         operator_account: hello.operator_account.chars().take(64).collect(),
         dedicated: hello.mode == "dedicated",
+        pod: hello.pod.as_ref().map(PodMembership::from_wire),
     }
 }
 

@@ -19,8 +19,8 @@ use std::{
 
 use mlxnet_proto::ids::NodeId;
 
-use super::handshake::Registration;
-use crate::scheduler::{Fleet, Measured, Mode, NodeSpec, Policy};
+use super::handshake::{PodMembership, Registration};
+use crate::scheduler::{Fleet, Measured, Mode, NodeSpec, PodSpec, Policy};
 
 /// One authenticated node connection.
 #[derive(Debug)]
@@ -41,6 +41,11 @@ pub struct Session {
     running: AtomicU32,
     reserved_bytes: AtomicU64,
     draining: AtomicBool,
+    /// Set when the node is a pod member; such a node takes no job of its
+    /// own (its pod's jobs go to the leader).
+    pub pod: Option<PodMembership>,
+    /// Leader only: why the pod cannot take jobs now (empty: whole).
+    pod_degraded: Mutex<String>,
 }
 
 impl Session {
@@ -62,7 +67,28 @@ impl Session {
             running: AtomicU32::new(0),
             reserved_bytes: AtomicU64::new(0),
             draining: AtomicBool::new(false),
+            pod: node.pod.clone(),
+            pod_degraded: Mutex::new(String::new()),
         }
+    }
+
+    /// Records the pod health a leader reported in a heartbeat.
+    pub fn report_pod_degraded(&self, reason: &str) {
+        let mut d = self.pod_degraded.lock().unwrap_or_else(|p| p.into_inner());
+        if *d != reason {
+            if reason.is_empty() {
+                tracing::info!(node = %self.node_id.short(), "pod whole again");
+            } else {
+                tracing::warn!(node = %self.node_id.short(), %reason, "pod degraded");
+            }
+            reason.clone_into(&mut d);
+        }
+    }
+
+    /// Why this leader's pod cannot take jobs now, if it cannot.
+    pub fn pod_degraded(&self) -> Option<String> {
+        let d = self.pod_degraded.lock().unwrap_or_else(|p| p.into_inner());
+        (!d.is_empty()).then(|| d.clone())
     }
 
     /// The node asked for no new jobs.
@@ -109,7 +135,7 @@ impl Session {
             .free_memory_bytes
             .load(Ordering::Relaxed)
             .saturating_sub(self.reserved_bytes.load(Ordering::Relaxed));
-        spec.max_concurrent_jobs = if self.draining.load(Ordering::Relaxed) {
+        spec.max_concurrent_jobs = if self.draining.load(Ordering::Relaxed) || self.pod.is_some() {
             0
         } else {
             self.max_concurrent_jobs.saturating_sub(self.running_jobs())
@@ -204,7 +230,52 @@ impl Sessions {
             // Ids are unique in the registry, so this cannot fail.
             let _ = fleet.add_node(s.spec());
         }
+        for leader in sessions {
+            if let Some(spec) = Self::whole_pod(sessions, leader) {
+                if let Err(e) = fleet.add_pod(spec) {
+                    tracing::debug!(error = %e, "pod left out of placement");
+                }
+            }
+        }
+        // A member busy with its pod's job keeps the pod busy.
+        for s in sessions {
+            if s.pod.is_some() && s.running_jobs() > 0 {
+                fleet.set_draining(&s.node_id, true);
+            }
+        }
         fleet
+    }
+
+    /// The pod `leader` speaks for, when it is whole: the leader reports no
+    /// degradation and every member it names is online, in that pod, at
+    /// that rank.
+    fn whole_pod(sessions: &[Arc<Session>], leader: &Session) -> Option<PodSpec> {
+        let pod = leader.pod.as_ref().filter(|p| p.rank == 0)?;
+        if leader.pod_degraded().is_some() || pod.members.first() != Some(&leader.node_id) {
+            return None;
+        }
+        for (rank, id) in pod.members.iter().enumerate() {
+            let member = sessions.iter().find(|s| s.node_id == *id)?;
+            let m = member.pod.as_ref()?;
+            if m.name != pod.name || m.rank as usize != rank {
+                return None;
+            }
+        }
+        let usable = |v: f64| v.is_finite() && v > 0.0;
+        let typical = PodSpec::typical(&pod.name, pod.members.clone(), false);
+        Some(PodSpec {
+            link_latency_s: if usable(pod.link_latency_s) {
+                pod.link_latency_s
+            } else {
+                typical.link_latency_s
+            },
+            link_bandwidth: if usable(pod.link_bandwidth) {
+                pod.link_bandwidth
+            } else {
+                typical.link_bandwidth
+            },
+            ..typical
+        })
     }
 
     pub fn is_empty(&self) -> bool {

@@ -50,6 +50,7 @@ async fn a_node_proving_its_own_key_is_welcomed_and_heartbeats_are_acknowledged(
         msg: Some(node_control::Msg::Heartbeat(Heartbeat {
             free_memory_bytes: 1 << 30,
             running_jobs: 0,
+            ..Default::default()
         })),
     };
     write_frame(&mut d.send, &hb).await.unwrap();

@@ -243,6 +243,14 @@ impl NodeView {
                 view.location = Place::snapped(&loc.label, loc.latitude, loc.longitude);
             }
         }
+        view.pod = hello
+            .pod
+            .as_ref()
+            .filter(|p| !p.name.is_empty())
+            .map(|p| PodRef {
+                pod_id: p.name.clone(),
+                members: p.members.iter().map(hex::encode).collect(),
+            });
         view
     }
 

@@ -62,6 +62,29 @@ pub enum PodModelError {
     Shard(#[from] ShardError),
     #[error("the pod's plan does not fit the model: {0}")]
     Plan(String),
+    #[error(
+        "rank {rank} refuses {share}: weights {weights} B + KV cache {kv} B for {positions} \
+         positions = {need} B exceed its memory budget of {budget} B",
+        need = weights + kv
+    )]
+    OverBudget {
+        rank: usize,
+        /// What the plan gave it ("layers 10..20", "kv heads 0..2, ...").
+        share: String,
+        weights: u64,
+        kv: u64,
+        positions: usize,
+        budget: u64,
+    },
+}
+
+/// What one rank may hold: a memory budget for its weights and the KV cache
+/// of the longest sequence the pod accepts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MemoryBudget {
+    pub bytes: u64,
+    /// Positions the KV cache must hold (prompt + generated).
+    pub positions: usize,
 }
 
 impl From<candle_core::Error> for PodModelError {
@@ -124,7 +147,27 @@ impl PodPlan {
         })
     }
 
-    fn ranks(&self) -> usize {
+    /// Rank `rank`'s share, for messages.
+    pub fn describe(&self, rank: usize) -> String {
+        match self {
+            PodPlan::Tensor {
+                kv_heads,
+                ffn,
+                vocab,
+            } => format!(
+                "kv heads {:?}, feed-forward columns {:?} and vocabulary rows {:?} of every layer",
+                kv_heads.get(rank),
+                ffn.get(rank),
+                vocab.get(rank)
+            ),
+            PodPlan::Pipeline { layers } => match layers.get(rank) {
+                Some(r) => format!("layers {}..{}", r.start, r.end),
+                None => format!("no layers (rank {rank} of {})", layers.len()),
+            },
+        }
+    }
+
+    pub fn ranks(&self) -> usize {
         match self {
             PodPlan::Tensor { kv_heads, .. } => kv_heads.len(),
             PodPlan::Pipeline { layers } => layers.len(),
@@ -269,6 +312,17 @@ impl Slicer<'_> {
     }
 }
 
+/// The GGUF file at `path` and its model config.
+fn open(path: &Path) -> Result<(GgufFile, ModelConfig), PodModelError> {
+    let file = GgufFile::open(path)?;
+    let vocab = file
+        .tensors
+        .get("token_embd.weight")
+        .and_then(|e| e.shape.first().copied());
+    let cfg = ModelConfig::from_gguf(&file.metadata, vocab)?;
+    Ok((file, cfg))
+}
+
 impl PodModel {
     /// Loads rank `rank`'s part of the GGUF model at `path` under `plan`.
     pub fn load_gguf(
@@ -277,29 +331,44 @@ impl PodModel {
         rank: usize,
         compute: Compute,
     ) -> Result<PodModel, PodModelError> {
-        let file = GgufFile::open(path)?;
-        let vocab = file
-            .tensors
-            .get("token_embd.weight")
-            .and_then(|e| e.shape.first().copied());
-        let cfg = ModelConfig::from_gguf(&file.metadata, vocab)?;
+        let (file, cfg) = open(path)?;
         Self::load(&file, cfg, plan, rank, compute)
     }
 
     /// The model's config and the feed-forward cut unit (see `cut_unit`) of
     /// its `ffn_down` matrix.
     pub fn ffn_unit(path: &Path) -> Result<(ModelConfig, usize), PodModelError> {
-        let file = GgufFile::open(path)?;
-        let vocab = file
-            .tensors
-            .get("token_embd.weight")
-            .and_then(|e| e.shape.first().copied());
-        let cfg = ModelConfig::from_gguf(&file.metadata, vocab)?;
+        let (file, cfg) = open(path)?;
         let unit = file
             .tensors
             .get("blk.0.ffn_down.weight")
             .map_or(1, |e| cut_unit(e.dtype));
         Ok((cfg, unit))
+    }
+
+    /// Like [`load_gguf`](Self::load_gguf), but first refuses (with
+    /// [`PodModelError::OverBudget`], before reading any weight) a share
+    /// whose weights plus KV cache exceed `budget`.
+    pub fn load_gguf_within(
+        path: &Path,
+        plan: PodPlan,
+        rank: usize,
+        compute: Compute,
+        budget: MemoryBudget,
+    ) -> Result<PodModel, PodModelError> {
+        let (file, cfg) = open(path)?;
+        let (weights, kv) = share_bytes(&file, &cfg, &plan, rank, compute, budget.positions)?;
+        if weights + kv > budget.bytes {
+            return Err(PodModelError::OverBudget {
+                rank,
+                share: plan.describe(rank),
+                weights,
+                kv,
+                positions: budget.positions,
+                budget: budget.bytes,
+            });
+        }
+        Self::load(&file, cfg, plan, rank, compute)
     }
 
     fn load(
@@ -550,6 +619,98 @@ impl PodModel {
             (None, _) => Ok(None),
         }
     }
+}
+
+/// Bytes rank `rank` holds under `plan`: its weights (as stored, or as f32
+/// under [`Compute::F32`]) and a KV cache (f32 keys and values) of
+/// `positions` positions. Tensor shares count each matrix in proportion to
+/// the rows or columns the rank takes.
+pub fn share_bytes(
+    g: &GgufFile,
+    cfg: &ModelConfig,
+    plan: &PodPlan,
+    rank: usize,
+    compute: Compute,
+    positions: usize,
+) -> Result<(u64, u64), PodModelError> {
+    if rank >= plan.ranks() {
+        return Err(PodModelError::Plan(format!(
+            "rank {rank} in a pod of {}",
+            plan.ranks()
+        )));
+    }
+    let bytes = |name: &str| -> f64 {
+        g.tensors.get(name).map_or(0.0, |e| match compute {
+            Compute::Native => e.len as f64,
+            Compute::F32 => 4.0 * e.shape.iter().product::<usize>() as f64,
+        })
+    };
+    // A layer's attention matrices count by the attention share, its
+    // feed-forward matrices by the feed-forward share, the rest (norms,
+    // biases) whole.
+    let layer = |i: usize, attn: f64, ffn: f64| -> f64 {
+        let prefix = format!("blk.{i}.");
+        g.tensors
+            .keys()
+            .filter_map(|name| Some((name, name.strip_prefix(&prefix)?)))
+            .map(|(name, local)| {
+                let share = if local.starts_with("attn_") && !local.contains("norm") {
+                    attn
+                } else if local.starts_with("ffn_") && !local.contains("norm") {
+                    ffn
+                } else {
+                    1.0
+                };
+                share * bytes(name)
+            })
+            .sum()
+    };
+    let head_name = if g.tensors.contains_key("output.weight") {
+        "output.weight"
+    } else {
+        "token_embd.weight"
+    };
+    // The embedding stays as stored, except float tables, which load as f32.
+    let embed = g
+        .tensors
+        .get("token_embd.weight")
+        .map_or(0.0, |e| match e.dtype {
+            GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16 => {
+                4.0 * e.shape.iter().product::<usize>() as f64
+            }
+            _ => e.len as f64,
+        });
+    let hd = cfg.head_dim as f64;
+    let kv_layer = |kv_heads: usize| 2.0 * 4.0 * kv_heads as f64 * positions as f64 * hd;
+    let (weights, kv) = match plan {
+        PodPlan::Tensor {
+            kv_heads,
+            ffn,
+            vocab,
+        } => {
+            let attn = kv_heads[rank].len() as f64 / cfg.kv_heads as f64;
+            let ff = ffn[rank].len() as f64 / cfg.intermediate_size as f64;
+            let head = vocab[rank].len() as f64 / cfg.vocab_size as f64;
+            let layers: f64 = (0..cfg.layers).map(|i| layer(i, attn, ff)).sum();
+            // Every rank embeds and holds its rows of the head.
+            (
+                layers + embed + head * bytes(head_name) + bytes("output_norm.weight"),
+                cfg.layers as f64 * kv_layer(kv_heads[rank].len()),
+            )
+        }
+        PodPlan::Pipeline { layers } => {
+            let r = layers[rank].clone();
+            let mut w: f64 = r.clone().map(|i| layer(i, 1.0, 1.0)).sum();
+            if rank == 0 {
+                w += embed;
+            }
+            if rank + 1 == layers.len() {
+                w += bytes(head_name) + bytes("output_norm.weight");
+            }
+            (w, r.len() as f64 * kv_layer(cfg.kv_heads))
+        }
+    };
+    Ok((weights.ceil() as u64, kv.ceil() as u64))
 }
 
 /// Greedy generation driven by rank 0: every step rank 0 broadcasts the

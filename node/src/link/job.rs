@@ -49,9 +49,10 @@ use tracing::Instrument;
 
 use super::{drain::DrainState, LinkContext};
 use crate::engine::{
-    ChatTurn, EngineError, FinishReason, GenerateRequest, Generation, PromptInput, Resume,
-    Sampling, TokenChunk,
+    ChatTurn, FinishReason, GenerateRequest, Generation, PromptInput, Resume, Sampling,
+    TokenChunk,
 };
+use crate::models::Refusal;
 
 /// How long the coordinator may take to send the assignment after opening
 /// the stream.
@@ -181,6 +182,12 @@ pub async fn serve(
     }
 }
 
+/// Where a job runs: this node's engine, or across its pod (leader).
+enum Runner {
+    Local(Arc<crate::models::LoadedModel>),
+    Pod(Arc<super::PodLink>),
+}
+
 /// What ended a job, as sent to the coordinator.
 enum Outcome {
     Claim(SignedClaim),
@@ -219,8 +226,23 @@ async fn run(
         )
         .await;
     };
-    let model = match ctx.models.resolve(&a.model, &a.model_sha256) {
-        Ok(m) => m,
+    let resolved = match &ctx.pod {
+        Some(pod) => {
+            if pod.held.id != a.model {
+                Err(Refusal::NotHeld(a.model.clone()))
+            } else {
+                pod.held
+                    .check_digest(&a.model_sha256)
+                    .map(|()| Runner::Pod(pod.clone()))
+            }
+        }
+        None => ctx
+            .models
+            .resolve(&a.model, &a.model_sha256)
+            .map(Runner::Local),
+    };
+    let runner = match resolved {
+        Ok(r) => r,
         Err(refusal) => {
             let outcome = Outcome::Failure {
                 reason: refusal.to_string(),
@@ -228,6 +250,10 @@ async fn run(
             };
             return finish(send, outcome).await;
         }
+    };
+    let model_sha256 = match &runner {
+        Runner::Local(m) => m.held.sha256,
+        Runner::Pod(p) => p.held.sha256,
     };
     let Some(input) = a.input.clone().filter(|i| i.kind.is_some()) else {
         let outcome = Outcome::Failure {
@@ -257,13 +283,43 @@ async fn run(
 
     let cancel = Arc::new(AtomicBool::new(false));
     let (tx, mut rx) = mpsc::channel(TOKEN_CHANNEL);
-    let engine = model.engine.clone();
     let mut coalescer = Coalescer::new(tx, cancel.clone(), ctx.drain.clone());
-    let generation = tokio::task::spawn_blocking(move || {
-        let mut engine = engine.lock().unwrap_or_else(PoisonError::into_inner);
-        let result = engine.generate(&request, &mut |chunk| coalescer.push(chunk));
-        (result, coalescer.finish())
-    });
+    let generation = match runner {
+        Runner::Local(model) => {
+            let engine = model.engine.clone();
+            tokio::task::spawn_blocking(move || {
+                let mut engine = engine.lock().unwrap_or_else(PoisonError::into_inner);
+                let result = engine.generate(&request, &mut |chunk| coalescer.push(chunk));
+                let result = result.map_err(|e| (e.to_string(), !e.is_client_error()));
+                (result, coalescer.finish())
+            })
+        }
+        Runner::Pod(pod) => tokio::spawn(async move {
+            // The sink lives in the pod's thread; the coalescer comes back
+            // through the shared slot once the generation ended.
+            let slot = Arc::new(std::sync::Mutex::new(Some(coalescer)));
+            let sink = slot.clone();
+            let (result, _sink) = pod
+                .runtime
+                .submit(
+                    request,
+                    Box::new(move |chunk| {
+                        match sink.lock().unwrap_or_else(PoisonError::into_inner).as_mut() {
+                            Some(c) => c.push(chunk),
+                            None => ControlFlow::Break(()),
+                        }
+                    }),
+                )
+                .await;
+            let result = result.map_err(|e| (e.to_string(), !e.is_client_error()));
+            let leftover = slot
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .take()
+                .and_then(Coalescer::finish);
+            (result, leftover)
+        }),
+    };
 
     let peer_cancel = watch_cancel(recv, send.stopped());
     tokio::pin!(peer_cancel);
@@ -312,7 +368,7 @@ async fn run(
             let attempt = Attempt {
                 a,
                 prompt_sha256,
-                model_sha256: &model.held.sha256,
+                model_sha256: &model_sha256,
             };
             outcome(ctx, &attempt, result, streamed)
         }
@@ -373,7 +429,7 @@ struct Attempt<'a> {
 fn outcome(
     ctx: &LinkContext,
     at: &Attempt<'_>,
-    result: Result<Generation, EngineError>,
+    result: Result<Generation, (String, bool)>,
     streamed: Streamed,
 ) -> Outcome {
     let claim = |g: &Generation, token_ids: Vec<u32>, text: String, finish: &str| {
@@ -416,10 +472,7 @@ fn outcome(
             g.text.clone(),
             g.finish.as_str(),
         )),
-        Err(e) => Outcome::Failure {
-            retryable: !e.is_client_error(),
-            reason: e.to_string(),
-        },
+        Err((reason, retryable)) => Outcome::Failure { reason, retryable },
     }
 }
 

@@ -155,13 +155,17 @@ async fn register(
             node_id: ctx.identity.node_id().as_bytes().to_vec(),
             signature: signature.to_bytes().to_vec(),
             hardware: Some(hardware),
-            models: ctx.models.cached_models(),
+            models: match &ctx.pod {
+                Some(pod) => vec![pod.held.cached()],
+                None => ctx.models.cached_models(),
+            },
             version: AGENT_VERSION.into(),
             max_concurrent_jobs: ctx.max_concurrent_jobs,
             name: ctx.name.clone(),
             location: ctx.location.as_ref().map(|l| l.to_wire()),
             mode: ctx.mode.to_string(),
             operator_account: ctx.operator_account.clone(),
+            pod: ctx.pod.as_ref().map(|p| p.runtime.info()),
         })),
     };
     write_frame(&mut send, &hello).await?;
@@ -242,6 +246,11 @@ async fn serve(
                     msg: Some(node_control::Msg::Heartbeat(Heartbeat {
                         free_memory_bytes: free,
                         running_jobs: ctx.running_jobs(),
+                        pod_degraded: ctx
+                            .pod
+                            .as_ref()
+                            .and_then(|p| p.runtime.degraded())
+                            .unwrap_or_default(),
                     })),
                 };
                 write_frame(send, &beat).await?;

@@ -63,6 +63,7 @@ impl TestLink {
             slots: Arc::new(Semaphore::new(slots as usize)),
             drain: Arc::default(),
             drain_grace: Duration::from_millis(100),
+            pod: None,
         });
         let (tx, status) = watch::channel(LinkStatus::Connecting);
         let stop = CancellationToken::new();

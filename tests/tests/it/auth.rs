@@ -108,6 +108,7 @@ fn hello(node: &SigningKey, signature: Vec<u8>) -> Hello {
         location: None,
         mode: "dedicated".into(),
         operator_account: String::new(),
+        pod: None,
     }
 }
 

@@ -8,6 +8,7 @@ mod devnet;
 mod handoff;
 mod jobs;
 mod ledger;
+mod pod;
 mod restart;
 mod validation;
 mod world;

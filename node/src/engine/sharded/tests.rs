@@ -250,3 +250,74 @@ fn plans_the_model_cannot_take_are_typed_errors() {
         Err(PodModelError::Plan(_))
     ));
 }
+
+/// A pipeline stage refuses, before reading any weight, a layer range whose
+/// weights plus KV cache exceed its memory budget; the error names the
+/// rank, its layers and the figures. Exactly enough memory loads.
+#[test]
+fn a_stage_refuses_layers_over_its_memory_budget() {
+    let path = PathBuf::from(SMOLLM);
+    let file = GgufFile::open(&path).unwrap();
+    let vocab = file.tensors.get("token_embd.weight").map(|e| e.shape[0]);
+    let cfg = ModelConfig::from_gguf(&file.metadata, vocab).unwrap();
+    let plan = PodPlan::pipeline(&cfg, &[1.0, 1.0]).unwrap();
+    assert_eq!(plan.describe(1), "layers 15..30");
+    let positions = 2048;
+    let stage = |rank| share_bytes(&file, &cfg, &plan, rank, Compute::Native, positions).unwrap();
+    let ((w0, kv0), (w1, kv1)) = (stage(0), stage(1));
+    // f32 keys and values: 15 layers x 2 x 3 kv heads x 64 dims x positions.
+    assert_eq!(kv1, 15 * 2 * 3 * 64 * 2048 * 4);
+    assert_eq!(kv0, kv1);
+    // The stages hold every tensor of the file once, and the tied
+    // embedding twice (rank 0 embeds, the last stage's head reads it).
+    let total: u64 = file.tensors.values().map(|e| e.len as u64).sum();
+    let tied = file.tensors["token_embd.weight"].len as u64;
+    assert!(!file.tensors.contains_key("output.weight"));
+    assert_eq!(w0 + w1, total + tied);
+
+    let load = |bytes| {
+        PodModel::load_gguf_within(
+            &path,
+            plan.clone(),
+            1,
+            Compute::Native,
+            MemoryBudget { bytes, positions },
+        )
+    };
+    assert!(load(w1 + kv1).is_ok(), "exactly enough memory loads");
+    let err = load(w1 + kv1 - 1).unwrap_err();
+    match &err {
+        PodModelError::OverBudget {
+            rank,
+            share,
+            weights,
+            kv,
+            positions: p,
+            budget,
+        } => {
+            assert_eq!((*rank, share.as_str()), (1, "layers 15..30"));
+            assert_eq!(
+                (*weights, *kv, *p, *budget),
+                (w1, kv1, positions, w1 + kv1 - 1)
+            );
+        }
+        other => panic!("expected OverBudget, got {other}"),
+    }
+    let msg = err.to_string();
+    assert!(
+        msg.starts_with("rank 1 refuses layers 15..30") && msg.contains("exceed its memory budget"),
+        "{msg}"
+    );
+    // The same budget that holds 2048 positions refuses 4096.
+    let longer = PodModel::load_gguf_within(
+        &path,
+        plan.clone(),
+        1,
+        Compute::Native,
+        MemoryBudget {
+            bytes: w1 + kv1,
+            positions: 4096,
+        },
+    );
+    assert!(matches!(longer, Err(PodModelError::OverBudget { .. })));
+}
