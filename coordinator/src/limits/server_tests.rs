@@ -424,3 +424,39 @@ async fn a_slow_http_sender_is_cut_off() {
     );
     app.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_node_link_refuses_connections_over_its_cap_and_oversized_frames() {
+    use crate::test_utils::{client_config, Dialer};
+    let app = spawn_app(|c| c.limits.max_node_connections = 1).await;
+    let first = Dialer::connect(&app).await;
+    let mut endpoint = quinn::Endpoint::client("127.0.0.1:0".parse().unwrap()).unwrap();
+    endpoint.set_default_client_config(client_config(&app.fingerprint));
+    let second = endpoint.connect(app.quic_addr, "localhost").unwrap().await;
+    assert!(second.is_err(), "a connection over the cap is refused");
+
+    // A frame header announcing 64 MiB: refused on the header, and the
+    // connection is closed.
+    let Dialer { mut send, conn, .. } = first;
+    send.write_all(&(64u32 << 20).to_be_bytes()).await.unwrap();
+    let closed = tokio::time::timeout(std::time::Duration::from_secs(30), conn.closed())
+        .await
+        .expect("the coordinator closes a connection that sent an oversized frame");
+    assert!(
+        matches!(closed, quinn::ConnectionError::ApplicationClosed(_)),
+        "{closed:?}"
+    );
+    // Its slot is free again.
+    drop(send);
+    let mut admitted = false;
+    for _ in 0..500 {
+        if let Ok(c) = endpoint.connect(app.quic_addr, "localhost").unwrap().await {
+            admitted = true;
+            c.close(0u32.into(), b"");
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    assert!(admitted, "the slot came back");
+    app.stop().await;
+}
