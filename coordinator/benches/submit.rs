@@ -91,6 +91,12 @@ async fn run(args: Args) -> anyhow::Result<()> {
     let mut config = CoordinatorConfig::for_data_dir(dir.path().to_path_buf());
     // No node serves these jobs; the queue bound must not be what stops them.
     config.limits.max_queued_jobs = u64::MAX;
+    // One key drives the whole load: its own abuse limits are off here (the
+    // global in-flight cap stays on; it is above `--concurrency`).
+    config.limits.key_requests_per_sec = 0;
+    config.limits.key_max_in_flight = 0;
+    config.limits.max_in_flight_requests =
+        config.limits.max_in_flight_requests.max(args.concurrency);
     let app = Application::build(config).await?;
     let ledger = app.ledger().clone();
     let account = ledger.create_account("bench", AccountKind::Client).await?;

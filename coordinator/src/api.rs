@@ -7,7 +7,13 @@
 //!
 //! # Invariants
 //! - No request message larger than `limits.max_request_bytes` is decoded;
-//!   tonic refuses it (OUT_OF_RANGE) before any handler runs.
+//!   tonic reads the 5-byte length prefix and refuses it (OUT_OF_RANGE)
+//!   before buffering the message or running any handler.
+//! - Abuse limits ([`crate::limits`]): at most `limits.max_connections`
+//!   connections, `limits.max_in_flight_requests` requests in flight, and
+//!   each key's rate and in-flight caps; the excess is RESOURCE_EXHAUSTED at
+//!   once. Slow senders meet `limits.request_timeout_ms` and the HTTP/2
+//!   keep-alive.
 //! - Authentication: [`auth::AuthLayer`] runs before every handler; handlers
 //!   of non-public methods read the caller it set ([`auth::caller`]). A job
 //!   is visible only to the account that submitted it (and to admins).
@@ -18,18 +24,26 @@ mod jobs;
 mod models;
 mod network;
 
-use std::{future::Future, sync::Arc};
+use std::{future::Future, sync::Arc, time::Duration};
 
 use mlxnet_proto::v1::{
     accounts_server::AccountsServer, jobs_server::JobsServer, models_server::ModelsServer,
     network_server::NetworkServer, FILE_DESCRIPTOR_SET,
 };
 use tokio::net::TcpListener;
-use tokio_stream::wrappers::TcpListenerStream;
 
 use crate::{dispatch::Dispatcher, error::AppError};
 
 pub use jobs::validate_submit;
+
+/// Keep-alive ping period on idle gRPC connections, and how long an answer
+/// may take before the connection is closed.
+const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(30);
+const KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(10);
+/// Largest header block a request may send (keys are under 100 bytes).
+const MAX_HEADER_LIST_BYTES: u32 = 16 * 1024;
+/// Concurrent streams per HTTP/2 connection (calls beyond it wait client-side).
+const MAX_STREAMS_PER_CONNECTION: u32 = 256;
 
 /// Serves the client API on `listener` until `shutdown` resolves.
 pub async fn serve(
@@ -37,7 +51,8 @@ pub async fn serve(
     dispatcher: Arc<Dispatcher>,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), AppError> {
-    let max = dispatcher.config.limits.max_request_bytes;
+    let limits = dispatcher.config.limits.clone();
+    let max = limits.max_request_bytes;
     let (health, health_service) = tonic_health::server::health_reporter();
     health.set_serving::<JobsServer<jobs::JobsApi>>().await;
     health
@@ -54,7 +69,19 @@ pub async fn serve(
         .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
         .build_v1()?;
     tonic::transport::Server::builder()
-        .layer(auth::AuthLayer::new(dispatcher.ledger.clone()))
+        // Slow senders: a request must be read and answered (a stream:
+        // started) in time; a connection that stops answering keep-alive
+        // pings is closed; headers and frames are bounded.
+        .timeout(Duration::from_millis(limits.request_timeout_ms))
+        .http2_keepalive_interval(Some(KEEPALIVE_INTERVAL))
+        .http2_keepalive_timeout(Some(KEEPALIVE_TIMEOUT))
+        .http2_max_header_list_size(MAX_HEADER_LIST_BYTES)
+        .max_concurrent_streams(MAX_STREAMS_PER_CONNECTION)
+        .http2_max_pending_accept_reset_streams(Some(64))
+        .layer(auth::AuthLayer::new(
+            dispatcher.ledger.clone(),
+            Arc::clone(&dispatcher.admission),
+        ))
         .add_service(health_service)
         .add_service(reflection)
         .add_service(
@@ -73,7 +100,10 @@ pub async fn serve(
             AccountsServer::new(accounts::AccountsApi::new(Arc::clone(&dispatcher)))
                 .max_decoding_message_size(max),
         )
-        .serve_with_incoming_shutdown(TcpListenerStream::new(listener), shutdown)
+        .serve_with_incoming_shutdown(
+            crate::limits::capped_incoming(listener, limits.max_connections),
+            shutdown,
+        )
         .await?;
     Ok(())
 }

@@ -54,7 +54,10 @@ impl Application {
         })?;
         let catalogue = Catalogue::new(&config.catalogue)?;
         let identity = Identity::load_or_create(&config.data_dir)?;
-        let server_config = identity.server_config()?;
+        let server_config = identity.server_config(
+            link::idle_timeout(&config),
+            config.limits.max_node_connections,
+        )?;
         let grpc = bind_tcp("gRPC", config.grpc_addr).await?;
         let http = bind_tcp("HTTP", config.http_addr).await?;
         let endpoint =
@@ -141,6 +144,11 @@ impl Application {
     /// creates the first accounts and keys.
     pub fn ledger(&self) -> &Ledger {
         &self.dispatcher.ledger
+    }
+
+    /// The client API's abuse limits and their live counts.
+    pub fn admission(&self) -> Arc<crate::limits::Admission> {
+        Arc::clone(&self.dispatcher.admission)
     }
 
     /// Lowercase hex SHA-256 of the node-link certificate's DER.

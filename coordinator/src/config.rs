@@ -118,6 +118,28 @@ pub struct Limits {
     pub max_stop_bytes: usize,
     /// Chat messages per job.
     pub max_chat_messages: usize,
+    /// gRPC requests in flight at once (all keys); more are refused with
+    /// RESOURCE_EXHAUSTED at once (see [`crate::limits`]).
+    pub max_in_flight_requests: usize,
+    /// Requests per second per API key (burst: twice that), unless the key
+    /// has its own limit. 0 = unlimited.
+    pub key_requests_per_sec: u32,
+    /// Requests (open Watch streams included) in flight per API key, unless
+    /// the key has its own limit. 0 = unlimited.
+    pub key_max_in_flight: u32,
+    /// Open connections per TCP listener (gRPC, HTTP); more are closed at
+    /// accept.
+    pub max_connections: usize,
+    /// A gRPC request must be read and answered (a stream: started) within
+    /// this; an HTTP request's headers must arrive within it.
+    pub request_timeout_ms: u64,
+    /// Largest HTTP request body (the HTTP API reads none larger); checked
+    /// on `content-length` before anything is read.
+    pub max_http_body_bytes: usize,
+    /// HTTP requests in flight at once; more get 429.
+    pub max_http_in_flight: usize,
+    /// Node-link connections (QUIC) at once, handshakes included.
+    pub max_node_connections: usize,
 }
 
 impl Default for Limits {
@@ -132,6 +154,14 @@ impl Default for Limits {
             max_stop_strings: 8,
             max_stop_bytes: 64,
             max_chat_messages: 64,
+            max_in_flight_requests: 512,
+            key_requests_per_sec: 200,
+            key_max_in_flight: 64,
+            max_connections: 4096,
+            request_timeout_ms: 30_000,
+            max_http_body_bytes: 64 * 1024,
+            max_http_in_flight: 256,
+            max_node_connections: 10_000,
         }
     }
 }
@@ -300,6 +330,15 @@ impl CoordinatorConfig {
             self.limits.default_max_tokens >= 1
                 && self.limits.default_max_tokens <= self.limits.max_tokens,
             "limits.default_max_tokens must be in 1..=limits.max_tokens"
+        );
+        anyhow::ensure!(
+            self.limits.max_in_flight_requests >= 1
+                && self.limits.max_connections >= 1
+                && self.limits.max_http_in_flight >= 1
+                && self.limits.max_node_connections >= 1
+                && self.limits.request_timeout_ms >= 1,
+            "limits.max_in_flight_requests, max_connections, max_http_in_flight, \
+             max_node_connections and request_timeout_ms must be at least 1"
         );
         Ok(())
     }

@@ -85,6 +85,8 @@ pub struct Dispatcher {
     pub metrics: Metrics,
     /// The World page's view of the nodes (see [`crate::world`]).
     pub world: crate::world::World,
+    /// Abuse limits of the client API (see [`crate::limits`]).
+    pub admission: Arc<crate::limits::Admission>,
     wake: Notify,
     running: Mutex<HashMap<JobId, CancellationToken>>,
     shutdown: CancellationToken,
@@ -111,6 +113,7 @@ const RESUME_LEVEL: u8 = 1;
 
 impl Dispatcher {
     pub fn new(config: CoordinatorConfig, store: Store, catalogue: Catalogue) -> Arc<Self> {
+        let admission = Arc::new(crate::limits::Admission::new(&config.limits));
         Arc::new(Self {
             ledger: Ledger::new(store.pool().clone(), config.ledger.clone()),
             config,
@@ -120,6 +123,7 @@ impl Dispatcher {
             sessions: Sessions::default(),
             metrics: Metrics::default(),
             world: crate::world::World::new(),
+            admission,
             wake: Notify::new(),
             running: Mutex::new(HashMap::new()),
             shutdown: CancellationToken::new(),

@@ -1,13 +1,51 @@
 //! Operational HTTP (axum): `/healthz` (the process answers), `/readyz` (the
 //! database answers), `/metrics` (Prometheus text); and the World page
 //! ([`crate::world::router`]), whose live streams it ends at shutdown.
+//!
+//! # Abuse limits
+//! - At most `limits.max_connections` open connections (more are closed at
+//!   accept); request headers must arrive within `limits.request_timeout_ms`
+//!   (HTTP/1.1; HTTP/2 connections must answer keep-alive pings) and fit in
+//!   [`MAX_HEADER_BYTES`].
+//! - A body larger than `limits.max_http_body_bytes` is refused with 413 on
+//!   its `content-length` before anything is read, and cut off there if it
+//!   comes without one.
+//! - At most `limits.max_http_in_flight` requests in flight (an open World
+//!   stream counts until it ends); more get 429 at once. `/healthz` is
+//!   exempt, so the process can always say it is alive.
+//! - A handler must produce its response within `limits.request_timeout_ms`
+//!   (503 otherwise).
 
-use std::{future::Future, sync::Arc};
+use std::{future::Future, sync::Arc, time::Duration};
 
-use axum::{extract::State, http::StatusCode, response::IntoResponse, routing::get, Router};
-use tokio::net::TcpListener;
+use axum::{
+    body::Body,
+    extract::{Request, State},
+    http::{header, StatusCode},
+    middleware::{self, Next},
+    response::{IntoResponse, Response},
+    routing::get,
+    Router,
+};
+use hyper_util::{
+    rt::{TokioExecutor, TokioIo, TokioTimer},
+    server::{conn::auto, graceful::GracefulShutdown},
+    service::TowerToHyperService,
+};
+use tokio::{
+    net::TcpListener,
+    sync::{OwnedSemaphorePermit, Semaphore},
+};
+use tracing::debug;
 
-use crate::{dispatch::Dispatcher, error::error_chain, metrics::Gauges};
+use crate::{
+    config::Limits, dispatch::Dispatcher, error::error_chain, limits::Held, metrics::Gauges,
+};
+
+/// Largest request head (request line and headers), HTTP/1.1 and HTTP/2.
+pub const MAX_HEADER_BYTES: usize = 16 * 1024;
+/// How long graceful shutdown waits for open connections to finish.
+const DRAIN: Duration = Duration::from_secs(5);
 
 /// The routes, over the dispatcher's state.
 pub fn router(d: Arc<Dispatcher>) -> Router {
@@ -19,20 +57,125 @@ pub fn router(d: Arc<Dispatcher>) -> Router {
         .merge(crate::world::router(d.world.clone()))
 }
 
+/// The HTTP listener's request guard state (see the module docs).
+#[derive(Debug)]
+struct Guard {
+    in_flight: Arc<Semaphore>,
+    max_body: usize,
+    timeout: Duration,
+}
+
+async fn guard(State(g): State<Arc<Guard>>, req: Request, next: Next) -> Response {
+    let declared = req
+        .headers()
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    if declared.is_some_and(|n| n > g.max_body as u64) {
+        return (
+            StatusCode::PAYLOAD_TOO_LARGE,
+            format!("request body is over the limit of {} bytes\n", g.max_body),
+        )
+            .into_response();
+    }
+    let permit: Option<OwnedSemaphorePermit> = if req.uri().path() == "/healthz" {
+        None
+    } else {
+        match Arc::clone(&g.in_flight).try_acquire_owned() {
+            Ok(p) => Some(p),
+            Err(_) => {
+                return (
+                    StatusCode::TOO_MANY_REQUESTS,
+                    [(header::RETRY_AFTER, "1")],
+                    "too many requests in flight; retry later\n",
+                )
+                    .into_response()
+            }
+        }
+    };
+    let max_body = g.max_body;
+    let req = req.map(|b| Body::new(http_body_util::Limited::new(b, max_body)));
+    match tokio::time::timeout(g.timeout, next.run(req)).await {
+        Ok(resp) => resp.map(|b| Body::new(Held::new(b, permit))),
+        Err(_) => (StatusCode::SERVICE_UNAVAILABLE, "request timed out\n").into_response(),
+    }
+}
+
+/// The routes with the abuse limits of `limits` in front.
+pub fn guarded_router(d: Arc<Dispatcher>, limits: &Limits) -> Router {
+    let g = Arc::new(Guard {
+        in_flight: Arc::new(Semaphore::new(limits.max_http_in_flight.max(1))),
+        max_body: limits.max_http_body_bytes,
+        timeout: Duration::from_millis(limits.request_timeout_ms),
+    });
+    router(d).layer(middleware::from_fn_with_state(g, guard))
+}
+
 /// Serves the routes on `listener` until `shutdown` resolves.
 pub async fn serve(
     listener: TcpListener,
     d: Arc<Dispatcher>,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
+    let limits = d.config.limits.clone();
     let world = d.world.clone();
-    axum::serve(listener, router(d))
-        .with_graceful_shutdown(async move {
-            shutdown.await;
-            // Open World event streams would hold the graceful shutdown open.
-            world.close();
-        })
+    let app = guarded_router(d, &limits);
+    let timeout = Duration::from_millis(limits.request_timeout_ms);
+    let mut builder = auto::Builder::new(TokioExecutor::new());
+    builder
+        .http1()
+        .timer(TokioTimer::new())
+        .header_read_timeout(timeout)
+        .max_buf_size(MAX_HEADER_BYTES.max(8192));
+    builder
+        .http2()
+        .timer(TokioTimer::new())
+        .keep_alive_interval(Some(Duration::from_secs(30)))
+        .keep_alive_timeout(Duration::from_secs(10))
+        .max_header_list_size(MAX_HEADER_BYTES as u32)
+        .max_concurrent_streams(64);
+    let graceful = GracefulShutdown::new();
+    let slots = Arc::new(Semaphore::new(limits.max_connections.max(1)));
+    tokio::pin!(shutdown);
+    loop {
+        let (stream, _) = tokio::select! {
+            _ = &mut shutdown => break,
+            r = listener.accept() => match r {
+                Ok(c) => c,
+                Err(e) => {
+                    debug!(error = %e, "accept failed");
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                    continue;
+                }
+            },
+        };
+        let Ok(slot) = Arc::clone(&slots).try_acquire_owned() else {
+            debug!("HTTP connection refused: at the connection cap");
+            continue;
+        };
+        let _ = stream.set_nodelay(true);
+        let service = TowerToHyperService::new(app.clone());
+        let conn = builder
+            .serve_connection_with_upgrades(TokioIo::new(stream), service)
+            .into_owned();
+        let conn = graceful.watch(conn);
+        tokio::spawn(async move {
+            if let Err(e) = conn.await {
+                debug!(error = %e, "HTTP connection ended with an error");
+            }
+            drop(slot);
+        });
+    }
+    drop(listener);
+    // Open World event streams would hold the graceful shutdown open.
+    world.close();
+    if tokio::time::timeout(DRAIN, graceful.shutdown())
         .await
+        .is_err()
+    {
+        debug!("HTTP connections still open after the drain period");
+    }
+    Ok(())
 }
 
 async fn readyz(State(d): State<Arc<Dispatcher>>) -> impl IntoResponse {

@@ -225,6 +225,10 @@ impl EventHub {
     }
 
     /// A state event. A terminal event drops the job's entry after sending.
+    /// A job with no entry (nobody watches it, no tokens kept) gets none: a
+    /// watcher that comes later reads the state from the store. So queued
+    /// jobs nobody watches cost no channel (each holds [`CHANNEL_CAPACITY`]
+    /// slots), and memory does not grow with the queue.
     pub fn publish(&self, job: JobId, event: job_event::Event) {
         self.with(|map| {
             let terminal = matches!(
@@ -233,7 +237,9 @@ impl EventHub {
                     | job_event::Event::Failed(_)
                     | job_event::Event::Cancelled(_)
             );
-            let live = Self::live(map, job);
+            let Some(live) = map.get_mut(&job) else {
+                return;
+            };
             let _ = live.tx.send(JobEvent {
                 job_id: job.to_string(),
                 event: Some(event),

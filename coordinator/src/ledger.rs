@@ -231,6 +231,8 @@ pub struct Ledger {
     writer: std::sync::Arc<tokio::sync::Mutex<()>>,
     /// Submits waiting for the next group commit (see [`Ledger::submit_job`]).
     submits: std::sync::Arc<std::sync::Mutex<Vec<settle::QueuedSubmit>>>,
+    /// Recently authenticated keys (see [`keys`]).
+    keys: std::sync::Arc<keys::KeyCache>,
 }
 
 /// A ledger write transaction holding the in-process writer lock; commit
@@ -267,7 +269,12 @@ impl Ledger {
             config,
             writer: std::sync::Arc::default(),
             submits: std::sync::Arc::default(),
+            keys: std::sync::Arc::default(),
         }
+    }
+
+    pub(crate) fn key_cache(&self) -> &keys::KeyCache {
+        &self.keys
     }
 
     /// The ledger in `store`'s database (tools and tests that open it).

@@ -15,6 +15,7 @@
 //! - [`store`]: persistence (SQLite), every transition guarded by current state.
 //! - [`catalogue`]: the models jobs may name, pinned by file digest.
 //! - [`http`]: `/healthz`, `/readyz`, `/metrics`; [`metrics`]: the counters.
+//! - [`limits`]: abuse limits: global in-flight cap, per-key rate and in-flight caps.
 //! - [`error`]: errors at the edges and their one mapping to gRPC status.
 //! - [`world`]: the World page (map of every node), its JSON API and live stream.
 #![forbid(unsafe_code)]
@@ -28,6 +29,7 @@ pub mod error;
 pub mod http;
 pub mod jobs;
 pub mod ledger;
+pub mod limits;
 pub mod link;
 pub mod metrics;
 pub mod scheduler;

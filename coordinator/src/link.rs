@@ -49,14 +49,29 @@ pub const CLOSE_PROTOCOL: u32 = 4;
 /// Connection close code: the coordinator is shutting down.
 pub const CLOSE_SHUTDOWN: u32 = 5;
 
-/// Accepts node connections until the endpoint closes or shutdown.
+/// How long a node connection may stay silent before QUIC closes it: twice
+/// the heartbeat timeout (a live node heartbeats far more often).
+pub fn idle_timeout(config: &crate::config::CoordinatorConfig) -> Duration {
+    Duration::from_millis(config.heartbeat_timeout_ms.saturating_mul(2))
+}
+
+/// Accepts node connections until the endpoint closes or shutdown; at most
+/// `limits.max_node_connections` at once (more are refused at once).
 pub async fn accept_loop(endpoint: quinn::Endpoint, dispatcher: Arc<Dispatcher>) {
+    let slots = Arc::new(tokio::sync::Semaphore::new(
+        dispatcher.config.limits.max_node_connections.max(1),
+    ));
     loop {
         let incoming = tokio::select! {
             _ = dispatcher.shutdown_token().cancelled() => return,
             i = endpoint.accept() => i,
         };
         let Some(incoming) = incoming else { return };
+        let Ok(slot) = Arc::clone(&slots).try_acquire_owned() else {
+            debug!(remote = %incoming.remote_address(), "node connection refused: at the connection cap");
+            incoming.refuse();
+            continue;
+        };
         let d = Arc::clone(&dispatcher);
         dispatcher.spawn(async move {
             let remote = incoming.remote_address();
@@ -66,6 +81,7 @@ pub async fn accept_loop(endpoint: quinn::Endpoint, dispatcher: Arc<Dispatcher>)
                     debug!(%remote, error = %e, "node connection failed before TLS completed")
                 }
             }
+            drop(slot);
         });
     }
 }

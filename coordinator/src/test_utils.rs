@@ -70,7 +70,10 @@ pub struct TestApp {
     pub client_key: String,
     pub grpc_addr: SocketAddr,
     pub quic_addr: SocketAddr,
+    pub http_addr: SocketAddr,
     pub fingerprint: String,
+    /// The client API's abuse limits and their live counts.
+    pub admission: Arc<crate::limits::Admission>,
     stop: Option<oneshot::Sender<()>>,
     task: Option<JoinHandle<Result<(), AppError>>>,
     _dir: tempfile::TempDir,
@@ -122,6 +125,8 @@ pub async fn spawn_app(tune: impl FnOnce(&mut CoordinatorConfig)) -> TestApp {
     let (stop, stopped) = oneshot::channel::<()>();
     let grpc_addr = app.grpc_addr();
     let quic_addr = app.quic_addr();
+    let http_addr = app.http_addr();
+    let admission = app.admission();
     let fingerprint = app.cert_fingerprint();
     let ledger = app.ledger().clone();
     let account = ledger
@@ -150,7 +155,9 @@ pub async fn spawn_app(tune: impl FnOnce(&mut CoordinatorConfig)) -> TestApp {
         client_key: key.secret().to_owned(),
         grpc_addr,
         quic_addr,
+        http_addr,
         fingerprint,
+        admission,
         stop: Some(stop),
         task: Some(task),
         _dir: dir,

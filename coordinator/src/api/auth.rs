@@ -10,12 +10,20 @@
 //!   status (UNAUTHENTICATED) and the same message; the database is asked
 //!   the same question in every case but a missing header.
 //! - A valid key without the scope gets PERMISSION_DENIED naming the scope.
+//! - Abuse limits ([`crate::limits`]) are checked here too: every request but
+//!   the health check takes a slot under the global in-flight cap before
+//!   anything else (so overload is shed before the database is asked), and
+//!   an authenticated one a rate token and an in-flight slot of its key. The
+//!   slots are held until the response body ends ([`Held`]).
 //!
 //! # Failure
 //! A database error while looking up a key is INTERNAL (logged), never a
 //! pass.
 
-use std::task::{Context, Poll};
+use std::{
+    sync::Arc,
+    task::{Context, Poll},
+};
 
 use futures::future::BoxFuture;
 use tonic::codegen::http;
@@ -26,7 +34,11 @@ use crate::{
         keys::{Caller, Scope},
         Ledger,
     },
+    limits::{Admission, Held},
 };
+
+/// The health service: cheap, and answered even under overload.
+const HEALTH: &str = "/grpc.health.";
 
 /// What a method needs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -66,11 +78,12 @@ pub fn caller<T>(req: &tonic::Request<T>) -> Result<Caller, ApiError> {
 #[derive(Clone, Debug)]
 pub struct AuthLayer {
     ledger: Ledger,
+    admission: Arc<Admission>,
 }
 
 impl AuthLayer {
-    pub fn new(ledger: Ledger) -> Self {
-        Self { ledger }
+    pub fn new(ledger: Ledger, admission: Arc<Admission>) -> Self {
+        Self { ledger, admission }
     }
 }
 
@@ -81,6 +94,7 @@ impl<S> tower::Layer<S> for AuthLayer {
         Auth {
             inner,
             ledger: self.ledger.clone(),
+            admission: Arc::clone(&self.admission),
         }
     }
 }
@@ -90,6 +104,7 @@ impl<S> tower::Layer<S> for AuthLayer {
 pub struct Auth<S> {
     inner: S,
     ledger: Ledger,
+    admission: Arc<Admission>,
 }
 
 async fn authenticate(
@@ -126,7 +141,7 @@ where
     ReqBody: Send + 'static,
     ResBody: Default + Send + 'static,
 {
-    type Response = S::Response;
+    type Response = http::Response<Held<ResBody>>;
     type Error = S::Error;
     type Future = BoxFuture<'static, Result<Self::Response, Self::Error>>;
 
@@ -139,17 +154,31 @@ where
         let clone = self.inner.clone();
         let mut inner = std::mem::replace(&mut self.inner, clone);
         let ledger = self.ledger.clone();
+        let admission = Arc::clone(&self.admission);
         Box::pin(async move {
-            match required(req.uri().path()) {
-                Access::Public => inner.call(req).await,
-                Access::Needs(scope) => match authenticate(&ledger, req.headers(), scope).await {
-                    Ok(caller) => {
-                        req.extensions_mut().insert(caller);
-                        inner.call(req).await
-                    }
-                    Err(e) => Ok(tonic::Status::from(e).into_http()),
-                },
+            let refuse = |e: ApiError| {
+                tonic::Status::from(e)
+                    .into_http()
+                    .map(|b| Held::new(b, None))
+            };
+            if req.uri().path().starts_with(HEALTH) {
+                return Ok(inner.call(req).await?.map(|b| Held::new(b, None)));
             }
+            let mut permit = match admission.admit_anonymous() {
+                Ok(p) => p,
+                Err(e) => return Ok(refuse(e.into())),
+            };
+            if let Access::Needs(scope) = required(req.uri().path()) {
+                let caller = match authenticate(&ledger, req.headers(), scope).await {
+                    Ok(c) => c,
+                    Err(e) => return Ok(refuse(e)),
+                };
+                if let Err(e) = admission.admit_key(&mut permit, &caller) {
+                    return Ok(refuse(e.into()));
+                }
+                req.extensions_mut().insert(caller);
+            }
+            Ok(inner.call(req).await?.map(|b| Held::new(b, Some(permit))))
         })
     }
 }

@@ -255,7 +255,12 @@ impl Jobs for JobsApi {
             .into());
         }
         let terms = job_terms(&self.d.catalogue, &job, me.account_id, price_limit)?;
-        let queued = self.d.store.count_queued().await.map_err(ApiError::from)?;
+        let queued = self
+            .d
+            .admission
+            .queued(|| self.d.store.count_queued())
+            .await
+            .map_err(ApiError::from)?;
         if queued >= self.d.config.limits.max_queued_jobs {
             return Err(ApiError::ResourceExhausted(format!(
                 "the queue is full ({queued} jobs waiting); try again later"
@@ -263,6 +268,7 @@ impl Jobs for JobsApi {
             .into());
         }
         let record = self.d.submit(job, &terms).await.map_err(ApiError::from)?;
+        self.d.admission.note_queued();
         Ok(Response::new(jobs::to_proto(&record)))
     }
 

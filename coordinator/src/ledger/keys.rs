@@ -8,16 +8,29 @@
 //! Each key has a public id (`key_<hex>`, used to list and revoke it) that
 //! is unrelated to its secret.
 //!
+//! Lookups go through a small cache (hash → caller), so a busy key costs no
+//! query per request. Only keys that were valid are cached, for at most
+//! [`KEY_CACHE_TTL`] and never past their expiry; revoking a key or changing
+//! its limits through this ledger drops its entry at once (a revoke by
+//! another process, e.g. a second coordinator on the same database, is seen
+//! within the TTL).
+//!
 //! # Invariants
 //! - A database dump holds no usable key: only hashes and public ids.
 //! - An unknown, revoked or expired key all read as "no caller": the API
-//!   answers each with the same status and message.
+//!   answers each with the same status and message, and each asks the
+//!   database (none of them is cached).
 //! - The secret never appears in `Debug` output or logs.
 //!
 //! # Failure
 //! [`LedgerError`] for database errors and unknown accounts or scopes.
 
-use std::fmt;
+use std::{
+    collections::HashMap,
+    fmt,
+    sync::Mutex,
+    time::{Duration, Instant},
+};
 
 use sha2::{Digest, Sha256};
 use sqlx::Row;
@@ -146,6 +159,74 @@ pub struct Caller {
     pub account_id: String,
     pub key_id: String,
     pub scopes: Scopes,
+    /// The key's own abuse limits (see [`crate::limits`]).
+    pub limits: KeyLimits,
+}
+
+/// A key's own abuse limits; `None` takes the coordinator's default, 0 is
+/// unlimited.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct KeyLimits {
+    pub requests_per_sec: Option<u32>,
+    pub max_in_flight: Option<u32>,
+}
+
+/// Longest a cached key lookup is trusted.
+pub const KEY_CACHE_TTL: Duration = Duration::from_secs(10);
+/// Most keys cached at once (the cache is cleared when full).
+const KEY_CACHE_MAX: usize = 10_000;
+
+/// Valid keys recently seen, by hash (see the module docs).
+#[derive(Debug, Default)]
+pub(crate) struct KeyCache {
+    entries: Mutex<HashMap<[u8; 32], Cached>>,
+}
+
+#[derive(Debug)]
+struct Cached {
+    caller: Caller,
+    expires_at_ms: Option<i64>,
+    fetched: Instant,
+}
+
+impl KeyCache {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<[u8; 32], Cached>> {
+        self.entries.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn get(&self, hash: &[u8; 32], now_ms: i64) -> Option<Caller> {
+        let mut entries = self.lock();
+        let hit = entries.get(hash)?;
+        if hit.fetched.elapsed() < KEY_CACHE_TTL && hit.expires_at_ms.is_none_or(|e| e > now_ms) {
+            return Some(hit.caller.clone());
+        }
+        entries.remove(hash);
+        None
+    }
+
+    fn put(&self, hash: [u8; 32], caller: Caller, expires_at_ms: Option<i64>) {
+        let mut entries = self.lock();
+        if entries.len() >= KEY_CACHE_MAX {
+            entries.clear();
+        }
+        entries.insert(
+            hash,
+            Cached {
+                caller,
+                expires_at_ms,
+                fetched: Instant::now(),
+            },
+        );
+    }
+
+    /// Drops the entry of key `key_id` (revoked or changed).
+    fn forget(&self, key_id: &str) {
+        self.lock().retain(|_, c| c.caller.key_id != key_id);
+    }
+}
+
+fn limit_from_db(v: Option<i64>) -> Option<u32> {
+    v.map(|n| u32::try_from(n.max(0)).unwrap_or(u32::MAX))
 }
 
 /// A key as listed (no secret, no hash).
@@ -223,23 +304,53 @@ impl Ledger {
         if !presented.starts_with(KEY_PREFIX) || presented.len() > 128 {
             return Ok(None);
         }
+        let digest = hash(presented);
+        if let Some(caller) = self.key_cache().get(&digest, now_ms) {
+            return Ok(Some(caller));
+        }
         let row = sqlx::query(
-            "SELECT id, account_id, scopes FROM api_keys WHERE hash = ? AND revoked_at_ms IS NULL \
+            "SELECT id, account_id, scopes, expires_at_ms, max_requests_per_sec, max_in_flight \
+             FROM api_keys WHERE hash = ? AND revoked_at_ms IS NULL \
              AND (expires_at_ms IS NULL OR expires_at_ms > ?)",
         )
-        .bind(hash(presented).to_vec())
+        .bind(digest.to_vec())
         .bind(now_ms)
         .fetch_optional(self.pool())
         .await?;
-        row.map(|r| {
-            let scopes: String = r.try_get("scopes")?;
-            Ok(Caller {
-                account_id: r.try_get("account_id")?,
-                key_id: r.try_get("id")?,
-                scopes: scopes_from_text(&scopes)?,
-            })
-        })
-        .transpose()
+        let Some(r) = row else { return Ok(None) };
+        let scopes: String = r.try_get("scopes")?;
+        let caller = Caller {
+            account_id: r.try_get("account_id")?,
+            key_id: r.try_get("id")?,
+            scopes: scopes_from_text(&scopes)?,
+            limits: KeyLimits {
+                requests_per_sec: limit_from_db(r.try_get("max_requests_per_sec")?),
+                max_in_flight: limit_from_db(r.try_get("max_in_flight")?),
+            },
+        };
+        self.key_cache()
+            .put(digest, caller.clone(), r.try_get("expires_at_ms")?);
+        Ok(Some(caller))
+    }
+
+    /// Sets key `key_id`'s own abuse limits (`None`: the coordinator's
+    /// default; 0: unlimited). False if there is no such key.
+    pub async fn set_key_limits(
+        &self,
+        key_id: &str,
+        limits: KeyLimits,
+    ) -> Result<bool, LedgerError> {
+        let n = sqlx::query(
+            "UPDATE api_keys SET max_requests_per_sec = ?, max_in_flight = ? WHERE id = ?",
+        )
+        .bind(limits.requests_per_sec.map(i64::from))
+        .bind(limits.max_in_flight.map(i64::from))
+        .bind(key_id)
+        .execute(self.pool())
+        .await?
+        .rows_affected();
+        self.key_cache().forget(key_id);
+        Ok(n == 1)
     }
 
     /// Revokes key `key_id` of `account` (any account's when `account` is
@@ -259,6 +370,7 @@ impl Ledger {
         .execute(self.pool())
         .await?
         .rows_affected();
+        self.key_cache().forget(key_id);
         Ok(n == 1)
     }
 

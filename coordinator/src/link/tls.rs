@@ -105,8 +105,17 @@ impl Identity {
     }
 
     /// The QUIC server config: TLS 1.3, ring, ALPN `mlxnet/1`, nodes may open
-    /// only their control stream.
-    pub fn server_config(&self) -> Result<quinn::ServerConfig, TlsError> {
+    /// only their control stream. Abuse limits: a connection silent for
+    /// `idle_timeout` is closed (nodes heartbeat far more often); at most
+    /// `max_connections` connections in their handshake; a stream may have
+    /// [`STREAM_WINDOW`] and a connection [`CONNECTION_WINDOW`] unread bytes
+    /// in flight, so a node cannot make the coordinator buffer more (frames
+    /// are capped at [`mlxnet_proto::frame::MAX_FRAME_LEN`] before allocation).
+    pub fn server_config(
+        &self,
+        idle_timeout: std::time::Duration,
+        max_connections: usize,
+    ) -> Result<quinn::ServerConfig, TlsError> {
         let provider = Arc::new(rustls::crypto::ring::default_provider());
         let mut tls = rustls::ServerConfig::builder_with_provider(provider)
             .with_protocol_versions(&[&rustls::version::TLS13])?
@@ -122,11 +131,20 @@ impl Identity {
         let mut transport = quinn::TransportConfig::default();
         transport
             .max_concurrent_bidi_streams(1u8.into())
-            .max_concurrent_uni_streams(0u8.into());
+            .max_concurrent_uni_streams(0u8.into())
+            .max_idle_timeout(quinn::IdleTimeout::try_from(idle_timeout).ok())
+            .stream_receive_window(quinn::VarInt::from_u32(STREAM_WINDOW))
+            .receive_window(quinn::VarInt::from_u32(CONNECTION_WINDOW));
         config.transport_config(Arc::new(transport));
+        config.max_incoming(max_connections.max(1));
         Ok(config)
     }
 }
+
+/// Unread bytes a node may have in flight on one stream: two largest frames.
+pub const STREAM_WINDOW: u32 = 2 * mlxnet_proto::frame::MAX_FRAME_LEN as u32 + 8;
+/// Unread bytes a node may have in flight on one connection.
+pub const CONNECTION_WINDOW: u32 = 4 * STREAM_WINDOW;
 
 /// Lowercase hex SHA-256 of `cert`.
 pub fn fingerprint(cert: &CertificateDer<'_>) -> String {
@@ -167,7 +185,9 @@ mod tests {
                 .mode();
             assert_eq!(mode & 0o777, 0o600);
         }
-        first.server_config().unwrap();
+        first
+            .server_config(std::time::Duration::from_secs(30), 16)
+            .unwrap();
 
         std::fs::remove_file(dir.path().join(KEY_FILE)).unwrap();
         assert!(matches!(

@@ -1,0 +1,528 @@
+//! Abuse limits of the client listeners: a global in-flight cap that sheds
+//! overload at once, and per-API-key request-rate and in-flight caps.
+//!
+//! Every gRPC request but the health check takes a [`Permit`] before its
+//! handler runs ([`Admission::admit`], called by [`crate::api::auth`]); the
+//! permit lives until the response body has been sent (a Watch stream keeps
+//! its permit while it is open), see [`Held`]. A request that finds no room is
+//! answered RESOURCE_EXHAUSTED at once, without touching the database: the
+//! server never queues work without bound.
+//!
+//! # Invariants
+//! - At most `limits.max_in_flight_requests` admitted requests exist at any
+//!   time, and at most a key's `max_in_flight` for that key; the counts are
+//!   taken and released under one lock, so they can never be exceeded, and
+//!   a dropped permit (finished, failed or cancelled request) always
+//!   releases its share.
+//! - A key's rate is a token bucket: `requests_per_sec` refill, a burst of
+//!   twice that (at least 1), full again when the key's limit changes. A
+//!   refused request takes no token.
+//! - Per-key state is bounded: entries of idle keys are dropped when the map
+//!   holds more than [`MAX_TRACKED_KEYS`].
+//!
+//! # Failure
+//! [`Refused`], mapped once to RESOURCE_EXHAUSTED with a message saying
+//! which limit and its value.
+
+use std::{
+    collections::HashMap,
+    pin::Pin,
+    sync::{Arc, Mutex},
+    task::{Context, Poll},
+    time::Instant,
+};
+
+use bytes::Bytes;
+use tokio::{
+    net::{TcpListener, TcpStream},
+    sync::{OwnedSemaphorePermit, Semaphore},
+};
+
+use crate::{config::Limits, error::ApiError, ledger::keys::Caller};
+
+/// Per-key entries kept before idle ones are dropped.
+pub const MAX_TRACKED_KEYS: usize = 100_000;
+
+/// Why a request was not admitted.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum Refused {
+    #[error("the coordinator is overloaded ({0} requests in flight); retry later")]
+    Overloaded(usize),
+    #[error("this API key's rate limit of {0} requests/s is exceeded; retry later")]
+    RateLimited(u32),
+    #[error("this API key already has {0} requests in flight (its limit); retry when one ends")]
+    TooManyInFlight(u32),
+}
+
+impl From<Refused> for ApiError {
+    fn from(r: Refused) -> Self {
+        ApiError::ResourceExhausted(r.to_string())
+    }
+}
+
+/// Limits of one key after its own settings and the config defaults.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KeyQuota {
+    /// 0 = unlimited.
+    pub requests_per_sec: u32,
+    /// 0 = unlimited.
+    pub max_in_flight: u32,
+}
+
+#[derive(Debug)]
+struct KeyState {
+    /// The rate the bucket was filled for; a changed limit starts full.
+    rate: u32,
+    tokens: f64,
+    refilled: Instant,
+    in_flight: u32,
+    /// Highest `in_flight` ever seen (what the limit tests check).
+    peak: u32,
+}
+
+/// The admission controller of one listener.
+#[derive(Debug)]
+pub struct Admission {
+    global: Arc<Semaphore>,
+    global_max: usize,
+    defaults: KeyQuota,
+    keys: Arc<Mutex<HashMap<String, KeyState>>>,
+    queue: QueueDepth,
+    /// Most admitted requests ever in flight at once.
+    peak: std::sync::atomic::AtomicUsize,
+}
+
+/// How long a counted queue depth is used before it is counted again.
+pub const QUEUE_RECOUNT: std::time::Duration = std::time::Duration::from_millis(250);
+
+/// The queue depth Submit checks against `limits.max_queued_jobs`, without a
+/// COUNT query per submit: the last count plus the submits accepted since,
+/// recounted at most every [`QUEUE_RECOUNT`] by one caller while the others
+/// use the estimate. It never undercounts by more than the submits in flight
+/// (at most `limits.max_in_flight_requests`), so the queue bound holds to
+/// within that.
+#[derive(Debug)]
+struct QueueDepth {
+    state: Mutex<(u64, Option<Instant>)>,
+    counting: tokio::sync::Mutex<()>,
+}
+
+/// What an admitted request holds until its response is sent.
+#[derive(Debug)]
+pub struct Permit {
+    _global: Option<OwnedSemaphorePermit>,
+    key: Option<KeyPermit>,
+}
+
+#[derive(Debug)]
+struct KeyPermit {
+    keys: Arc<Mutex<HashMap<String, KeyState>>>,
+    key_id: String,
+}
+
+impl Drop for KeyPermit {
+    fn drop(&mut self) {
+        if let Some(s) = lock(&self.keys).get_mut(&self.key_id) {
+            s.in_flight = s.in_flight.saturating_sub(1);
+        }
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+impl Admission {
+    pub fn new(limits: &Limits) -> Self {
+        let global_max = limits.max_in_flight_requests.max(1);
+        Self {
+            global: Arc::new(Semaphore::new(global_max)),
+            global_max,
+            defaults: KeyQuota {
+                requests_per_sec: limits.key_requests_per_sec,
+                max_in_flight: limits.key_max_in_flight,
+            },
+            keys: Arc::default(),
+            queue: QueueDepth {
+                state: Mutex::new((0, None)),
+                counting: tokio::sync::Mutex::new(()),
+            },
+            peak: Default::default(),
+        }
+    }
+
+    /// Jobs queued now (see [`QueueDepth`]); `count` asks the store.
+    pub async fn queued<F, Fut, E>(&self, count: F) -> Result<u64, E>
+    where
+        F: FnOnce() -> Fut,
+        Fut: std::future::Future<Output = Result<u64, E>>,
+    {
+        let (estimate, counted) = *lock(&self.queue.state);
+        let fresh = counted.is_some_and(|t| t.elapsed() < QUEUE_RECOUNT);
+        if fresh {
+            return Ok(estimate);
+        }
+        // One recount at a time; meanwhile others use the last estimate.
+        let Ok(_counting) = self.queue.counting.try_lock() else {
+            if counted.is_some() {
+                return Ok(estimate);
+            }
+            let _wait = self.queue.counting.lock().await;
+            return Ok(lock(&self.queue.state).0);
+        };
+        let started = Instant::now();
+        let n = count().await?;
+        // Submits accepted while counting may or may not be in `n`; keep
+        // the larger view so the bound errs on the safe side.
+        let mut state = lock(&self.queue.state);
+        let since = state.0.saturating_sub(estimate);
+        *state = (n + since, Some(started));
+        Ok(state.0)
+    }
+
+    /// Counts one accepted submit into the queue estimate.
+    pub fn note_queued(&self) {
+        lock(&self.queue.state).0 += 1;
+    }
+
+    /// The quota of `caller`: its key's own limits, else the defaults.
+    pub fn quota(&self, caller: &Caller) -> KeyQuota {
+        KeyQuota {
+            requests_per_sec: caller
+                .limits
+                .requests_per_sec
+                .unwrap_or(self.defaults.requests_per_sec),
+            max_in_flight: caller
+                .limits
+                .max_in_flight
+                .unwrap_or(self.defaults.max_in_flight),
+        }
+    }
+
+    /// A slot under the global cap (for public and not yet authenticated
+    /// requests), or [`Refused::Overloaded`].
+    pub fn admit_anonymous(&self) -> Result<Permit, Refused> {
+        let global = Arc::clone(&self.global)
+            .try_acquire_owned()
+            .map_err(|_| Refused::Overloaded(self.global_max))?;
+        self.peak
+            .fetch_max(self.in_flight(), std::sync::atomic::Ordering::Relaxed);
+        Ok(Permit {
+            _global: Some(global),
+            key: None,
+        })
+    }
+
+    /// Adds `caller`'s key to an anonymous permit: takes one rate token and
+    /// one in-flight slot of the key, or refuses (taking neither).
+    pub fn admit_key(&self, permit: &mut Permit, caller: &Caller) -> Result<(), Refused> {
+        let quota = self.quota(caller);
+        let now = Instant::now();
+        let mut keys = lock(&self.keys);
+        if keys.len() >= MAX_TRACKED_KEYS && !keys.contains_key(&caller.key_id) {
+            keys.retain(|_, s| s.in_flight > 0);
+        }
+        let burst = f64::from(quota.requests_per_sec.saturating_mul(2).max(1));
+        let state = keys
+            .entry(caller.key_id.clone())
+            .or_insert_with(|| KeyState {
+                rate: quota.requests_per_sec,
+                tokens: burst,
+                refilled: now,
+                in_flight: 0,
+                peak: 0,
+            });
+        if quota.max_in_flight > 0 && state.in_flight >= quota.max_in_flight {
+            return Err(Refused::TooManyInFlight(quota.max_in_flight));
+        }
+        if state.rate != quota.requests_per_sec {
+            state.rate = quota.requests_per_sec;
+            state.tokens = burst;
+            state.refilled = now;
+        }
+        if quota.requests_per_sec > 0 {
+            let elapsed = now.duration_since(state.refilled).as_secs_f64();
+            state.tokens = (state.tokens + elapsed * f64::from(quota.requests_per_sec)).min(burst);
+            state.refilled = now;
+            if state.tokens < 1.0 {
+                return Err(Refused::RateLimited(quota.requests_per_sec));
+            }
+            state.tokens -= 1.0;
+        }
+        state.in_flight += 1;
+        state.peak = state.peak.max(state.in_flight);
+        permit.key = Some(KeyPermit {
+            keys: Arc::clone(&self.keys),
+            key_id: caller.key_id.clone(),
+        });
+        Ok(())
+    }
+
+    /// Requests of `key_id` in flight now, and the most there ever were.
+    pub fn key_in_flight(&self, key_id: &str) -> (u32, u32) {
+        lock(&self.keys)
+            .get(key_id)
+            .map(|s| (s.in_flight, s.peak))
+            .unwrap_or_default()
+    }
+
+    /// Admitted requests in flight now.
+    pub fn in_flight(&self) -> usize {
+        self.global_max - self.global.available_permits()
+    }
+
+    /// Most admitted requests ever in flight at once.
+    pub fn peak_in_flight(&self) -> usize {
+        self.peak.load(std::sync::atomic::Ordering::Relaxed)
+    }
+}
+
+/// A response body that keeps its request's permit (a [`Permit`], or any
+/// guard `P`) until the body ends or is dropped.
+#[derive(Debug)]
+pub struct Held<B, P = Permit> {
+    inner: B,
+    permit: Option<P>,
+}
+
+impl<B: Default, P> Default for Held<B, P> {
+    fn default() -> Self {
+        Self {
+            inner: B::default(),
+            permit: None,
+        }
+    }
+}
+
+impl<B, P> Held<B, P> {
+    pub fn new(inner: B, permit: Option<P>) -> Self {
+        Self { inner, permit }
+    }
+}
+
+impl<B, P> http_body::Body for Held<B, P>
+where
+    B: http_body::Body<Data = Bytes> + Unpin,
+    P: Unpin,
+{
+    type Data = Bytes;
+    type Error = B::Error;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<http_body::Frame<Bytes>, Self::Error>>> {
+        let this = self.get_mut();
+        let r = Pin::new(&mut this.inner).poll_frame(cx);
+        if let Poll::Ready(None) = r {
+            this.permit = None;
+        }
+        r
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        self.inner.size_hint()
+    }
+}
+
+/// A connection of a TCP listener, holding one of the listener's
+/// connection slots until it closes.
+#[derive(Debug)]
+pub struct Capped {
+    io: TcpStream,
+    _slot: OwnedSemaphorePermit,
+}
+
+/// Accepts connections from `listener`, at most `max` open at once: a
+/// connection beyond that is closed at once (the peer sees a reset), so idle
+/// or slow clients cannot pile up sockets and buffers without bound.
+/// Accepted sockets get `TCP_NODELAY` (responses are small and latency
+/// matters more than packet count).
+pub fn capped_incoming(
+    listener: TcpListener,
+    max: usize,
+) -> impl futures::Stream<Item = std::io::Result<Capped>> {
+    let slots = Arc::new(Semaphore::new(max.max(1)));
+    futures::stream::unfold((listener, slots), |(listener, slots)| async move {
+        loop {
+            let (io, _) = match listener.accept().await {
+                Ok(c) => c,
+                // Per-connection errors (reset before accept, out of file
+                // descriptors): back off briefly, keep the listener.
+                Err(e) => {
+                    tracing::debug!(error = %e, "accept failed");
+                    tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+                    continue;
+                }
+            };
+            let Ok(slot) = Arc::clone(&slots).try_acquire_owned() else {
+                tracing::debug!("connection refused: listener at its connection cap");
+                continue;
+            };
+            let _ = io.set_nodelay(true);
+            return Some((Ok(Capped { io, _slot: slot }), (listener, slots)));
+        }
+    })
+}
+
+impl tokio::io::AsyncRead for Capped {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.get_mut().io).poll_read(cx, buf)
+    }
+}
+
+impl tokio::io::AsyncWrite for Capped {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.get_mut().io).poll_write(cx, buf)
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.get_mut().io).poll_flush(cx)
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.get_mut().io).poll_shutdown(cx)
+    }
+
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[std::io::IoSlice<'_>],
+    ) -> Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.get_mut().io).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.io.is_write_vectored()
+    }
+}
+
+impl tonic::transport::server::Connected for Capped {
+    type ConnectInfo = tonic::transport::server::TcpConnectInfo;
+
+    fn connect_info(&self) -> Self::ConnectInfo {
+        self.io.connect_info()
+    }
+}
+
+#[cfg(test)]
+mod server_tests;
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ledger::keys::{KeyLimits, Scopes};
+
+    fn caller(key: &str, limits: KeyLimits) -> Caller {
+        Caller {
+            account_id: "acct".into(),
+            key_id: key.into(),
+            scopes: Scopes::ALL,
+            limits,
+        }
+    }
+
+    fn admission(global: usize, rate: u32, in_flight: u32) -> Admission {
+        Admission::new(&Limits {
+            max_in_flight_requests: global,
+            key_requests_per_sec: rate,
+            key_max_in_flight: in_flight,
+            ..Limits::default()
+        })
+    }
+
+    /// `n` admitted requests of `k`.
+    fn admit_n(a: &Admission, k: &Caller, n: usize) -> Vec<Permit> {
+        (0..n)
+            .map(|_| {
+                let mut p = a.admit_anonymous().unwrap();
+                a.admit_key(&mut p, k).unwrap();
+                p
+            })
+            .collect()
+    }
+
+    #[test]
+    fn in_flight_caps_hold_and_dropped_permits_release_them() {
+        let a = admission(3, 0, 2);
+        let k = caller("k1", KeyLimits::default());
+        let mut held = admit_n(&a, &k, 2);
+        let mut p = a.admit_anonymous().unwrap();
+        assert_eq!(a.admit_key(&mut p, &k), Err(Refused::TooManyInFlight(2)));
+        // The third global slot is taken by `p`; a fourth request is shed.
+        assert_eq!(a.admit_anonymous().unwrap_err(), Refused::Overloaded(3));
+        drop(p);
+        drop(held.pop());
+        assert_eq!(a.key_in_flight("k1"), (1, 2));
+        let mut p = a.admit_anonymous().unwrap();
+        a.admit_key(&mut p, &k).unwrap();
+        assert_eq!(a.in_flight(), 2);
+    }
+
+    #[test]
+    fn the_rate_bucket_allows_its_burst_then_refuses_without_spending() {
+        let a = admission(100, 5, 0);
+        let k = caller("k", KeyLimits::default());
+        let mut ok = 0;
+        let mut refused = 0;
+        for _ in 0..40 {
+            let mut p = a.admit_anonymous().unwrap();
+            match a.admit_key(&mut p, &k) {
+                Ok(()) => ok += 1,
+                Err(Refused::RateLimited(5)) => refused += 1,
+                Err(e) => panic!("{e}"),
+            }
+        }
+        // A burst of 10, plus what refilled while the loop ran (microseconds).
+        assert!((10..=11).contains(&ok), "{ok}");
+        assert_eq!(ok + refused, 40);
+    }
+
+    #[tokio::test]
+    async fn the_queue_estimate_counts_accepted_submits_between_recounts() {
+        let a = admission(8, 0, 0);
+        let n = a.queued(|| async { Ok::<_, ()>(5) }).await.unwrap();
+        assert_eq!(n, 5);
+        a.note_queued();
+        a.note_queued();
+        // Fresh: no recount (the closure would say 100).
+        assert_eq!(a.queued(|| async { Ok::<_, ()>(100) }).await.unwrap(), 7);
+        lock(&a.queue.state).1 = Some(Instant::now() - QUEUE_RECOUNT * 2);
+        assert_eq!(a.queued(|| async { Ok::<_, ()>(3) }).await.unwrap(), 3);
+        assert_eq!(a.queued(|| async { Err::<u64, _>("db") }).await.unwrap(), 3);
+    }
+
+    #[test]
+    fn a_key_own_limits_beat_the_defaults() {
+        let a = admission(100, 0, 1);
+        let k = caller(
+            "own",
+            KeyLimits {
+                requests_per_sec: Some(1),
+                max_in_flight: Some(3),
+            },
+        );
+        assert_eq!(
+            a.quota(&k),
+            KeyQuota {
+                requests_per_sec: 1,
+                max_in_flight: 3
+            }
+        );
+        let _held = admit_n(&a, &k, 2);
+        let mut p = a.admit_anonymous().unwrap();
+        assert_eq!(a.admit_key(&mut p, &k), Err(Refused::RateLimited(1)));
+    }
+}
