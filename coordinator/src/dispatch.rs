@@ -500,7 +500,7 @@ impl Dispatcher {
             model_sha256: model.sha256.to_vec(),
             input: Some(input),
             sampling: Some(job.sampling.clone()),
-            resume: (!resumed.token_ids.is_empty()).then(|| Resume {
+            resume: (!resumed.token_ids.is_empty()).then_some(Resume {
                 token_ids: resumed.token_ids,
                 text: resumed.text,
             }),

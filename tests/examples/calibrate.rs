@@ -47,9 +47,15 @@ const PARAGRAPH: &str = "The lighthouse stood at the end of the long stone pier,
     fishing boat came close enough that he could hear the men calling to one another over the \
     sound of the engine. ";
 
-#[tokio::main]
-async fn main() -> anyhow::Result<()> {
+fn main() -> anyhow::Result<()> {
     let args = Args::parse();
+    // As `mlx-node run` does before any thread exists: the engine's compute
+    // pool takes its size from here, and must match the bench's.
+    mlx_node::engine::cli::set_threads(Some(args.threads))?;
+    tokio::runtime::Runtime::new()?.block_on(calibrate(args))
+}
+
+async fn calibrate(args: Args) -> anyhow::Result<()> {
     let saved: serde_json::Value = serde_json::from_slice(
         &std::fs::read(&args.bench).with_context(|| format!("reading {}", args.bench.display()))?,
     )?;

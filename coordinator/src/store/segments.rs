@@ -191,7 +191,7 @@ fn encode_ids(ids: &[u32]) -> Vec<u8> {
 }
 
 fn decode_ids(bytes: &[u8]) -> Option<Vec<u32>> {
-    if bytes.len() % 4 != 0 {
+    if !bytes.len().is_multiple_of(4) {
         return None;
     }
     Some(
