@@ -391,6 +391,7 @@ impl Dispatcher {
             node_id: session.node_id,
             model_sha256: model.sha256,
             input_sha256: claim::input_digest(&input),
+            max_tokens: job.sampling.max_tokens,
         };
         let opened = tokio::select! {
             _ = cancel.cancelled() => return self.stopped(),

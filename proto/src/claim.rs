@@ -91,6 +91,63 @@ pub fn verify(signed: &SignedClaim) -> Result<NodeId, ClaimError> {
     Ok(node)
 }
 
+/// What a client knows about a job, to check its signed result against.
+#[derive(Clone, Debug)]
+pub struct JobFacts<'a> {
+    pub job_id: &'a str,
+    /// Hex id of the node the coordinator says ran the job.
+    pub node_id: &'a str,
+    /// The input the client sent (or the coordinator returned).
+    pub input: &'a JobInput,
+    /// The catalogue's digest of the job's model file, when known.
+    pub model_sha256: Option<&'a [u8]>,
+}
+
+/// Why a job's signed result is not the result of that job.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum ResultMismatch {
+    #[error("the claim does not verify: {0}")]
+    Claim(#[from] ClaimError),
+    #[error("the claim is about job {claimed}, not {job}")]
+    OtherJob { claimed: String, job: String },
+    #[error("the claim is signed by {signer}, but the job ran on {ran_on}")]
+    OtherNode { signer: String, ran_on: String },
+    #[error("the claim is about another input than the job's")]
+    OtherInput,
+    #[error("the claim names another model file than the catalogue's")]
+    OtherModel,
+}
+
+/// Checks offline that `signed` is a valid claim about exactly the job
+/// `facts` describes; returns the signing node.
+pub fn verify_result(signed: &SignedClaim, facts: &JobFacts<'_>) -> Result<NodeId, ResultMismatch> {
+    let signer = verify(signed)?;
+    let c = signed.claim.as_ref().ok_or(ClaimError::Missing)?;
+    if c.job_id != facts.job_id {
+        return Err(ResultMismatch::OtherJob {
+            claimed: c.job_id.chars().take(64).collect(),
+            job: facts.job_id.to_owned(),
+        });
+    }
+    if signer.to_string() != facts.node_id {
+        return Err(ResultMismatch::OtherNode {
+            signer: signer.to_string(),
+            ran_on: facts.node_id.to_owned(),
+        });
+    }
+    if c.prompt_sha256 != input_digest(facts.input) {
+        return Err(ResultMismatch::OtherInput);
+    }
+    if facts
+        .model_sha256
+        .is_some_and(|m| m != c.model_sha256.as_slice())
+    {
+        return Err(ResultMismatch::OtherModel);
+    }
+    Ok(signer)
+}
+
 /// SHA-256 over the canonical bytes of a job's input (prompt or chat
 /// messages). An absent input hashes as an empty prompt.
 pub fn input_digest(input: &JobInput) -> [u8; 32] {
@@ -194,6 +251,60 @@ mod tests {
         let mut short = sign(sample(&key), &key);
         short.signature.truncate(10);
         assert_eq!(verify(&short), Err(ClaimError::SignatureLength(10)));
+    }
+
+    #[test]
+    fn a_result_verifies_only_against_its_own_job_node_input_and_model() {
+        let key = SigningKey::generate(&mut rand::rngs::OsRng);
+        let input = JobInput {
+            kind: Some(job_input::Kind::Prompt("hi".into())),
+        };
+        let mut c = sample(&key);
+        c.prompt_sha256 = input_digest(&input).to_vec();
+        let signed = sign(c.clone(), &key);
+        let node = NodeId::from_key(&key.verifying_key()).to_string();
+        let facts = JobFacts {
+            job_id: &c.job_id,
+            node_id: &node,
+            input: &input,
+            model_sha256: Some(&[7; 32]),
+        };
+        assert!(verify_result(&signed, &facts).is_ok());
+        let other_input = JobInput {
+            kind: Some(job_input::Kind::Prompt("ho".into())),
+        };
+        let cases = [
+            JobFacts {
+                job_id: "another",
+                ..facts.clone()
+            },
+            JobFacts {
+                node_id: "00",
+                ..facts.clone()
+            },
+            JobFacts {
+                input: &other_input,
+                ..facts.clone()
+            },
+            JobFacts {
+                model_sha256: Some(&[8; 32]),
+                ..facts.clone()
+            },
+        ];
+        let got: Vec<_> = cases
+            .iter()
+            .map(|f| verify_result(&signed, f).unwrap_err())
+            .collect();
+        assert!(matches!(got[0], ResultMismatch::OtherJob { .. }));
+        assert!(matches!(got[1], ResultMismatch::OtherNode { .. }));
+        assert_eq!(got[2], ResultMismatch::OtherInput);
+        assert_eq!(got[3], ResultMismatch::OtherModel);
+        let mut bad = signed.clone();
+        bad.signature[0] ^= 1;
+        assert_eq!(
+            verify_result(&bad, &facts),
+            Err(ResultMismatch::Claim(ClaimError::BadSignature))
+        );
     }
 
     #[test]
