@@ -68,6 +68,8 @@ pub struct Dispatcher {
     pub metrics: Metrics,
     /// The World page's view of the nodes (see [`crate::world`]).
     pub world: crate::world::World,
+    /// Audit records and bans (see [`crate::audit`]).
+    pub audits: crate::audit::Audits,
     wake: Notify,
     running: Mutex<HashMap<JobId, CancellationToken>>,
     shutdown: CancellationToken,
@@ -83,9 +85,15 @@ enum Outcome {
 }
 
 impl Dispatcher {
-    pub fn new(config: CoordinatorConfig, store: Store, catalogue: Catalogue) -> Arc<Self> {
+    pub fn new(
+        config: CoordinatorConfig,
+        store: Store,
+        catalogue: Catalogue,
+        audits: crate::audit::Audits,
+    ) -> Arc<Self> {
         Arc::new(Self {
-            ledger: Ledger::new(store.pool().clone(), config.ledger.clone()),
+            ledger: Ledger::new(store.pool().clone(), config.ledger_config()),
+            audits,
             config,
             store,
             catalogue,
@@ -174,7 +182,13 @@ impl Dispatcher {
             return Ok(());
         }
         let queued = self.store.queued_jobs(PLACEMENT_BATCH).await?;
-        let sessions = self.sessions.all();
+        // A node banned after failed audits is never placed.
+        let sessions: Vec<_> = self
+            .sessions
+            .all()
+            .into_iter()
+            .filter(|s| !self.audits.is_banned(&s.node_id))
+            .collect();
         let mut fleet = Sessions::fleet(&sessions);
         let ids: Vec<JobId> = queued.iter().map(|j| j.id).collect();
         let accounts = self.store.job_accounts(&ids).await?;
@@ -288,7 +302,7 @@ impl Dispatcher {
     }
 
     async fn record_completion(
-        &self,
+        self: &Arc<Self>,
         job: &JobRecord,
         node_hex: &str,
         signed: SignedClaim,
@@ -305,6 +319,8 @@ impl Dispatcher {
         }
         Metrics::inc(&self.metrics.jobs_completed);
         info!("completed with a verified result");
+        self.maybe_audit(job, node_hex, &completion.result).await;
+        // Pays now unless the audit window holds the pay (then the sweep does).
         ledger::settle_logged(&self.ledger, job.id).await;
         let tokens = completion
             .result
@@ -384,6 +400,7 @@ impl Dispatcher {
             model_sha256: model.sha256.to_vec(),
             input: Some(input.clone()),
             sampling: Some(job.sampling.clone()),
+            audit: None,
         };
         let expected = Expected {
             job_id: job.id.to_string(),
@@ -524,9 +541,9 @@ impl Dispatcher {
                         retryable: f.retryable,
                     })
                 }
-                None => {
+                Some(job_update::Msg::Verdict(_)) | None => {
                     return Err(Outcome::Failed {
-                        reason: "the node sent an empty job update".into(),
+                        reason: "the node sent an empty or unexpected job update".into(),
                         retryable: true,
                     })
                 }

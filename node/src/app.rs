@@ -102,6 +102,7 @@ impl Node {
             operator_account: config.operator_account.clone(),
             location: config.location.clone(),
             max_concurrent_jobs: config.max_concurrent_jobs,
+            test_cheat: config.test_cheat,
             connect_timeout: Duration::from_millis(config.connect_timeout_ms),
             reconnect_min: Duration::from_millis(config.reconnect_min_ms),
             reconnect_max: Duration::from_millis(config.reconnect_max_ms),

@@ -64,6 +64,11 @@ pub struct NodeConfig {
     /// Empty (default): the coordinator keeps the node's current link, or
     /// gives a new node an account of its own.
     pub operator_account: String,
+    /// Test knob for the audit tests: the node replaces every generated
+    /// token with another before signing, as a cheating node would. Only
+    /// settable in code (never from a file or the environment).
+    #[serde(skip)]
+    pub test_cheat: bool,
 }
 
 /// One model file the node holds: catalogue id and local path.
@@ -414,6 +419,7 @@ impl NodeConfig {
             mode: NodeMode::Dedicated,
             location: None,
             operator_account: String::new(),
+            test_cheat: false,
         }
     }
 

@@ -13,6 +13,10 @@
 //! - The job input's digest ([`input_digest`]) binds a claim to the exact
 //!   prompt or chat messages the client submitted.
 //!
+//! An auditor's verdict on a claim ([`verdict_bytes`], [`sign_verdict`],
+//! [`verify_verdict`]) is encoded and signed the same way, under its own
+//! domain tag, and names the claim by its signature.
+//!
 //! # Failure
 //! [`verify`] returns [`ClaimError`] saying which check failed.
 
@@ -21,11 +25,12 @@ use sha2::{Digest, Sha256};
 
 use crate::{
     ids::{IdError, NodeId},
-    v1::{job_input, JobInput, ResultClaim, SignedClaim},
+    v1::{job_input, AuditVerdict, JobInput, ResultClaim, SignedClaim, SignedVerdict},
 };
 
 const CLAIM_DOMAIN: &[u8] = b"mlxnet/claim/v1\0";
 const INPUT_DOMAIN: &[u8] = b"mlxnet/input/v1\0";
+const VERDICT_DOMAIN: &[u8] = b"mlxnet/verdict/v1\0";
 
 /// Why a signed claim is not acceptable.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -79,16 +84,53 @@ pub fn sign(claim: ResultClaim, key: &SigningKey) -> SignedClaim {
 /// Returns that node's id.
 pub fn verify(signed: &SignedClaim) -> Result<NodeId, ClaimError> {
     let claim = signed.claim.as_ref().ok_or(ClaimError::Missing)?;
-    let node = NodeId::from_bytes(&claim.node_id)?;
-    let sig: [u8; 64] = signed
-        .signature
-        .as_slice()
+    check_signature(&claim.node_id, &canonical_bytes(claim), &signed.signature)
+}
+
+/// Checks that `signature` over `bytes` was made by the key `signer` names.
+fn check_signature(signer: &[u8], bytes: &[u8], signature: &[u8]) -> Result<NodeId, ClaimError> {
+    let node = NodeId::from_bytes(signer)?;
+    let sig: [u8; 64] = signature
         .try_into()
-        .map_err(|_| ClaimError::SignatureLength(signed.signature.len()))?;
+        .map_err(|_| ClaimError::SignatureLength(signature.len()))?;
     node.verifying_key()?
-        .verify(&canonical_bytes(claim), &Signature::from_bytes(&sig))
+        .verify(bytes, &Signature::from_bytes(&sig))
         .map_err(|_| ClaimError::BadSignature)?;
     Ok(node)
+}
+
+/// The bytes an auditor signs for `v`.
+pub fn verdict_bytes(v: &AuditVerdict) -> Vec<u8> {
+    let mut out = Vec::with_capacity(VERDICT_DOMAIN.len() + 256);
+    out.extend_from_slice(VERDICT_DOMAIN);
+    put_bytes(&mut out, v.job_id.as_bytes());
+    put_bytes(&mut out, &v.claim_signature);
+    out.push(u8::from(v.passed));
+    out.extend_from_slice(&(v.findings.len() as u32).to_le_bytes());
+    for f in &v.findings {
+        put_bytes(&mut out, f.as_bytes());
+    }
+    out.extend_from_slice(&v.worst_gap.to_le_bytes());
+    out.extend_from_slice(&v.statistic.to_le_bytes());
+    out.extend_from_slice(&v.limit.to_le_bytes());
+    put_bytes(&mut out, &v.auditor_id);
+    out
+}
+
+/// Signs `verdict` with `key` (its `auditor_id` must be the key's).
+pub fn sign_verdict(verdict: AuditVerdict, key: &SigningKey) -> SignedVerdict {
+    let signature = key.sign(&verdict_bytes(&verdict)).to_bytes().to_vec();
+    SignedVerdict {
+        verdict: Some(verdict),
+        signature,
+    }
+}
+
+/// Checks that `signed` carries a verdict signed by the auditor it names;
+/// returns that auditor.
+pub fn verify_verdict(signed: &SignedVerdict) -> Result<NodeId, ClaimError> {
+    let v = signed.verdict.as_ref().ok_or(ClaimError::Missing)?;
+    check_signature(&v.auditor_id, &verdict_bytes(v), &signed.signature)
 }
 
 /// What a client knows about a job, to check its signed result against.
@@ -305,6 +347,44 @@ mod tests {
             verify_result(&bad, &facts),
             Err(ResultMismatch::Claim(ClaimError::BadSignature))
         );
+    }
+
+    #[test]
+    fn a_verdict_verifies_only_untouched_and_signed_by_its_auditor() {
+        let key = SigningKey::generate(&mut rand::rngs::OsRng);
+        let v = AuditVerdict {
+            job_id: "j".into(),
+            claim_signature: vec![1; 64],
+            passed: false,
+            findings: vec!["not greedy".into()],
+            worst_gap: 3.5,
+            statistic: 0.0,
+            limit: 0.0,
+            auditor_id: key.verifying_key().to_bytes().to_vec(),
+        };
+        let signed = sign_verdict(v, &key);
+        assert_eq!(
+            verify_verdict(&signed).unwrap(),
+            NodeId::from_key(&key.verifying_key())
+        );
+        let edits: Vec<fn(&mut AuditVerdict)> = vec![
+            |v| v.job_id.push('x'),
+            |v| v.claim_signature[0] ^= 1,
+            |v| v.passed = true,
+            |v| v.findings.clear(),
+            |v| v.worst_gap = 0.0,
+            |v| v.statistic = 1.0,
+            |v| v.limit = 1.0,
+        ];
+        for (i, edit) in edits.iter().enumerate() {
+            let mut bad = signed.clone();
+            edit(bad.verdict.as_mut().unwrap());
+            assert_eq!(
+                verify_verdict(&bad),
+                Err(ClaimError::BadSignature),
+                "edit {i}"
+            );
+        }
     }
 
     #[test]

@@ -1,5 +1,8 @@
 //! One job attempt on its own bidirectional stream: read the `Assignment`,
-//! check it, run the engine, stream tokens, send the signed claim.
+//! check it, run the engine, stream tokens, send the signed claim. An audit
+//! assignment (`Assignment.audit` set) instead re-scores another node's
+//! claim with one teacher-forced pass ([`crate::engine::Engine::audit`]) and
+//! sends a signed verdict.
 //!
 //! # Invariants
 //! - A job runs only on a held model file with exactly the digest the
@@ -33,8 +36,8 @@ use mlxnet_proto::{
     claim,
     frame::{read_frame, write_frame, FrameError},
     v1::{
-        job_input, job_update, Assignment, JobInput, JobUpdate, ResultClaim, SamplingParams,
-        SignedClaim,
+        job_input, job_update, Assignment, AuditTask, AuditVerdict, JobInput, JobUpdate,
+        ResultClaim, SamplingParams, SignedClaim,
     },
 };
 use tokio::sync::mpsc;
@@ -42,9 +45,10 @@ use tracing::Instrument;
 
 use super::LinkContext;
 use crate::engine::{
-    ChatTurn, EngineError, FinishReason, GenerateRequest, Generation, PromptInput, Sampling,
-    TokenChunk,
+    audit::ClaimFacts, AuditRequest, ChatTurn, EngineError, FinishReason, GenerateRequest,
+    Generation, PromptInput, Sampling, TokenChunk,
 };
+use crate::models::LoadedModel;
 
 /// How long the coordinator may take to send the assignment after opening
 /// the stream.
@@ -170,6 +174,7 @@ pub async fn serve(
 /// What ended a job, as sent to the coordinator.
 enum Outcome {
     Claim(SignedClaim),
+    Verdict(mlxnet_proto::v1::SignedVerdict),
     Failure {
         reason: String,
         retryable: bool,
@@ -215,11 +220,6 @@ async fn run(
         };
         return finish(send, outcome).await;
     };
-    let request = GenerateRequest {
-        input: prompt_input(&input),
-        sampling: sampling(a.sampling.as_ref()),
-    };
-    tracing::info!(job_id = %a.job_id, attempt = a.attempt, "job started");
     write_frame(
         send,
         &JobUpdate {
@@ -227,6 +227,16 @@ async fn run(
         },
     )
     .await?;
+    if let Some(task) = &a.audit {
+        tracing::info!(job_id = %a.job_id, "audit started");
+        let outcome = audit(ctx, a, &input, &model, task).await;
+        return finish(send, outcome).await;
+    }
+    let request = GenerateRequest {
+        input: prompt_input(&input),
+        sampling: sampling(a.sampling.as_ref()),
+    };
+    tracing::info!(job_id = %a.job_id, attempt = a.attempt, "job started");
 
     let cancel = Arc::new(AtomicBool::new(false));
     let (tx, mut rx) = mpsc::channel(TOKEN_CHANNEL);
@@ -323,28 +333,115 @@ fn outcome(
 ) -> Outcome {
     match result {
         Ok(g) if g.finish == FinishReason::Cancelled => Outcome::Cancelled,
-        Ok(g) => Outcome::Claim(claim::sign(
-            ResultClaim {
-                job_id: a.job_id.clone(),
-                attempt: a.attempt,
-                model_sha256: model_sha256.to_vec(),
-                prompt_sha256: claim::input_digest(input).to_vec(),
-                completion_tokens: g.output_token_ids.len() as u32,
-                output_token_ids: g.output_token_ids,
-                output_text: g.text,
-                prompt_tokens: g.prompt_tokens as u32,
-                prefill_micros: g.prefill.as_micros() as u64,
-                decode_micros: g.decode.as_micros() as u64,
-                node_id: ctx.identity.node_id().as_bytes().to_vec(),
-                finish_reason: g.finish.as_str().into(),
-            },
-            ctx.identity.signing_key(),
-        )),
+        Ok(mut g) => {
+            if ctx.test_cheat {
+                // Another token for every one generated, as a node that did
+                // not run the model would claim (test knob, see the config;
+                // the modulus is the test model's vocabulary).
+                for t in &mut g.output_token_ids {
+                    *t = (*t + 1000) % 49_152;
+                }
+            }
+            Outcome::Claim(claim::sign(
+                ResultClaim {
+                    job_id: a.job_id.clone(),
+                    attempt: a.attempt,
+                    model_sha256: model_sha256.to_vec(),
+                    prompt_sha256: claim::input_digest(input).to_vec(),
+                    completion_tokens: g.output_token_ids.len() as u32,
+                    output_token_ids: g.output_token_ids,
+                    output_text: g.text,
+                    prompt_tokens: g.prompt_tokens as u32,
+                    prefill_micros: g.prefill.as_micros() as u64,
+                    decode_micros: g.decode.as_micros() as u64,
+                    node_id: ctx.identity.node_id().as_bytes().to_vec(),
+                    finish_reason: g.finish.as_str().into(),
+                },
+                ctx.identity.signing_key(),
+            ))
+        }
         Err(e) => Outcome::Failure {
             retryable: !e.is_client_error(),
             reason: e.to_string(),
         },
     }
+}
+
+/// Re-scores the claim of `task` (an audit assignment) and signs the verdict.
+/// A claim about another job or model file, or one that does not verify,
+/// is refused (not judged): the coordinator sent the wrong thing.
+async fn audit(
+    ctx: &LinkContext,
+    a: &Assignment,
+    input: &JobInput,
+    model: &std::sync::Arc<LoadedModel>,
+    task: &AuditTask,
+) -> Outcome {
+    let refuse = |reason: String| Outcome::Failure {
+        reason,
+        retryable: false,
+    };
+    let Some(signed) = task.claim.as_ref() else {
+        return refuse("audit without a claim".into());
+    };
+    if let Err(e) = claim::verify(signed) {
+        return refuse(format!("audited claim does not verify: {e}"));
+    }
+    let Some(c) = signed.claim.as_ref() else {
+        return refuse("audit without a claim".into());
+    };
+    if c.job_id != a.job_id
+        || c.model_sha256 != model.held.sha256
+        || c.prompt_sha256 != claim::input_digest(input)
+    {
+        return refuse("audited claim is about another job, input or model".into());
+    }
+    let request = AuditRequest {
+        input: prompt_input(input),
+        sampling: sampling(a.sampling.as_ref()),
+        output_token_ids: c.output_token_ids.clone(),
+        facts: ClaimFacts {
+            finish_reason: c.finish_reason.clone(),
+            prompt_tokens: c.prompt_tokens,
+            completion_tokens: c.completion_tokens,
+            output_token_ids_len: c.output_token_ids.len(),
+            output_text: c.output_text.clone(),
+        },
+    };
+    let engine = model.engine.clone();
+    let judged = tokio::task::spawn_blocking(move || {
+        let mut engine = engine.lock().unwrap_or_else(PoisonError::into_inner);
+        engine.audit(&request)
+    })
+    .await;
+    let verdict = match judged {
+        Ok(Ok(v)) => v,
+        Ok(Err(e)) => {
+            return Outcome::Failure {
+                retryable: !e.is_client_error(),
+                reason: format!("audit failed: {e}"),
+            }
+        }
+        Err(join) => {
+            return Outcome::Failure {
+                reason: format!("engine crashed: {join}"),
+                retryable: true,
+            }
+        }
+    };
+    Outcome::Verdict(claim::sign_verdict(
+        AuditVerdict {
+            job_id: a.job_id.clone(),
+            claim_signature: signed.signature.clone(),
+            passed: verdict.passed(),
+            findings: verdict.findings.iter().map(ToString::to_string).collect(),
+            worst_gap: verdict.worst_gap,
+            statistic: verdict.statistic,
+            limit: verdict.limit,
+            auditor_id: ctx.identity.node_id().as_bytes().to_vec(),
+        },
+        ctx.identity.signing_key(),
+    ))
 }
 
 /// Sends the job's last message and finishes the stream.
@@ -356,6 +453,12 @@ async fn finish(send: &mut quinn::SendStream, outcome: Outcome) -> Result<(), Jo
                 tracing::info!(tokens = c.completion_tokens, finish = %c.finish_reason, "job done");
             }
             job_update::Msg::Result(signed)
+        }
+        Outcome::Verdict(v) => {
+            if let Some(v) = &v.verdict {
+                tracing::info!(passed = v.passed, findings = ?v.findings, "audit done");
+            }
+            job_update::Msg::Verdict(v)
         }
         Outcome::Failure { reason, retryable } => {
             tracing::info!(%reason, retryable, "job refused or failed");

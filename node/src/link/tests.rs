@@ -57,6 +57,7 @@ impl TestLink {
                 hidden: None,
             }),
             max_concurrent_jobs: slots,
+            test_cheat: false,
             connect_timeout: Duration::from_secs(10),
             reconnect_min: Duration::from_millis(10),
             reconnect_max: Duration::from_millis(50),
@@ -346,6 +347,7 @@ fn assignment(job: &str, question: &str, max_tokens: u32, sha: &str) -> Assignme
             seed: Some(1),
             ..Default::default()
         }),
+        audit: None,
     }
 }
 
