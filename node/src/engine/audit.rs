@@ -49,10 +49,10 @@
 //!   another backend or kernel is not accused: 0.35.
 //! - For sampled tokens the limit comes from theory, not a fit:
 //!   `TOKENS_ALPHA` = 1e-4 bounds honest false accusations at 0.01% per job.
-//! - Cheats: random tokens were caught in 200 of 200 jobs (gaps of 10-20
-//!   logits). A random-weight model's output, truncated answers claimed as
-//!   `eos` and greedy claims sampled at T=1.0 were each caught in 10 of 10
-//!   jobs in the 10-job run (the 200-job figures are in the closing note).
+//! - Cheats, 200 jobs each: random tokens, a random-weight model's output
+//!   and truncated answers claimed as `eos` were caught in 200 of 200 (gaps
+//!   of 10-20 logits; eos 10+ logits below the argmax); greedy claims
+//!   sampled at T=1.0 in 10 of 10 of the 10-job run.
 //!
 //! # Failure
 //! Pure functions; nothing fails. A claim the engine cannot even score (a
