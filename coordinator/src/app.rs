@@ -85,7 +85,7 @@ impl Application {
             let requeued = store.requeue_orphans(config.limits.max_attempts).await?;
             // Settle what a crash left unsettled and expire overdue holds,
             // before anything is served.
-            let ledger = Ledger::new(store.pool().clone(), config.ledger.clone());
+            let ledger = Ledger::new(store.pool().clone(), config.ledger_config());
             let swept = ledger::sweep(&ledger, crate::store::now_ms(), |job| {
                 let store = store.clone();
                 async move { store.cancel(job).await.map(|_| ()) }
@@ -95,10 +95,15 @@ impl Application {
             if swept != ledger::Swept::default() {
                 info!(?swept, "ledger recovered at start-up");
             }
-            Ok::<_, AppError>(requeued)
+            let audits = crate::audit::Audits::load(store.pool().clone(), config.audit.clone())
+                .await
+                .map_err(|crate::audit::AuditError::Database(e)| {
+                    AppError::from(crate::store::StoreError::Database(e))
+                })?;
+            Ok::<_, AppError>((requeued, audits))
         }
         .await;
-        let requeued = match recovered {
+        let (requeued, audits) = match recovered {
             Ok(n) => n,
             Err(e) => {
                 store.close().await;
@@ -117,7 +122,7 @@ impl Application {
         let fingerprint = identity.fingerprint();
         info!(%grpc_addr, %quic_addr, %http_addr, %fingerprint, "coordinator bound");
         Ok(Application {
-            dispatcher: Dispatcher::new(config, store, catalogue),
+            dispatcher: Dispatcher::new(config, store, catalogue, audits),
             endpoint,
             grpc,
             http,

@@ -52,6 +52,8 @@ pub struct CoordinatorConfig {
     /// An attempt's lease: the node must show progress (started, tokens)
     /// at least this often, or the attempt is failed and the job requeued.
     pub job_lease_ms: u64,
+    /// Audits of completed jobs and the pay window (see [`crate::audit`]).
+    pub audit: crate::audit::AuditConfig,
 }
 
 /// One model of the catalogue: the only models jobs may name.
@@ -221,6 +223,7 @@ impl Default for CoordinatorConfig {
             job_timeout_ms: 10 * 60 * 1000,
             ledger: crate::ledger::LedgerConfig::default(),
             job_lease_ms: 60_000,
+            audit: crate::audit::AuditConfig::default(),
         }
     }
 }
@@ -244,20 +247,30 @@ impl fmt::Debug for CoordinatorConfig {
             .field("job_timeout_ms", &self.job_timeout_ms)
             .field("ledger", &self.ledger)
             .field("job_lease_ms", &self.job_lease_ms)
+            .field("audit", &self.audit)
             .finish()
     }
 }
 
 impl CoordinatorConfig {
-    /// Defaults with `data_dir` set and every listener on `127.0.0.1:0`: what
-    /// tests and the devnet use.
+    /// Defaults with `data_dir` set and every listener on `127.0.0.1:0`, and
+    /// audits off (no pay window): what tests and the devnet use.
     pub fn for_data_dir(data_dir: PathBuf) -> Self {
         Self {
             data_dir,
             grpc_addr: local_any_port(),
             quic_addr: local_any_port(),
             http_addr: local_any_port(),
+            audit: crate::audit::AuditConfig::off(),
             ..Self::default()
+        }
+    }
+
+    /// The ledger's settings, with the audit window it holds pay for.
+    pub fn ledger_config(&self) -> crate::ledger::LedgerConfig {
+        crate::ledger::LedgerConfig {
+            audit_window_ms: self.audit.window_ms.max(0),
+            ..self.ledger.clone()
         }
     }
 

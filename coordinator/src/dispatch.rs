@@ -87,6 +87,8 @@ pub struct Dispatcher {
     pub world: crate::world::World,
     /// Abuse limits of the client API (see [`crate::limits`]).
     pub admission: Arc<crate::limits::Admission>,
+    /// Audit records and bans (see [`crate::audit`]).
+    pub audits: crate::audit::Audits,
     wake: Notify,
     running: Mutex<HashMap<JobId, CancellationToken>>,
     shutdown: CancellationToken,
@@ -112,10 +114,16 @@ enum Outcome {
 const RESUME_LEVEL: u8 = 1;
 
 impl Dispatcher {
-    pub fn new(config: CoordinatorConfig, store: Store, catalogue: Catalogue) -> Arc<Self> {
+    pub fn new(
+        config: CoordinatorConfig,
+        store: Store,
+        catalogue: Catalogue,
+        audits: crate::audit::Audits,
+    ) -> Arc<Self> {
         let admission = Arc::new(crate::limits::Admission::new(&config.limits));
         Arc::new(Self {
-            ledger: Ledger::new(store.pool().clone(), config.ledger.clone()),
+            ledger: Ledger::new(store.pool().clone(), config.ledger_config()),
+            audits,
             config,
             store,
             catalogue,
@@ -205,7 +213,13 @@ impl Dispatcher {
             return Ok(());
         }
         let queued = self.store.queued_jobs(PLACEMENT_BATCH).await?;
-        let sessions = self.sessions.all();
+        // A node banned after failed audits is never placed.
+        let sessions: Vec<_> = self
+            .sessions
+            .all()
+            .into_iter()
+            .filter(|s| !self.audits.is_banned(&s.node_id))
+            .collect();
         let mut fleet = Sessions::fleet(&sessions);
         let ids: Vec<JobId> = queued.iter().map(|j| j.id).collect();
         let accounts = self.store.job_accounts(&ids).await?;
@@ -356,7 +370,7 @@ impl Dispatcher {
     }
 
     async fn record_completion(
-        &self,
+        self: &Arc<Self>,
         job: &JobRecord,
         node_hex: &str,
         signed: SignedClaim,
@@ -373,6 +387,8 @@ impl Dispatcher {
         }
         Metrics::inc(&self.metrics.jobs_completed);
         info!("completed with a verified result");
+        self.maybe_audit(job, node_hex, &completion.result).await;
+        // Pays now unless the audit window holds the pay (then the sweep does).
         ledger::settle_logged(&self.ledger, job.id).await;
         let tokens = completion
             .result
@@ -492,6 +508,7 @@ impl Dispatcher {
             node_id: session.node_id,
             model_sha256: model.sha256,
             input_sha256: claim::resumed_input_digest(&input, &resumed.token_ids),
+            max_tokens: job.sampling.max_tokens,
         };
         let assignment = Assignment {
             job_id: job.id.to_string(),
@@ -504,6 +521,7 @@ impl Dispatcher {
                 token_ids: resumed.token_ids,
                 text: resumed.text,
             }),
+            audit: None,
         };
         let opened = tokio::select! {
             _ = cancel.cancelled() => return self.stopped(),
@@ -660,9 +678,9 @@ impl Dispatcher {
                         retryable: f.retryable,
                     })
                 }
-                None => {
+                Some(job_update::Msg::Verdict(_)) | None => {
                     return Err(Outcome::Failed {
-                        reason: "the node sent an empty job update".into(),
+                        reason: "the node sent an empty or unexpected job update".into(),
                         retryable: true,
                     })
                 }

@@ -69,6 +69,11 @@ pub struct LedgerConfig {
     pub test_pause_at_step: Option<u32>,
     /// Length of an availability reward epoch.
     pub reward_epoch_ms: i64,
+    /// Pay for a completed job waits this long after completion (the audit
+    /// window, set from `[audit] window_ms` by the coordinator); a failed
+    /// audit voids it instead.
+    #[serde(skip)]
+    pub audit_window_ms: i64,
     /// Micro-MLX a dedicated node earns per GiB offered per hour online.
     pub reward_per_gib_hour: u64,
     /// Most the reward pool pays out per epoch, in micro-MLX.
@@ -82,6 +87,7 @@ impl Default for LedgerConfig {
             hold_ttl_ms: 24 * 60 * 60 * 1000,
             sweep_interval_ms: 5_000,
             test_pause_at_step: None,
+            audit_window_ms: 0,
             reward_epoch_ms: 60 * 60 * 1000,
             reward_per_gib_hour: 1_000,
             reward_pool_per_epoch: 100_000_000,
@@ -532,7 +538,7 @@ impl Ledger {
         if t.posted != 0 || t.pending != 0 {
             out.push(format!("sums over accounts are {t:?}, not zero"));
         }
-        let checks: [(&str, &str); 5] = [
+        let checks: [(&str, &str); 6] = [
             (
                 "resolved more than once",
                 "SELECT pending_id FROM transfers WHERE pending_id IS NOT NULL \
@@ -545,13 +551,20 @@ impl Ledger {
             (
                 "ended with its hold still open",
                 "SELECT h.job_id FROM open_holds h JOIN jobs j ON j.id = h.job_id \
-                 WHERE j.state IN ('completed', 'failed', 'cancelled') AND ?1 = ?1",
+                 WHERE j.state IN ('failed', 'cancelled') OR (j.state = 'completed' \
+                 AND (?2 = 0 OR j.updated_at_ms + ?2 < ?1))",
             ),
             (
                 "paid, but payouts and fee differ from the post",
                 "SELECT p.job_id FROM transfers p WHERE p.kind = 'post_pending' AND p.amount <> \
                  (SELECT COALESCE(SUM(x.amount), 0) FROM transfers x \
                   WHERE x.job_id = p.job_id AND x.memo IN ('payout', 'fee')) AND ?1 = ?1",
+            ),
+            (
+                "failed its audit, yet paid someone",
+                "SELECT DISTINCT x.job_id FROM transfers x JOIN audits a ON a.job_id = x.job_id \
+                 WHERE x.memo = 'payout' AND a.state = 'failed' AND x.created_at_ms >= a.ended_at_ms \
+                 AND ?1 = ?1 AND ?2 = ?2",
             ),
             (
                 "failed or cancelled, yet paid someone",
@@ -562,6 +575,7 @@ impl Ledger {
         for (what, sql) in checks {
             let ids: Vec<String> = sqlx::query_scalar(sql)
                 .bind(now_ms)
+                .bind(self.config.audit_window_ms)
                 .fetch_all(&self.pool)
                 .await?;
             out.extend(ids.into_iter().map(|id| format!("{id}: {what}")));
@@ -625,7 +639,7 @@ where
     Fut: std::future::Future<Output = Result<(), StoreError>>,
 {
     let mut out = Swept::default();
-    for id in ledger.unsettled_jobs(SWEEP_BATCH).await? {
+    for id in ledger.unsettled_jobs(now_ms, SWEEP_BATCH).await? {
         let Ok(job) = id.parse() else {
             return Err(LedgerError::Corrupt(format!("hold of job {id:?}")));
         };

@@ -11,6 +11,8 @@
 //! - [`scheduler`]: placement as a pure module: capability and cost models,
 //!   the indexed fleet and its decisions, the fair-share queue.
 //! - [`jobs`]: the job state machine and the live event hub behind Watch.
+//! - [`audit`]: which completed jobs are re-scored on another node, node
+//!   records and bans; pay is held until a job's audit window closes.
 //! - [`ledger`]: accounts, two-phase transfers, API keys, job holds and settlement.
 //! - [`store`]: persistence (SQLite), every transition guarded by current state.
 //! - [`catalogue`]: the models jobs may name, pinned by file digest.
@@ -22,6 +24,7 @@
 
 pub mod api;
 pub mod app;
+pub mod audit;
 pub mod catalogue;
 pub mod config;
 pub mod dispatch;

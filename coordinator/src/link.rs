@@ -285,4 +285,6 @@ async fn reject(conn: &quinn::Connection, send: Option<quinn::SendStream>, reaso
 }
 
 #[cfg(test)]
+mod claims_tests;
+#[cfg(test)]
 mod tests;

@@ -363,6 +363,16 @@ impl FakeNode {
         }
     }
 
+    /// This node's claim about assignment `a` (see [`claim_for`]).
+    pub fn claim(
+        &self,
+        a: &mlxnet_proto::v1::Assignment,
+        ids: Vec<u32>,
+        text: &str,
+    ) -> mlxnet_proto::v1::ResultClaim {
+        claim_for(&self.key, a, ids, text)
+    }
+
     /// The next job the coordinator assigns.
     pub async fn next_assignment(
         &self,
@@ -374,5 +384,30 @@ impl FakeNode {
         let (send, mut recv) = self.conn.accept_bi().await.unwrap();
         let a = mlxnet_proto::frame::read_frame(&mut recv).await.unwrap();
         (send, recv, a)
+    }
+}
+
+/// The claim of the node holding `key` about assignment `a`, listing `ids`
+/// and `text` (finish `eos`, counts matching, 5 prompt tokens, timings
+/// zero); sign it with `claim::sign`, after any edit.
+pub fn claim_for(
+    key: &SigningKey,
+    a: &mlxnet_proto::v1::Assignment,
+    ids: Vec<u32>,
+    text: &str,
+) -> mlxnet_proto::v1::ResultClaim {
+    mlxnet_proto::v1::ResultClaim {
+        job_id: a.job_id.clone(),
+        attempt: a.attempt,
+        model_sha256: a.model_sha256.clone(),
+        prompt_sha256: mlxnet_proto::claim::input_digest(&a.input.clone().unwrap_or_default())
+            .to_vec(),
+        completion_tokens: ids.len() as u32,
+        output_token_ids: ids,
+        output_text: text.into(),
+        prompt_tokens: 5,
+        node_id: key.verifying_key().to_bytes().to_vec(),
+        finish_reason: "eos".into(),
+        ..Default::default()
     }
 }

@@ -32,19 +32,12 @@ use anyhow::{bail, Context};
 use mlx_node::engine::{Engine, GenerateRequest, PromptInput, Resume, Sampling};
 use serde_json::{json, Value};
 
+#[path = "support/util.rs"]
+mod util;
+use util::{setting, workspace};
+
 const GEN_TOKENS: usize = 128;
 const PROMPT: &str = include_str!("prompt-128.txt");
-
-fn workspace() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .map(Path::to_path_buf)
-        .unwrap_or_else(|| PathBuf::from("."))
-}
-
-fn setting(name: &str) -> Option<String> {
-    std::env::var(name).ok().filter(|v| !v.is_empty())
-}
 
 fn median(mut v: Vec<f64>) -> f64 {
     if v.is_empty() {

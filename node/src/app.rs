@@ -144,6 +144,7 @@ impl Node {
             mode: config.mode,
             operator_account: config.operator_account.clone(),
             location: config.location.clone(),
+            test_cheat: config.test_cheat,
             connect_timeout: Duration::from_millis(config.connect_timeout_ms),
             reconnect_min: Duration::from_millis(config.reconnect_min_ms),
             reconnect_max: Duration::from_millis(config.reconnect_max_ms),

@@ -71,6 +71,11 @@ pub struct NodeConfig {
     /// Set when this node is a member of a pod (see [`PodSettings`]).
     /// Default none: a single Mac.
     pub pod: Option<PodSettings>,
+    /// Test knob for the audit tests: the node replaces every generated
+    /// token with another before signing, as a cheating node would. Only
+    /// settable in code (never from a file or the environment).
+    #[serde(skip)]
+    pub test_cheat: bool,
 }
 
 /// Pod membership: the MLX hostfile, this node's rank in it, and how the
@@ -509,6 +514,7 @@ impl NodeConfig {
             location: None,
             operator_account: String::new(),
             pod: None,
+            test_cheat: false,
         }
     }
 

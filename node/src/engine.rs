@@ -21,6 +21,8 @@
 //! - `template`: the model's chat template, rendered with minijinja.
 //! - `sampler`: greedy / temperature / top-k / top-p / min-p / repetition
 //!   penalty with a seeded generator; `stop`: stop strings.
+//! - [`audit`]: the decision rule that judges a claimed generation from one
+//!   teacher-forced pass ([`Engine::audit`]).
 //! - [`cli`]: `mlx-node generate` and `mlx-node bench`.
 //!
 //! # Invariants
@@ -41,6 +43,7 @@ use std::ops::ControlFlow;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
+pub mod audit;
 pub mod cli;
 mod config;
 mod gguf;
@@ -648,6 +651,83 @@ fn compile_template(source: Option<String>) -> Result<ChatTemplate, String> {
         Some(src) => ChatTemplate::new(&src).map_err(|e| e.to_string()),
         None => Err("the model file has no chat template".to_string()),
     }
+}
+
+impl Engine {
+    /// Audits a claimed generation: one teacher-forced pass of prompt +
+    /// claimed tokens (batched, in [`PREFILL_CHUNK`]s), every position scored
+    /// against the job's sampling parameters, and the claim judged by
+    /// [`audit::judge`]. Errors only when the input itself cannot run (the
+    /// job would have failed the same way).
+    pub fn audit(&mut self, req: &AuditRequest) -> Result<audit::Verdict, EngineError> {
+        let s = &req.sampling;
+        sampler::validate(s)?;
+        let prompt = self.prompt_tokens(&req.input)?;
+        let vocab = self.model.cfg.vocab_size;
+        let output = &req.output_token_ids;
+        if let Some((i, &t)) = output
+            .iter()
+            .enumerate()
+            .find(|(_, &t)| t as usize >= vocab)
+        {
+            return Ok(audit::judge_unscorable(i, t));
+        }
+        let ctx = self.model.cfg.context_length;
+        let total = prompt.len() + output.len();
+        if total > ctx || prompt.len() >= ctx {
+            return Err(EngineError::PromptTooLong {
+                tokens: total,
+                max: ctx,
+            });
+        }
+        // Rows from the last prompt token on: row i predicts output token i;
+        // the last row predicts what follows the claimed output.
+        let first_row = prompt.len() - 1;
+        let mut full = prompt.clone();
+        full.extend_from_slice(output);
+        self.model.reset(total);
+        let mut rows = Vec::with_capacity((output.len() + 1) * vocab);
+        for (c, chunk) in full.chunks(PREFILL_CHUNK).enumerate() {
+            let start = c * PREFILL_CHUNK;
+            let from = first_row.saturating_sub(start).min(chunk.len());
+            rows.extend(self.model.forward_rows(chunk, from)?);
+        }
+        let mut scratch = Vec::new();
+        let mut tokens = Vec::with_capacity(output.len());
+        let mut rows = rows.chunks_exact_mut(vocab);
+        for (i, &t) in output.iter().enumerate() {
+            let Some(row) = rows.next() else { break };
+            let history = &full[..prompt.len() + i];
+            tokens.push(audit::score_position(row, t, s, history, &mut scratch));
+        }
+        let eog: Vec<u32> = self.text.tokenizer.eog.iter().copied().collect();
+        let end = match rows.next() {
+            Some(row) => audit::score_end(row, &eog, s, &full, &mut scratch),
+            None => audit::PositionScore {
+                gap: f32::INFINITY,
+                u: 0.0,
+                outside: true,
+            },
+        };
+        let scores = audit::Scores {
+            prompt_tokens: prompt.len(),
+            tokens,
+            end,
+            decoded_text: self.text.tokenizer.decode(output),
+            context_length: ctx,
+        };
+        Ok(audit::judge(&scores, &req.facts, s))
+    }
+}
+
+/// A claimed generation to audit: the job's input and parameters, and what
+/// the node claimed.
+#[derive(Debug, Clone, PartialEq)]
+pub struct AuditRequest {
+    pub input: PromptInput,
+    pub sampling: Sampling,
+    pub output_token_ids: Vec<u32>,
+    pub facts: audit::ClaimFacts,
 }
 
 type Loaded = (Model, Tokenizer, Option<String>);

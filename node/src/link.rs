@@ -130,6 +130,8 @@ pub struct LinkContext {
     pub operator_account: String,
     pub location: Option<Location>,
     pub max_concurrent_jobs: u32,
+    /// See [`crate::config::NodeConfig::test_cheat`].
+    pub test_cheat: bool,
     pub connect_timeout: Duration,
     pub reconnect_min: Duration,
     pub reconnect_max: Duration,

@@ -13,6 +13,10 @@
 //! - The job input's digest ([`input_digest`]) binds a claim to the exact
 //!   prompt or chat messages the client submitted.
 //!
+//! An auditor's verdict on a claim ([`verdict_bytes`], [`sign_verdict`],
+//! [`verify_verdict`]) is encoded and signed the same way, under its own
+//! domain tag, and names the claim by its signature.
+//!
 //! # Failure
 //! [`verify`] returns [`ClaimError`] saying which check failed.
 
@@ -21,7 +25,7 @@ use sha2::{Digest, Sha256};
 
 use crate::{
     ids::{IdError, NodeId},
-    v1::{job_input, JobInput, ResultClaim, SignedClaim},
+    v1::{job_input, AuditVerdict, JobInput, ResultClaim, SignedClaim, SignedVerdict},
 };
 
 const CLAIM_DOMAIN: &[u8] = b"mlxnet/claim/v1\0";
@@ -31,6 +35,7 @@ const RESUME_DOMAIN: &[u8] = b"mlxnet/resume/v1\0";
 /// `finish_reason` of a partial claim: a draining node stopped here and the
 /// job resumes elsewhere.
 pub const FINISH_HANDOFF: &str = "handoff";
+const VERDICT_DOMAIN: &[u8] = b"mlxnet/verdict/v1\0";
 
 /// Why a signed claim is not acceptable.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -84,16 +89,110 @@ pub fn sign(claim: ResultClaim, key: &SigningKey) -> SignedClaim {
 /// Returns that node's id.
 pub fn verify(signed: &SignedClaim) -> Result<NodeId, ClaimError> {
     let claim = signed.claim.as_ref().ok_or(ClaimError::Missing)?;
-    let node = NodeId::from_bytes(&claim.node_id)?;
-    let sig: [u8; 64] = signed
-        .signature
-        .as_slice()
+    check_signature(&claim.node_id, &canonical_bytes(claim), &signed.signature)
+}
+
+/// Checks that `signature` over `bytes` was made by the key `signer` names.
+fn check_signature(signer: &[u8], bytes: &[u8], signature: &[u8]) -> Result<NodeId, ClaimError> {
+    let node = NodeId::from_bytes(signer)?;
+    let sig: [u8; 64] = signature
         .try_into()
-        .map_err(|_| ClaimError::SignatureLength(signed.signature.len()))?;
+        .map_err(|_| ClaimError::SignatureLength(signature.len()))?;
     node.verifying_key()?
-        .verify(&canonical_bytes(claim), &Signature::from_bytes(&sig))
+        .verify(bytes, &Signature::from_bytes(&sig))
         .map_err(|_| ClaimError::BadSignature)?;
     Ok(node)
+}
+
+/// The bytes an auditor signs for `v`.
+pub fn verdict_bytes(v: &AuditVerdict) -> Vec<u8> {
+    let mut out = Vec::with_capacity(VERDICT_DOMAIN.len() + 256);
+    out.extend_from_slice(VERDICT_DOMAIN);
+    put_bytes(&mut out, v.job_id.as_bytes());
+    put_bytes(&mut out, &v.claim_signature);
+    out.push(u8::from(v.passed));
+    out.extend_from_slice(&(v.findings.len() as u32).to_le_bytes());
+    for f in &v.findings {
+        put_bytes(&mut out, f.as_bytes());
+    }
+    out.extend_from_slice(&v.worst_gap.to_le_bytes());
+    out.extend_from_slice(&v.statistic.to_le_bytes());
+    out.extend_from_slice(&v.limit.to_le_bytes());
+    put_bytes(&mut out, &v.auditor_id);
+    out
+}
+
+/// Signs `verdict` with `key` (its `auditor_id` must be the key's).
+pub fn sign_verdict(verdict: AuditVerdict, key: &SigningKey) -> SignedVerdict {
+    let signature = key.sign(&verdict_bytes(&verdict)).to_bytes().to_vec();
+    SignedVerdict {
+        verdict: Some(verdict),
+        signature,
+    }
+}
+
+/// Checks that `signed` carries a verdict signed by the auditor it names;
+/// returns that auditor.
+pub fn verify_verdict(signed: &SignedVerdict) -> Result<NodeId, ClaimError> {
+    let v = signed.verdict.as_ref().ok_or(ClaimError::Missing)?;
+    check_signature(&v.auditor_id, &verdict_bytes(v), &signed.signature)
+}
+
+/// What a client knows about a job, to check its signed result against.
+#[derive(Clone, Debug)]
+pub struct JobFacts<'a> {
+    pub job_id: &'a str,
+    /// Hex id of the node the coordinator says ran the job.
+    pub node_id: &'a str,
+    /// The input the client sent (or the coordinator returned).
+    pub input: &'a JobInput,
+    /// The catalogue's digest of the job's model file, when known.
+    pub model_sha256: Option<&'a [u8]>,
+}
+
+/// Why a job's signed result is not the result of that job.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum ResultMismatch {
+    #[error("the claim does not verify: {0}")]
+    Claim(#[from] ClaimError),
+    #[error("the claim is about job {claimed}, not {job}")]
+    OtherJob { claimed: String, job: String },
+    #[error("the claim is signed by {signer}, but the job ran on {ran_on}")]
+    OtherNode { signer: String, ran_on: String },
+    #[error("the claim is about another input than the job's")]
+    OtherInput,
+    #[error("the claim names another model file than the catalogue's")]
+    OtherModel,
+}
+
+/// Checks offline that `signed` is a valid claim about exactly the job
+/// `facts` describes; returns the signing node.
+pub fn verify_result(signed: &SignedClaim, facts: &JobFacts<'_>) -> Result<NodeId, ResultMismatch> {
+    let signer = verify(signed)?;
+    let c = signed.claim.as_ref().ok_or(ClaimError::Missing)?;
+    if c.job_id != facts.job_id {
+        return Err(ResultMismatch::OtherJob {
+            claimed: c.job_id.chars().take(64).collect(),
+            job: facts.job_id.to_owned(),
+        });
+    }
+    if signer.to_string() != facts.node_id {
+        return Err(ResultMismatch::OtherNode {
+            signer: signer.to_string(),
+            ran_on: facts.node_id.to_owned(),
+        });
+    }
+    if c.prompt_sha256 != input_digest(facts.input) {
+        return Err(ResultMismatch::OtherInput);
+    }
+    if facts
+        .model_sha256
+        .is_some_and(|m| m != c.model_sha256.as_slice())
+    {
+        return Err(ResultMismatch::OtherModel);
+    }
+    Ok(signer)
 }
 
 /// SHA-256 over the canonical bytes of a job's input (prompt or chat
@@ -228,6 +327,98 @@ mod tests {
         let mut short = sign(sample(&key), &key);
         short.signature.truncate(10);
         assert_eq!(verify(&short), Err(ClaimError::SignatureLength(10)));
+    }
+
+    #[test]
+    fn a_result_verifies_only_against_its_own_job_node_input_and_model() {
+        let key = SigningKey::generate(&mut rand::rngs::OsRng);
+        let input = JobInput {
+            kind: Some(job_input::Kind::Prompt("hi".into())),
+        };
+        let mut c = sample(&key);
+        c.prompt_sha256 = input_digest(&input).to_vec();
+        let signed = sign(c.clone(), &key);
+        let node = NodeId::from_key(&key.verifying_key()).to_string();
+        let facts = JobFacts {
+            job_id: &c.job_id,
+            node_id: &node,
+            input: &input,
+            model_sha256: Some(&[7; 32]),
+        };
+        assert!(verify_result(&signed, &facts).is_ok());
+        let other_input = JobInput {
+            kind: Some(job_input::Kind::Prompt("ho".into())),
+        };
+        let cases = [
+            JobFacts {
+                job_id: "another",
+                ..facts.clone()
+            },
+            JobFacts {
+                node_id: "00",
+                ..facts.clone()
+            },
+            JobFacts {
+                input: &other_input,
+                ..facts.clone()
+            },
+            JobFacts {
+                model_sha256: Some(&[8; 32]),
+                ..facts.clone()
+            },
+        ];
+        let got: Vec<_> = cases
+            .iter()
+            .map(|f| verify_result(&signed, f).unwrap_err())
+            .collect();
+        assert!(matches!(got[0], ResultMismatch::OtherJob { .. }));
+        assert!(matches!(got[1], ResultMismatch::OtherNode { .. }));
+        assert_eq!(got[2], ResultMismatch::OtherInput);
+        assert_eq!(got[3], ResultMismatch::OtherModel);
+        let mut bad = signed.clone();
+        bad.signature[0] ^= 1;
+        assert_eq!(
+            verify_result(&bad, &facts),
+            Err(ResultMismatch::Claim(ClaimError::BadSignature))
+        );
+    }
+
+    #[test]
+    fn a_verdict_verifies_only_untouched_and_signed_by_its_auditor() {
+        let key = SigningKey::generate(&mut rand::rngs::OsRng);
+        let v = AuditVerdict {
+            job_id: "j".into(),
+            claim_signature: vec![1; 64],
+            passed: false,
+            findings: vec!["not greedy".into()],
+            worst_gap: 3.5,
+            statistic: 0.0,
+            limit: 0.0,
+            auditor_id: key.verifying_key().to_bytes().to_vec(),
+        };
+        let signed = sign_verdict(v, &key);
+        assert_eq!(
+            verify_verdict(&signed).unwrap(),
+            NodeId::from_key(&key.verifying_key())
+        );
+        let edits: Vec<fn(&mut AuditVerdict)> = vec![
+            |v| v.job_id.push('x'),
+            |v| v.claim_signature[0] ^= 1,
+            |v| v.passed = true,
+            |v| v.findings.clear(),
+            |v| v.worst_gap = 0.0,
+            |v| v.statistic = 1.0,
+            |v| v.limit = 1.0,
+        ];
+        for (i, edit) in edits.iter().enumerate() {
+            let mut bad = signed.clone();
+            edit(bad.verdict.as_mut().unwrap());
+            assert_eq!(
+                verify_verdict(&bad),
+                Err(ClaimError::BadSignature),
+                "edit {i}"
+            );
+        }
     }
 
     #[test]

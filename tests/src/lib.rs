@@ -552,3 +552,23 @@ pub fn prompt_job(prompt: &str, max_tokens: u32) -> SubmitJobRequest {
 pub fn state(job: &Job) -> JobState {
     JobState::try_from(job.state).unwrap_or(JobState::Unspecified)
 }
+
+/// Milliseconds since the Unix epoch (the coordinator's clock).
+pub fn now_ms() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as i64)
+        .unwrap_or(0)
+}
+
+/// What a job with `claim`'s token counts costs at `model`'s prices, and
+/// the network fee in it (5%, the default).
+pub fn price_of(
+    claim: &mlxnet_proto::v1::ResultClaim,
+    model: &mlxnet_proto::v1::ModelInfo,
+) -> (i64, i64) {
+    let price = (u64::from(claim.prompt_tokens) * model.price_input_micro_mlx_per_mtok
+        + u64::from(claim.completion_tokens) * model.price_output_micro_mlx_per_mtok)
+        .div_ceil(1_000_000) as i64;
+    (price, price * 500 / 10_000)
+}

@@ -221,19 +221,10 @@ async fn a_job_streams_tokens_and_completes_only_with_a_verified_result() {
     // First attempt: tokens, then a result whose signature is broken.
     let (mut send, _recv, a) = node.next_assignment().await;
     assert_eq!((a.job_id.as_str(), a.attempt), (job.id.as_str(), 1));
-    assert!(a.sampling.unwrap().seed.is_some());
+    assert!(a.sampling.as_ref().unwrap().seed.is_some());
     let claim_for = |attempt: u32| ResultClaim {
-        job_id: job.id.clone(),
         attempt,
-        model_sha256: a.model_sha256.clone(),
-        prompt_sha256: claim::input_digest(&input).to_vec(),
-        output_token_ids: vec![7, 8],
-        output_text: " Paris".into(),
-        prompt_tokens: 5,
-        completion_tokens: 2,
-        node_id: node.key.verifying_key().to_bytes().to_vec(),
-        finish_reason: "eos".into(),
-        ..Default::default()
+        ..node.claim(&a, vec![7, 8], " Paris")
     };
     let tokens = |index: u32, id: u32, text: &str| JobUpdate {
         msg: Some(job_update::Msg::Tokens(job_update::Tokens {

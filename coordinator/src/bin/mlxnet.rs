@@ -1,6 +1,7 @@
 //! `mlxnet`: the mlx-network client. Submits jobs and streams their tokens,
 //! checks every result's signed claim offline (signature, and that it is
-//! about the prompt that was sent), and shows jobs, models, the network, the
+//! about the prompt that was sent; `mlxnet verify <job>` later, also against
+//! the catalogue's model digest), and shows jobs, models, the network, the
 //! account's balance and history; manages API keys; and, with an admin key,
 //! creates accounts and grants MLX tokens.
 //!
@@ -83,6 +84,24 @@ enum Command {
     },
     /// Show one job.
     Job { id: String },
+    /// Fetch a job's stored signed result and check it offline: the ed25519
+    /// signature, that it names this job and the node that ran it, that its
+    /// input digest is the job's input (or the prompt given here, built as
+    /// `submit` builds it), and that its model digest is the catalogue's.
+    Verify {
+        /// The job id.
+        job: String,
+        /// Check against this prompt (what you sent) instead of the input
+        /// the coordinator returns.
+        #[arg(long)]
+        prompt: Option<String>,
+        /// With --prompt: it was sent as raw text.
+        #[arg(long)]
+        raw: bool,
+        /// With --prompt: the system message it was sent with (empty: none).
+        #[arg(long, default_value = "You are a helpful assistant.")]
+        system: String,
+    },
     /// List recent jobs.
     Jobs {
         #[arg(long, default_value_t = 20)]
@@ -206,24 +225,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             priority,
             prompt,
         } => {
-            let mut messages = Vec::new();
-            if !system.is_empty() {
-                messages.push(ChatMessage {
-                    role: "system".into(),
-                    content: system,
-                });
-            }
-            let input = JobInput {
-                kind: Some(if raw {
-                    job_input::Kind::Prompt(prompt)
-                } else {
-                    messages.push(ChatMessage {
-                        role: "user".into(),
-                        content: prompt,
-                    });
-                    job_input::Kind::Chat(ChatMessages { messages })
-                }),
-            };
+            let input = job_input_of(prompt, raw, system);
             let request = SubmitJobRequest {
                 model,
                 input: Some(input.clone()),
@@ -253,6 +255,47 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                     Err(e) => println!("NOT VERIFIED: {e}"),
                 }
             }
+            Ok(())
+        }
+        Command::Verify {
+            job,
+            prompt,
+            raw,
+            system,
+        } => {
+            let job = JobsClient::with_interceptor(channel.clone(), auth)
+                .get(GetJobRequest { job_id: job })
+                .await?
+                .into_inner();
+            let models = ModelsClient::new(channel)
+                .list(ListModelsRequest {})
+                .await?
+                .into_inner()
+                .models;
+            let catalogue = models
+                .iter()
+                .find(|m| m.id == job.model)
+                .map(|m| m.sha256.clone());
+            let sent = match prompt {
+                Some(p) => job_input_of(p, raw, system),
+                None => job.input.clone().unwrap_or_default(),
+            };
+            print_job(&job);
+            let signer = verify_job(&job, &sent, catalogue.as_deref())?;
+            let c = job.result.as_ref().and_then(|r| r.claim.as_ref());
+            if let Some(c) = c {
+                println!(
+                    "claim: attempt {}, {} prompt + {} completion tokens, finish {}",
+                    c.attempt, c.prompt_tokens, c.completion_tokens, c.finish_reason
+                );
+            }
+            if catalogue.is_none() {
+                println!(
+                    "model {} is no longer in the catalogue: its digest was not checked",
+                    job.model
+                );
+            }
+            println!("verified: signed by {signer}");
             Ok(())
         }
         Command::Jobs { limit } => {
@@ -527,26 +570,53 @@ async fn submit(
         None => bail!("the job's event stream ended before the job did"),
     };
     print_job(&done);
-    let signed = done
-        .result
-        .as_ref()
-        .context("the completed job carries no signed result")?;
-    let signer = claim::verify(signed).context("the result's signature does not verify")?;
-    let c = signed
-        .claim
-        .as_ref()
-        .context("the signed result has no claim")?;
-    if c.prompt_sha256 != claim::input_digest(sent) {
-        bail!("the signed claim is about another prompt than the one sent");
-    }
-    if signer.to_string() != done.node_id {
-        bail!(
-            "the claim is signed by {signer}, but the job ran on {}",
-            done.node_id
-        );
-    }
+    let signer = verify_job(&done, sent, None)?;
     println!("verified: signed by {signer}");
     Ok(())
+}
+
+/// Checks `job`'s signed result offline against the input the client sent
+/// and, when known, the catalogue's model digest.
+fn verify_job(
+    job: &Job,
+    sent: &JobInput,
+    model_sha256: Option<&[u8]>,
+) -> anyhow::Result<mlxnet_proto::ids::NodeId> {
+    let signed = job
+        .result
+        .as_ref()
+        .context("the job carries no signed result (not completed?)")?;
+    let facts = claim::JobFacts {
+        job_id: &job.id,
+        node_id: &job.node_id,
+        input: sent,
+        model_sha256,
+    };
+    claim::verify_result(signed, &facts).context("NOT VERIFIED")
+}
+
+/// A job's input as `submit` sends it: raw text, or a chat of an optional
+/// system message and the prompt as the user's.
+fn job_input_of(prompt: String, raw: bool, system: String) -> JobInput {
+    if raw {
+        return JobInput {
+            kind: Some(job_input::Kind::Prompt(prompt)),
+        };
+    }
+    let mut messages = Vec::new();
+    if !system.is_empty() {
+        messages.push(ChatMessage {
+            role: "system".into(),
+            content: system,
+        });
+    }
+    messages.push(ChatMessage {
+        role: "user".into(),
+        content: prompt,
+    });
+    JobInput {
+        kind: Some(job_input::Kind::Chat(ChatMessages { messages })),
+    }
 }
 
 fn print_job(job: &Job) {

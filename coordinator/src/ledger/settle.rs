@@ -14,7 +14,9 @@
 //!
 //! # Invariants
 //! - Settlement reads the job's state from the store and acts on it: only a
-//!   completed job (its claim verified before the store accepted it) is paid;
+//!   completed job (its claim verified before the store accepted it) is paid,
+//!   and only once its audit window closed (`audit_window_ms` after it
+//!   completed) without a failed audit; a failed audit voids the hold;
 //!   a failed or cancelled job is voided; an unfinished one is left alone.
 //! - refund + payouts + fee == hold, and escrow returns to what it held
 //!   before, in the same transaction as the post.
@@ -240,7 +242,21 @@ impl Ledger {
             Some(row) => {
                 let state: String = row.try_get("state")?;
                 let updated: i64 = row.try_get("updated_at_ms")?;
+                let audit: Option<String> =
+                    sqlx::query_scalar("SELECT state FROM audits WHERE job_id = ?")
+                        .bind(&id)
+                        .fetch_optional(&mut *tx)
+                        .await?;
+                let window = self.config().audit_window_ms;
+                let in_window = window > 0 && now_ms < updated.saturating_add(window);
                 match state.as_str() {
+                    // A failed audit voids the pay: the client gets the
+                    // whole hold back, the operator nothing.
+                    "completed" if audit.as_deref() == Some("failed") => {
+                        release_hold(&mut tx, &id, TransferKind::VoidPending, now_ms).await?
+                    }
+                    // Pay waits for the audit window to close.
+                    "completed" if in_window && !late => Settlement::Open,
                     "completed" if updated <= deadline => {
                         let claim: Option<Vec<u8>> = row.try_get("claim")?;
                         let node: Option<String> = row.try_get("node_id")?;
@@ -331,13 +347,22 @@ impl Ledger {
     }
 
     /// Jobs with an open hold that have already ended (left by a crash
-    /// between the job's last transition and its settlement).
-    pub async fn unsettled_jobs(&self, limit: u32) -> Result<Vec<String>, LedgerError> {
+    /// between the job's last transition and its settlement), or completed
+    /// jobs whose audit window closed at `now_ms` or whose audit failed.
+    pub async fn unsettled_jobs(
+        &self,
+        now_ms: i64,
+        limit: u32,
+    ) -> Result<Vec<String>, LedgerError> {
         Ok(sqlx::query_scalar(
             "SELECT h.job_id FROM open_holds h LEFT JOIN jobs j ON j.id = h.job_id \
-             WHERE h.job_id IS NOT NULL AND (j.id IS NULL OR j.state IN ('completed', 'failed', 'cancelled')) \
-             LIMIT ?",
+             WHERE h.job_id IS NOT NULL AND (j.id IS NULL OR j.state IN ('failed', 'cancelled') \
+             OR (j.state = 'completed' AND (?1 = 0 OR j.updated_at_ms + ?1 <= ?2 OR EXISTS \
+               (SELECT 1 FROM audits a WHERE a.job_id = j.id AND a.state = 'failed')))) \
+             LIMIT ?3",
         )
+        .bind(self.config().audit_window_ms)
+        .bind(now_ms)
         .bind(i64::from(limit))
         .fetch_all(self.pool())
         .await?)

@@ -657,7 +657,7 @@ impl Walk {
 
     /// What start-up does: settle jobs that ended without settlement.
     async fn reconcile(&mut self) {
-        for id in self.ledger.unsettled_jobs(1_000).await.unwrap() {
+        for id in self.ledger.unsettled_jobs(self.now, 1_000).await.unwrap() {
             let j = self
                 .jobs
                 .iter()

@@ -4,8 +4,10 @@
 //!
 //! # Invariants
 //! - A result is accepted only if its claim verifies, was signed by the node
-//!   this session authenticated, and names exactly this job, attempt, model
-//!   digest and input digest. [`check_result`] is the one place that decides.
+//!   this session authenticated, names exactly this job, attempt, model
+//!   digest and input digest, lists as many tokens as it bills, and bills no
+//!   more than the job's `max_tokens`. [`check_result`] is the one place that
+//!   decides; whether the tokens are the model's is the audit's question.
 //!
 //! # Failure
 //! Stream errors surface as [`FrameError`] / [`quinn::ConnectionError`]; a
@@ -45,6 +47,10 @@ pub enum ResultError {
     WrongInput,
     #[error("hand-off claim covers {claimed} tokens, not the {streamed} streamed")]
     HandoffMismatch { claimed: usize, streamed: usize },
+    #[error("claim counts {counted} completion tokens but lists {listed}")]
+    TokenCount { counted: u32, listed: usize },
+    #[error("claim has {claimed} completion tokens, the job allows {max}")]
+    TooManyTokens { claimed: u32, max: u32 },
 }
 
 /// What the coordinator assigned, for checking the result against.
@@ -55,6 +61,8 @@ pub struct Expected {
     pub node_id: NodeId,
     pub model_sha256: [u8; 32],
     pub input_sha256: [u8; 32],
+    /// The job's `max_tokens`: no claim may bill more.
+    pub max_tokens: u32,
 }
 
 /// Accepts `signed` only if it is this node's signed claim about exactly this
@@ -85,6 +93,18 @@ pub fn check_result(signed: &SignedClaim, expected: &Expected) -> Result<(), Res
     }
     if c.prompt_sha256 != expected.input_sha256 {
         return Err(ResultError::WrongInput);
+    }
+    if c.completion_tokens as usize != c.output_token_ids.len() {
+        return Err(ResultError::TokenCount {
+            counted: c.completion_tokens,
+            listed: c.output_token_ids.len(),
+        });
+    }
+    if c.completion_tokens > expected.max_tokens {
+        return Err(ResultError::TooManyTokens {
+            claimed: c.completion_tokens,
+            max: expected.max_tokens,
+        });
     }
     Ok(())
 }
@@ -165,6 +185,7 @@ mod tests {
             node_id: NodeId::from_key(&key.verifying_key()),
             model_sha256: [7; 32],
             input_sha256: [9; 32],
+            max_tokens: 16,
         };
         let claim = ResultClaim {
             job_id: expected.job_id.clone(),
@@ -227,6 +248,23 @@ mod tests {
             (
                 Box::new(|c| c.prompt_sha256[0] ^= 1),
                 ResultError::WrongInput,
+            ),
+            (
+                Box::new(|c| c.completion_tokens = 3),
+                ResultError::TokenCount {
+                    counted: 3,
+                    listed: 2,
+                },
+            ),
+            (
+                Box::new(|c| {
+                    c.output_token_ids = vec![1; 17];
+                    c.completion_tokens = 17;
+                }),
+                ResultError::TooManyTokens {
+                    claimed: 17,
+                    max: 16,
+                },
             ),
         ];
         for (edit, want) in cases {

@@ -256,6 +256,14 @@ impl Model {
     /// Runs `tokens` at the next positions, fills the cache and returns the
     /// logits of the last one.
     pub fn forward(&mut self, tokens: &[u32]) -> Result<Vec<f32>, EngineError> {
+        self.forward_rows(tokens, tokens.len() - 1)
+    }
+
+    /// Like [`Model::forward`], but returns the logits of every token from
+    /// index `from` on (`tokens.len() - from` rows of `vocab_size`, one
+    /// batched output projection; none when `from == tokens.len()`). The
+    /// audit's teacher-forced pass reads every position this way.
+    pub fn forward_rows(&mut self, tokens: &[u32], from: usize) -> Result<Vec<f32>, EngineError> {
         let s = tokens.len();
         let h = self.cfg.hidden_size;
         let eps = self.cfg.rms_eps;
@@ -274,8 +282,12 @@ impl Model {
             block.forward::<EngineError>(&mut x, cache, &mut step, &mut |_| Ok(()))?;
         }
         self.pos += s;
-        let mut last = x[(s - 1) * h..].to_vec();
+        let rows = s.saturating_sub(from);
+        if rows == 0 {
+            return Ok(Vec::new());
+        }
+        let mut last = x[(s - rows) * h..].to_vec();
         ops::rms_norm(&mut last, &self.norm, eps);
-        Ok(self.lm_head.forward_slice(&last, 1)?)
+        Ok(self.lm_head.forward_slice(&last, rows)?)
     }
 }

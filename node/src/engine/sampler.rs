@@ -74,60 +74,12 @@ impl Sampler {
     /// used by the repetition penalty. `logits` is modified.
     pub fn sample(&mut self, logits: &mut [f32], history: &[u32]) -> u32 {
         let p = &self.params;
-        if p.repetition_penalty > 0.0 && p.repetition_penalty != 1.0 {
-            let mut seen = std::collections::HashSet::with_capacity(history.len());
-            for &t in history {
-                if seen.insert(t) {
-                    if let Some(l) = logits.get_mut(t as usize) {
-                        *l = if *l > 0.0 {
-                            *l / p.repetition_penalty
-                        } else {
-                            *l * p.repetition_penalty
-                        };
-                    }
-                }
-            }
-        }
+        apply_repetition_penalty(logits, history, p.repetition_penalty);
         if p.temperature <= 0.0 {
             return argmax(logits);
         }
-        let cands = &mut self.cands;
-        cands.clear();
-        cands.extend(logits.iter().enumerate().map(|(i, &l)| (i as u32, l)));
-        let by_logit_desc =
-            |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
-        if p.top_k > 0 && p.top_k < cands.len() {
-            cands.select_nth_unstable_by(p.top_k - 1, by_logit_desc);
-            cands.truncate(p.top_k);
-        }
-        cands.sort_unstable_by(by_logit_desc);
-        // Softmax with temperature.
-        let max = cands.first().map_or(0.0, |c| c.1);
-        let mut sum = 0.0f64;
-        for c in cands.iter_mut() {
-            c.1 = ((c.1 - max) / p.temperature).exp();
-            sum += f64::from(c.1);
-        }
-        for c in cands.iter_mut() {
-            c.1 = (f64::from(c.1) / sum) as f32;
-        }
-        if p.top_p > 0.0 && p.top_p < 1.0 {
-            let mut acc = 0.0f32;
-            let mut keep = cands.len();
-            for (i, c) in cands.iter().enumerate() {
-                acc += c.1;
-                if acc >= p.top_p {
-                    keep = i + 1;
-                    break;
-                }
-            }
-            cands.truncate(keep.max(1));
-        }
-        if p.min_p > 0.0 {
-            let threshold = cands.first().map_or(0.0, |c| c.1) * p.min_p;
-            let keep = cands.iter().take_while(|c| c.1 >= threshold).count();
-            cands.truncate(keep.max(1));
-        }
+        candidates(logits, p, &mut self.cands);
+        let cands = &self.cands;
         let total: f64 = cands.iter().map(|c| f64::from(c.1)).sum();
         let mut r = self.rng.gen::<f64>() * total;
         for c in cands.iter() {
@@ -137,6 +89,64 @@ impl Sampler {
             }
         }
         cands.last().map_or(0, |c| c.0)
+    }
+}
+
+/// Divides positive (multiplies negative) logits of every token in
+/// `history` by `penalty`, once per distinct token; 0 or 1 is off.
+pub fn apply_repetition_penalty(logits: &mut [f32], history: &[u32], penalty: f32) {
+    if penalty <= 0.0 || penalty == 1.0 {
+        return;
+    }
+    let mut seen = std::collections::HashSet::with_capacity(history.len());
+    for &t in history {
+        if seen.insert(t) {
+            if let Some(l) = logits.get_mut(t as usize) {
+                *l = if *l > 0.0 { *l / penalty } else { *l * penalty };
+            }
+        }
+    }
+}
+
+/// The tokens a sampled (temperature > 0) draw chooses from, most probable
+/// first, with their probabilities: top-k, temperature, softmax, top-p,
+/// min-p. The probabilities are those of the tempered softmax over the top-k
+/// survivors; top-p and min-p only cut the tail (the draw renormalises).
+pub fn candidates(logits: &[f32], p: &Sampling, cands: &mut Vec<(u32, f32)>) {
+    cands.clear();
+    cands.extend(logits.iter().enumerate().map(|(i, &l)| (i as u32, l)));
+    let by_logit_desc = |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
+    if p.top_k > 0 && p.top_k < cands.len() {
+        cands.select_nth_unstable_by(p.top_k - 1, by_logit_desc);
+        cands.truncate(p.top_k);
+    }
+    cands.sort_unstable_by(by_logit_desc);
+    // Softmax with temperature.
+    let max = cands.first().map_or(0.0, |c| c.1);
+    let mut sum = 0.0f64;
+    for c in cands.iter_mut() {
+        c.1 = ((c.1 - max) / p.temperature).exp();
+        sum += f64::from(c.1);
+    }
+    for c in cands.iter_mut() {
+        c.1 = (f64::from(c.1) / sum) as f32;
+    }
+    if p.top_p > 0.0 && p.top_p < 1.0 {
+        let mut acc = 0.0f32;
+        let mut keep = cands.len();
+        for (i, c) in cands.iter().enumerate() {
+            acc += c.1;
+            if acc >= p.top_p {
+                keep = i + 1;
+                break;
+            }
+        }
+        cands.truncate(keep.max(1));
+    }
+    if p.min_p > 0.0 {
+        let threshold = cands.first().map_or(0.0, |c| c.1) * p.min_p;
+        let keep = cands.iter().take_while(|c| c.1 >= threshold).count();
+        cands.truncate(keep.max(1));
     }
 }
 

@@ -1,5 +1,8 @@
 //! One job attempt on its own bidirectional stream: read the `Assignment`,
-//! check it, run the engine, stream tokens, send the signed claim.
+//! check it, run the engine, stream tokens, send the signed claim. An audit
+//! assignment (`Assignment.audit` set) instead re-scores another node's
+//! claim with one teacher-forced pass ([`crate::engine::Engine::audit`]) and
+//! sends a signed verdict.
 //!
 //! # Invariants
 //! - A job runs only on a held model file with exactly the digest the
@@ -40,8 +43,8 @@ use mlxnet_proto::{
     claim,
     frame::{read_frame, write_frame, FrameError},
     v1::{
-        job_input, job_update, Assignment, JobInput, JobUpdate, ResultClaim, SamplingParams,
-        SignedClaim,
+        job_input, job_update, Assignment, AuditTask, AuditVerdict, JobInput, JobUpdate,
+        ResultClaim, SamplingParams, SignedClaim,
     },
 };
 use tokio::sync::mpsc;
@@ -49,10 +52,10 @@ use tracing::Instrument;
 
 use super::{drain::DrainState, LinkContext};
 use crate::engine::{
-    ChatTurn, FinishReason, GenerateRequest, Generation, PromptInput, Resume, Sampling,
-    TokenChunk,
+    audit::ClaimFacts, AuditRequest, ChatTurn, FinishReason, GenerateRequest, Generation,
+    PromptInput, Resume, Sampling, TokenChunk,
 };
-use crate::models::Refusal;
+use crate::models::{LoadedModel, Refusal};
 
 /// How long the coordinator may take to send the assignment after opening
 /// the stream.
@@ -191,6 +194,7 @@ enum Runner {
 /// What ended a job, as sent to the coordinator.
 enum Outcome {
     Claim(SignedClaim),
+    Verdict(mlxnet_proto::v1::SignedVerdict),
     Failure {
         reason: String,
         retryable: bool,
@@ -272,7 +276,6 @@ async fn run(
         },
     };
     let prompt_sha256 = claim::resumed_input_digest(&input, &request.resume.token_ids);
-    tracing::info!(job_id = %a.job_id, attempt = a.attempt, "job started");
     write_frame(
         send,
         &JobUpdate {
@@ -280,6 +283,20 @@ async fn run(
         },
     )
     .await?;
+    if let Some(task) = &a.audit {
+        tracing::info!(job_id = %a.job_id, "audit started");
+        let outcome = match &runner {
+            Runner::Local(model) => audit(ctx, a, &input, model, task).await,
+            // A pod serves its one model across its members; audits go to
+            // single nodes.
+            Runner::Pod(_) => Outcome::Failure {
+                reason: "a pod does not run audits".into(),
+                retryable: true,
+            },
+        };
+        return finish(send, outcome).await;
+    }
+    tracing::info!(job_id = %a.job_id, attempt = a.attempt, "job started");
 
     let cancel = Arc::new(AtomicBool::new(false));
     let (tx, mut rx) = mpsc::channel(TOKEN_CHANNEL);
@@ -466,14 +483,101 @@ fn outcome(
             ))
         }
         Ok(g) if g.finish == FinishReason::Cancelled => Outcome::Cancelled,
-        Ok(g) => Outcome::Claim(claim(
-            &g,
-            g.output_token_ids.clone(),
-            g.text.clone(),
-            g.finish.as_str(),
-        )),
+        Ok(mut g) => {
+            if ctx.test_cheat {
+                // Another token for every one generated, as a node that did
+                // not run the model would claim (test knob, see the config;
+                // the modulus is the test model's vocabulary).
+                for t in &mut g.output_token_ids {
+                    *t = (*t + 1000) % 49_152;
+                }
+            }
+            Outcome::Claim(claim(
+                &g,
+                g.output_token_ids.clone(),
+                g.text.clone(),
+                g.finish.as_str(),
+            ))
+        }
         Err((reason, retryable)) => Outcome::Failure { reason, retryable },
     }
+}
+
+/// Re-scores the claim of `task` (an audit assignment) and signs the verdict.
+/// A claim about another job or model file, or one that does not verify,
+/// is refused (not judged): the coordinator sent the wrong thing.
+async fn audit(
+    ctx: &LinkContext,
+    a: &Assignment,
+    input: &JobInput,
+    model: &std::sync::Arc<LoadedModel>,
+    task: &AuditTask,
+) -> Outcome {
+    let refuse = |reason: String| Outcome::Failure {
+        reason,
+        retryable: false,
+    };
+    let Some(signed) = task.claim.as_ref() else {
+        return refuse("audit without a claim".into());
+    };
+    if let Err(e) = claim::verify(signed) {
+        return refuse(format!("audited claim does not verify: {e}"));
+    }
+    let Some(c) = signed.claim.as_ref() else {
+        return refuse("audit without a claim".into());
+    };
+    if c.job_id != a.job_id
+        || c.model_sha256 != model.held.sha256
+        || c.prompt_sha256 != claim::input_digest(input)
+    {
+        return refuse("audited claim is about another job, input or model".into());
+    }
+    let request = AuditRequest {
+        input: prompt_input(input),
+        sampling: sampling(a.sampling.as_ref()),
+        output_token_ids: c.output_token_ids.clone(),
+        facts: ClaimFacts {
+            finish_reason: c.finish_reason.clone(),
+            prompt_tokens: c.prompt_tokens,
+            completion_tokens: c.completion_tokens,
+            output_token_ids_len: c.output_token_ids.len(),
+            output_text: c.output_text.clone(),
+        },
+    };
+    let engine = model.engine.clone();
+    let judged = tokio::task::spawn_blocking(move || {
+        let mut engine = engine.lock().unwrap_or_else(PoisonError::into_inner);
+        engine.audit(&request)
+    })
+    .await;
+    let verdict = match judged {
+        Ok(Ok(v)) => v,
+        Ok(Err(e)) => {
+            return Outcome::Failure {
+                retryable: !e.is_client_error(),
+                reason: format!("audit failed: {e}"),
+            }
+        }
+        Err(join) => {
+            return Outcome::Failure {
+                reason: format!("engine crashed: {join}"),
+                retryable: true,
+            }
+        }
+    };
+    Outcome::Verdict(claim::sign_verdict(
+        AuditVerdict {
+            job_id: a.job_id.clone(),
+            claim_signature: signed.signature.clone(),
+            passed: verdict.passed(),
+            findings: verdict.findings.iter().map(ToString::to_string).collect(),
+            worst_gap: verdict.worst_gap,
+            statistic: verdict.statistic,
+            limit: verdict.limit,
+            auditor_id: ctx.identity.node_id().as_bytes().to_vec(),
+        },
+        ctx.identity.signing_key(),
+    ))
 }
 
 /// Sends the job's last message and finishes the stream.
@@ -485,6 +589,12 @@ async fn finish(send: &mut quinn::SendStream, outcome: Outcome) -> Result<(), Jo
                 tracing::info!(tokens = c.completion_tokens, finish = %c.finish_reason, "job done");
             }
             job_update::Msg::Result(signed)
+        }
+        Outcome::Verdict(v) => {
+            if let Some(v) = &v.verdict {
+                tracing::info!(passed = v.passed, findings = ?v.findings, "audit done");
+            }
+            job_update::Msg::Verdict(v)
         }
         Outcome::Failure { reason, retryable } => {
             tracing::info!(%reason, retryable, "job refused or failed");

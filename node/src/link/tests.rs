@@ -57,6 +57,7 @@ impl TestLink {
                 hidden: None,
             }),
             max_concurrent_jobs: slots,
+            test_cheat: false,
             connect_timeout: Duration::from_secs(10),
             reconnect_min: Duration::from_millis(10),
             reconnect_max: Duration::from_millis(50),
@@ -350,6 +351,7 @@ fn assignment(job: &str, question: &str, max_tokens: u32, sha: &str) -> Assignme
             ..Default::default()
         }),
         resume: None,
+        audit: None,
     }
 }
 

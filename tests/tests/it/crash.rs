@@ -32,7 +32,7 @@ use mlxnet_proto::{
         GrantRequest, HardwareProfile, Hello, JobUpdate, NodeControl, Open, ResultClaim,
     },
 };
-use mlxnet_tests::{chat_job, within, Client};
+use mlxnet_tests::{chat_job, now_ms, within, Client};
 use rand::{rngs::StdRng, Rng, SeedableRng};
 
 const RUNS: u32 = 50;
@@ -84,6 +84,10 @@ fn spawn_child(data_dir: &std::path::Path, pause_at: Option<u32>) -> anyhow::Res
     // Expiry here is the start-up sweep's; the periodic one would race
     // the checks made while the child runs.
     .env("MLXNET__LEDGER__SWEEP_INTERVAL_MS", "600000")
+    // This test is about settlement itself: pay on completion, no audits.
+    .env("MLXNET__AUDIT__WINDOW_MS", "0")
+    .env("MLXNET__AUDIT__RATE_NEW", "0.0")
+    .env("MLXNET__AUDIT__RATE_FLOOR", "0.0")
     .env("RUST_LOG", "warn")
     .stdout(Stdio::piped())
     .stderr(Stdio::null());
@@ -356,11 +360,4 @@ async fn check(config: &CoordinatorConfig, started_ms: i64, when: &str) -> anyho
     store.close().await;
     anyhow::ensure!(broken.is_empty(), "{when}: {broken:?}");
     Ok(())
-}
-
-fn now_ms() -> i64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_millis() as i64)
-        .unwrap_or(0)
 }

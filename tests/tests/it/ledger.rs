@@ -83,10 +83,7 @@ async fn a_job_is_paid_exactly_its_price_and_the_owner_sees_it() -> anyhow::Resu
         .into_inner()
         .models
         .remove(0);
-    let price = (u64::from(c.prompt_tokens) * model.price_input_micro_mlx_per_mtok
-        + u64::from(c.completion_tokens) * model.price_output_micro_mlx_per_mtok)
-        .div_ceil(1_000_000) as i64;
-    let fee = price * 500 / 10_000;
+    let (price, fee) = mlxnet_tests::price_of(&c, &model);
     assert!(price > 0);
     let b = client
         .accounts

@@ -1,0 +1,157 @@
+//! Audits end to end: a real coordinator and two real nodes running the
+//! real model. An honest node's job is audited by the other node, passes,
+//! and is paid only once its audit window closed; a cheating node's job
+//! (its tokens swapped before signing) is audited, fails, its hold is
+//! voided (the client refunded, the operator paid nothing) and the cheater
+//! is banned from placement.
+
+use std::time::Duration;
+
+use mlxnet_coordinator::{
+    audit::{AuditConfig, Audits},
+    store::Store,
+};
+use mlxnet_proto::v1::{BalanceRequest, JobState, ListModelsRequest};
+use mlxnet_tests::{
+    chat_job, coordinator_config, now_ms, price_of, spawn_coordinator, spawn_node, state,
+    test_model, within, Client, CLIENT_GRANT,
+};
+
+/// Polls `check` until it holds (bounded by the harness deadline).
+async fn eventually<F, Fut>(what: &str, mut check: F) -> anyhow::Result<()>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = anyhow::Result<bool>>,
+{
+    within(what, async {
+        loop {
+            if check().await? {
+                return Ok::<_, anyhow::Error>(());
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await?
+}
+
+async fn balance(client: &mut Client) -> anyhow::Result<(i64, i64)> {
+    let b = client
+        .accounts
+        .balance(BalanceRequest {})
+        .await?
+        .into_inner();
+    Ok((b.balance_micro_mlx, b.held_micro_mlx))
+}
+
+async fn audit_state(store: &Store, job: &str) -> anyhow::Result<Option<String>> {
+    let audits = Audits::of_store(store, AuditConfig::default()).await?;
+    Ok(audits.state(job).await?)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cheaters_job_fails_its_audit_and_is_refunded_an_honest_one_is_paid_after_the_window(
+) -> anyhow::Result<()> {
+    test_model();
+    let dir = tempfile::tempdir()?;
+    let mut config = coordinator_config(&dir.path().join("coord"));
+    config.audit = AuditConfig {
+        rate_new: 1.0,
+        rate_floor: 1.0,
+        window_ms: 3_000,
+        ban_after: 1,
+        ..AuditConfig::default()
+    };
+    config.ledger.sweep_interval_ms = 100;
+    let coord = spawn_coordinator(config).await?;
+    let store = Store::connect(&coord.config.database_url()).await?;
+    let mut client = coord.client().await?;
+    let mut operator = coord
+        .client_with(Some(&coord.accounts.operator_key))
+        .await?;
+    let honest_config = coord.node_config(&dir.path().join("honest"), "honest");
+    let mut honest = spawn_node(honest_config.clone()).await?;
+    honest.registered().await?;
+
+    // The honest node serves job 1 alone; its pay is held for the window.
+    let one = client
+        .run_job(chat_job("What is the capital of France?", 8))
+        .await?;
+    assert_eq!(state(&one.job), JobState::Completed);
+    assert_eq!(one.job.node_id, honest.id.to_string());
+    let (_, held) = balance(&mut client).await?;
+    assert!(held > 0, "job 1's pay waits for its audit window");
+    assert_eq!(balance(&mut operator).await?.0, 0);
+
+    // The cheater joins (its own operator account) and audits job 1.
+    let mut cheat_config = coord.node_config(&dir.path().join("cheat"), "cheat");
+    cheat_config.operator_account = String::new();
+    cheat_config.test_cheat = true;
+    let mut cheater = spawn_node(cheat_config).await?;
+    cheater.registered().await?;
+    let (db, id_one) = (&store, one.job_id.as_str());
+    eventually("job 1's audit", move || async move {
+        Ok(audit_state(db, id_one).await?.as_deref() == Some("passed"))
+    })
+    .await?;
+
+    // With the honest node gone, job 2 runs on the cheater.
+    honest.stop().await?;
+    let two = client
+        .run_job(chat_job("What is the capital of Italy?", 8))
+        .await?;
+    assert_eq!(state(&two.job), JobState::Completed);
+    assert_eq!(two.job.node_id, cheater.id.to_string());
+
+    // The honest node comes back and audits job 2: it fails.
+    let mut honest = spawn_node(honest_config).await?;
+    honest.registered().await?;
+    let id_two = two.job_id.as_str();
+    eventually("job 2's audit", move || async move {
+        Ok(audit_state(db, id_two).await?.as_deref() == Some("failed"))
+    })
+    .await?;
+
+    // Job 1 is paid once its window closed; job 2's hold was voided.
+    let c = one
+        .job
+        .result
+        .as_ref()
+        .and_then(|r| r.claim.clone())
+        .expect("job 1 carries its claim");
+    let model = client
+        .models
+        .list(ListModelsRequest {})
+        .await?
+        .into_inner()
+        .models
+        .remove(0);
+    let (price, fee) = price_of(&c, &model);
+    let watcher = client.clone();
+    eventually("both holds to be resolved", move || {
+        let mut c = watcher.clone();
+        async move { Ok(balance(&mut c).await?.1 == 0) }
+    })
+    .await?;
+    assert_eq!(
+        balance(&mut client).await?.0,
+        CLIENT_GRANT - price,
+        "the client paid for job 1 only: job 2 was refunded in full"
+    );
+    assert_eq!(
+        balance(&mut operator).await?.0,
+        price - fee,
+        "the honest operator earned job 1"
+    );
+
+    // The cheater is banned: the next job goes to the honest node.
+    let three = client.run_job(chat_job("What is 2 + 2?", 4)).await?;
+    assert_eq!(three.job.node_id, honest.id.to_string());
+
+    let ledger = mlxnet_coordinator::ledger::Ledger::of_store(&store, coord.config.ledger_config());
+    let broken = ledger.violations(now_ms()).await?;
+    assert!(broken.is_empty(), "{broken:?}");
+    store.close().await;
+    cheater.stop().await?;
+    honest.stop().await?;
+    Ok(())
+}
