@@ -225,8 +225,20 @@ async fn refused_claims_change_no_balance_and_the_honest_one_is_paid() {
     let done = done.expect("job B completed");
     drop(recv);
     assert_eq!(done.result.unwrap().claim.unwrap().attempt, attempt);
-    let paid_b = books(&app.ledger, &app.client_account, &operator).await;
-    assert!(paid_b.operator.balance() > paid_a.operator.balance());
+    // Watch can report the stored completion before settlement commits (a
+    // watcher that arrives late reads the job from the store): wait for it.
+    let mut paid_b = books(&app.ledger, &app.client_account, &operator).await;
+    for _ in 0..500 {
+        if paid_b.operator.balance() > paid_a.operator.balance() {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        paid_b = books(&app.ledger, &app.client_account, &operator).await;
+    }
+    assert!(
+        paid_b.operator.balance() > paid_a.operator.balance(),
+        "job B was paid: {paid_b:?}"
+    );
     assert_eq!(paid_b.client.debits_pending, 0);
     app.stop().await;
 }
