@@ -40,6 +40,26 @@ async fn books(ledger: &Ledger, client: &str, operator: &str) -> Books {
     }
 }
 
+/// The books once `settled` holds of them: settlement runs after the store
+/// records a completion, so a test that saw the completion (or the node's next
+/// assignment) waits for it, up to 10 s.
+async fn books_once(
+    ledger: &Ledger,
+    client: &str,
+    operator: &str,
+    settled: impl Fn(&Books) -> bool,
+) -> Books {
+    let mut now = books(ledger, client, operator).await;
+    for _ in 0..500 {
+        if settled(&now) {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        now = books(ledger, client, operator).await;
+    }
+    now
+}
+
 /// What forged claims borrow from elsewhere.
 struct Others {
     /// Job A's input digest.
@@ -76,8 +96,10 @@ async fn refused_claims_change_no_balance_and_the_honest_one_is_paid() {
     let request_b = prompt_job("The capital of Italy is", 8);
     let job_b = jobs.submit(request_b).await.unwrap().into_inner();
     let (mut send, mut recv, mut assignment) = node.next_assignment().await;
-    // Job A's settlement ran before its slot was freed for B.
-    let paid_a = books(&app.ledger, &app.client_account, &operator).await;
+    let paid_a = books_once(&app.ledger, &app.client_account, &operator, |b| {
+        b.operator.balance() > 0
+    })
+    .await;
     assert!(paid_a.operator.balance() > 0, "job A was paid: {paid_a:?}");
     assert!(paid_a.client.debits_pending > 0, "job B holds its price");
 
@@ -226,15 +248,11 @@ async fn refused_claims_change_no_balance_and_the_honest_one_is_paid() {
     drop(recv);
     assert_eq!(done.result.unwrap().claim.unwrap().attempt, attempt);
     // Watch can report the stored completion before settlement commits (a
-    // watcher that arrives late reads the job from the store): wait for it.
-    let mut paid_b = books(&app.ledger, &app.client_account, &operator).await;
-    for _ in 0..500 {
-        if paid_b.operator.balance() > paid_a.operator.balance() {
-            break;
-        }
-        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
-        paid_b = books(&app.ledger, &app.client_account, &operator).await;
-    }
+    // watcher that arrives late reads the job from the store).
+    let paid_b = books_once(&app.ledger, &app.client_account, &operator, |b| {
+        b.operator.balance() > paid_a.operator.balance()
+    })
+    .await;
     assert!(
         paid_b.operator.balance() > paid_a.operator.balance(),
         "job B was paid: {paid_b:?}"

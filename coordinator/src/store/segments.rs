@@ -77,7 +77,7 @@ impl SqliteStore {
         segment: &Segment,
     ) -> Result<Option<AttemptEnd>, StoreError> {
         let now = now_ms();
-        let mut tx = self.pool().begin().await?;
+        let mut tx = self.pool().begin_with(super::sqlite::IMMEDIATE).await?;
         let ended = super::sqlite::fail_attempt_on(&mut tx, end, now).await?;
         if ended.is_some() && !segment.token_ids.is_empty() {
             let so_far = streamed_count_on(&mut tx, end.job).await?;

@@ -27,6 +27,14 @@ use crate::jobs::JobState;
 
 static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("../migrations/sqlite");
 
+/// How every write transaction of the store begins: with the write lock
+/// taken up front. A deferred transaction that reads before it writes (as
+/// completing a job reads its streamed segments first) cannot upgrade its
+/// read lock while another connection writes, and SQLite answers
+/// SQLITE_BUSY at once instead of waiting `busy_timeout`; that lost job
+/// completions under concurrent submits.
+pub(crate) const IMMEDIATE: &str = "BEGIN IMMEDIATE";
+
 const JOB_COLUMNS: &str = "id, model, input, sampling, state, attempt, node_id, output_text, \
      completion_tokens, claim, signature, error, created_at_ms, updated_at_ms, priority";
 
@@ -146,7 +154,7 @@ impl SqliteStore {
         batch: &[(JobId, u32, String)],
     ) -> Result<Vec<bool>, StoreError> {
         let now = now_ms();
-        let mut tx = self.pool.begin().await?;
+        let mut tx = self.pool.begin_with(IMMEDIATE).await?;
         let mut done = Vec::with_capacity(batch.len());
         for (id, attempt, node_id) in batch {
             let ok = sqlx::query(
@@ -183,7 +191,7 @@ impl SqliteStore {
     /// queued at that attempt any more.
     pub async fn assign(&self, id: JobId, attempt: u32, node_id: &str) -> Result<bool, StoreError> {
         let now = now_ms();
-        let mut tx = self.pool.begin().await?;
+        let mut tx = self.pool.begin_with(IMMEDIATE).await?;
         let done = sqlx::query(
             "UPDATE jobs SET state = 'assigned', node_id = ?, error = NULL, updated_at_ms = ? \
              WHERE id = ? AND state = 'queued' AND attempt = ?",
@@ -220,7 +228,7 @@ impl SqliteStore {
         node_id: &str,
     ) -> Result<bool, StoreError> {
         let now = now_ms();
-        let mut tx = self.pool.begin().await?;
+        let mut tx = self.pool.begin_with(IMMEDIATE).await?;
         let done = sqlx::query(
             "UPDATE jobs SET state = 'running', updated_at_ms = ? \
              WHERE id = ? AND state = 'assigned' AND attempt = ? AND node_id = ?",
@@ -253,7 +261,7 @@ impl SqliteStore {
     pub async fn complete(&self, c: &Completion) -> Result<bool, StoreError> {
         let now = now_ms();
         let claim = c.result.claim.clone().unwrap_or_default();
-        let mut tx = self.pool.begin().await?;
+        let mut tx = self.pool.begin_with(IMMEDIATE).await?;
         let before = segments::Streamed::of(&segments::segments_on(&mut tx, c.job_id).await?);
         let output_text = before.text + &claim.output_text;
         let completion_tokens = before.token_ids.len() as i64 + i64::from(claim.completion_tokens);
@@ -308,7 +316,7 @@ impl SqliteStore {
             retryable,
             max_attempts,
         };
-        let mut tx = self.pool.begin().await?;
+        let mut tx = self.pool.begin_with(IMMEDIATE).await?;
         let ended = fail_attempt_on(&mut tx, &end, now_ms()).await?;
         tx.commit().await?;
         Ok(ended)
@@ -317,7 +325,7 @@ impl SqliteStore {
     /// Cancels a job that has not finished.
     pub async fn cancel(&self, id: JobId) -> Result<CancelOutcome, StoreError> {
         let now = now_ms();
-        let mut tx = self.pool.begin().await?;
+        let mut tx = self.pool.begin_with(IMMEDIATE).await?;
         let row = sqlx::query(
             "UPDATE jobs SET state = 'cancelled', updated_at_ms = ? \
              WHERE id = ? AND state IN ('queued', 'assigned', 'running') RETURNING attempt",
@@ -360,7 +368,7 @@ impl SqliteStore {
     /// lost its node: requeue each (bounded by `max_attempts`). Returns how many.
     pub async fn requeue_orphans(&self, max_attempts: u32) -> Result<u64, StoreError> {
         let now = now_ms();
-        let mut tx = self.pool.begin().await?;
+        let mut tx = self.pool.begin_with(IMMEDIATE).await?;
         sqlx::query(
             "UPDATE job_attempts SET outcome = 'failed', error = 'coordinator restarted', ended_at_ms = ? \
              WHERE outcome IN ('assigned', 'running')",
