@@ -95,7 +95,13 @@ pub struct Dispatcher {
     tasks: Mutex<JoinSet<()>>,
 }
 
+/// Retries of recording an attempt's end after a store error, and the
+/// backoff step between them.
+const RECORD_RETRIES: u32 = 3;
+const RECORD_BACKOFF: Duration = Duration::from_millis(100);
+
 /// How an attempt ended, as seen from its stream.
+#[derive(Clone)]
 enum Outcome {
     Completed(SignedClaim),
     Failed {
@@ -332,30 +338,46 @@ impl Dispatcher {
         // A job has one attempt at a time, so the entry (if a cancel did not
         // already take it) is this attempt's.
         lock(&self.running).remove(&job.id);
-        let result = match outcome {
-            Outcome::Completed(signed) => self.record_completion(&job, &node_hex, signed).await,
-            Outcome::Failed { reason, retryable } => {
-                // A pod leader's failure takes its pod out of placement
-                // until its next heartbeat says it is whole again.
-                if retryable && session.pod.as_ref().is_some_and(|p| p.rank == 0) {
-                    session.report_pod_degraded(&reason);
+        // Recording is guarded by the attempt number (a repeat changes
+        // nothing), so a store error (e.g. the database busy past its
+        // timeout) is retried a few times before the job is left to the
+        // restart's orphan requeue.
+        let mut tries = 0;
+        loop {
+            let result = match outcome.clone() {
+                Outcome::Completed(signed) => self.record_completion(&job, &node_hex, signed).await,
+                Outcome::Failed { reason, retryable } => {
+                    // A pod leader's failure takes its pod out of placement
+                    // until its next heartbeat says it is whole again.
+                    if retryable && session.pod.as_ref().is_some_and(|p| p.rank == 0) {
+                        session.report_pod_degraded(&reason);
+                    }
+                    self.record_failure(&job, &node_hex, &reason, retryable, &segment)
+                        .await
                 }
-                self.record_failure(&job, &node_hex, &reason, retryable, &segment)
-                    .await
+                Outcome::HandedOff(signed) => {
+                    let reason = format!(
+                        "the node drained; handed off after token {}",
+                        segment.first_index as usize + segment.token_ids.len()
+                    );
+                    segment.claim = Some(signed);
+                    self.record_failure(&job, &node_hex, &reason, true, &segment)
+                        .await
+                }
+                Outcome::Cancelled | Outcome::Shutdown => Ok(()),
+            };
+            match result {
+                Ok(()) => break,
+                Err(e) if tries < RECORD_RETRIES => {
+                    tries += 1;
+                    warn!(error = %error_chain(&e), tries, "recording the attempt's end failed; retrying");
+                    tokio::time::sleep(RECORD_BACKOFF * tries).await;
+                }
+                Err(e) => {
+                    warn!(error = %error_chain(&e), "recording the attempt's end failed");
+                    break;
+                }
             }
-            Outcome::HandedOff(signed) => {
-                let reason = format!(
-                    "the node drained; handed off after token {}",
-                    segment.first_index as usize + segment.token_ids.len()
-                );
-                segment.claim = Some(signed);
-                self.record_failure(&job, &node_hex, &reason, true, &segment)
-                    .await
-            }
-            Outcome::Cancelled | Outcome::Shutdown => Ok(()),
-        };
-        if let Err(e) = result {
-            warn!(error = %error_chain(&e), "recording the attempt's end failed");
         }
         drop(reservation);
         if session.running_jobs() == 0
