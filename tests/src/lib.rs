@@ -418,6 +418,27 @@ pub struct JobRun {
 }
 
 impl Client {
+    /// A completed job's claim and the catalogue's (only) model it ran: what
+    /// [`price_of`] prices.
+    pub async fn claim_and_model(
+        &mut self,
+        job: &mlxnet_proto::v1::Job,
+    ) -> anyhow::Result<(mlxnet_proto::v1::ResultClaim, mlxnet_proto::v1::ModelInfo)> {
+        let claim = job
+            .result
+            .as_ref()
+            .and_then(|r| r.claim.clone())
+            .context("a completed job carries its claim")?;
+        let mut models = self
+            .models
+            .list(mlxnet_proto::v1::ListModelsRequest {})
+            .await?
+            .into_inner()
+            .models;
+        anyhow::ensure!(!models.is_empty(), "the catalogue lists no model");
+        Ok((claim, models.remove(0)))
+    }
+
     /// Connects, sending `key` (if any) as the bearer on every call.
     pub async fn connect(addr: SocketAddr, key: Option<&str>) -> anyhow::Result<Self> {
         let channel = Channel::from_shared(format!("http://{addr}"))?

@@ -26,6 +26,28 @@ async fn fresh(config: LedgerConfig) -> (tempfile::TempDir, Store, Ledger) {
     (dir, store, ledger)
 }
 
+/// A new account (the test's ledger must accept it).
+async fn account(ledger: &Ledger, name: &str, kind: AccountKind) -> Account {
+    ledger.create_account(name, kind).await.unwrap()
+}
+
+/// A greedy job (seed 1) on model "m" for `prompt`.
+fn prompt_job(prompt: &str, max_tokens: u32) -> NewJob {
+    NewJob {
+        id: JobId::new(),
+        model: "m".into(),
+        input: JobInput {
+            kind: Some(job_input::Kind::Prompt(prompt.into())),
+        },
+        sampling: SamplingParams {
+            seed: Some(1),
+            max_tokens,
+            ..Default::default()
+        },
+        priority: 0,
+    }
+}
+
 fn posted(id: &str, debit: &str, credit: &str, amount: i64) -> NewTransfer {
     NewTransfer {
         id: id.into(),
@@ -41,14 +63,8 @@ fn posted(id: &str, debit: &str, credit: &str, amount: i64) -> NewTransfer {
 #[tokio::test]
 async fn transfers_are_idempotent_two_phase_and_never_overdraw() {
     let (_dir, _store, ledger) = fresh(LedgerConfig::default()).await;
-    let alice = ledger
-        .create_account("alice", AccountKind::Client)
-        .await
-        .unwrap();
-    let bob = ledger
-        .create_account("bob", AccountKind::Operator)
-        .await
-        .unwrap();
+    let alice = account(&ledger, "alice", AccountKind::Client).await;
+    let bob = account(&ledger, "bob", AccountKind::Operator).await;
     assert_eq!(
         ledger.grant("g1", &alice.id, 1_000, "start").await.unwrap(),
         Applied::Created
@@ -194,10 +210,7 @@ async fn keys_are_stored_as_hashes_and_bad_keys_are_indistinguishable() {
     let (dir, store, ledger) = fresh(LedgerConfig::default()).await;
     let admin = ledger.bootstrap_admin("root").await.unwrap();
     assert!(!format!("{admin:?}").contains(admin.secret()));
-    let acct = ledger
-        .create_account("carol", AccountKind::Client)
-        .await
-        .unwrap();
+    let acct = account(&ledger, "carol", AccountKind::Client).await;
     let key = ledger
         .create_key(
             &acct.id,
@@ -404,21 +417,8 @@ impl Walk {
                 prompt,
                 max_tokens,
             } => {
-                let input = JobInput {
-                    kind: Some(job_input::Kind::Prompt("x".repeat(prompt))),
-                };
-                let hold = max_price(&PRICE, &input, max_tokens);
-                let job = NewJob {
-                    id: JobId::new(),
-                    model: "m".into(),
-                    input,
-                    sampling: SamplingParams {
-                        seed: Some(1),
-                        max_tokens,
-                        ..Default::default()
-                    },
-                    priority: 0,
-                };
+                let job = prompt_job(&"x".repeat(prompt), max_tokens);
+                let hold = max_price(&PRICE, &job.input, max_tokens);
                 let terms = JobTerms {
                     account: self.clients[client].clone(),
                     price: PRICE,
@@ -821,10 +821,7 @@ async fn random_job_lives_keep_the_books_balanced() {
         let mut clients = Vec::new();
         let mut expect = HashMap::new();
         for (i, grant) in [200_000i64, 8_000, 600].into_iter().enumerate() {
-            let a = ledger
-                .create_account(&format!("client{i}"), AccountKind::Client)
-                .await
-                .unwrap();
+            let a = account(&ledger, &format!("client{i}"), AccountKind::Client).await;
             ledger
                 .grant(&format!("g{i}"), &a.id, grant, "start")
                 .await
@@ -832,10 +829,7 @@ async fn random_job_lives_keep_the_books_balanced() {
             expect.insert(a.id.clone(), grant);
             clients.push(a.id);
         }
-        let op = ledger
-            .create_account("op", AccountKind::Operator)
-            .await
-            .unwrap();
+        let op = account(&ledger, "op", AccountKind::Operator).await;
         let mut operators = Vec::new();
         for (i, n) in NODES.iter().enumerate() {
             // Two nodes share one operator; the third was never linked.
@@ -963,10 +957,7 @@ async fn rewards_are_paid_once_per_epoch_from_the_pool() {
         .grant("pool", REWARD_POOL, 50_000, "fund")
         .await
         .unwrap();
-    let op = ledger
-        .create_account("op", AccountKind::Operator)
-        .await
-        .unwrap();
+    let op = account(&ledger, "op", AccountKind::Operator).await;
     ledger.link_node(NODES[0], &op.id).await.unwrap();
     let gib = 1u64 << 30;
     // Epoch 5 (5,000..6,000 ms): node 0 offers 8 GiB for 2 s, node 1 2 GiB for 1 s.
@@ -1017,14 +1008,8 @@ async fn rewards_are_paid_once_per_epoch_from_the_pool() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn concurrent_submits_commit_in_groups_and_each_gets_its_own_answer() {
     let (_dir, store, ledger) = fresh(LedgerConfig::default()).await;
-    let rich = ledger
-        .create_account("rich", AccountKind::Client)
-        .await
-        .unwrap();
-    let poor = ledger
-        .create_account("poor", AccountKind::Client)
-        .await
-        .unwrap();
+    let rich = account(&ledger, "rich", AccountKind::Client).await;
+    let poor = account(&ledger, "poor", AccountKind::Client).await;
     ledger.grant("rich", &rich.id, 1_000_000, "").await.unwrap();
     ledger.grant("poor", &poor.id, 300, "").await.unwrap();
     let mut tasks = Vec::new();
@@ -1032,19 +1017,7 @@ async fn concurrent_submits_commit_in_groups_and_each_gets_its_own_answer() {
         let ledger = ledger.clone();
         let account = if i % 2 == 0 { &rich.id } else { &poor.id }.clone();
         tasks.push(tokio::spawn(async move {
-            let job = NewJob {
-                id: JobId::new(),
-                model: "m".into(),
-                input: JobInput {
-                    kind: Some(job_input::Kind::Prompt("hi".into())),
-                },
-                sampling: SamplingParams {
-                    seed: Some(1),
-                    max_tokens: 8,
-                    ..Default::default()
-                },
-                priority: 0,
-            };
+            let job = prompt_job("hi", 8);
             let terms = JobTerms {
                 account: account.clone(),
                 price: PRICE,
@@ -1086,31 +1059,13 @@ async fn concurrent_submits_commit_in_groups_and_each_gets_its_own_answer() {
 async fn a_handed_off_job_pays_each_signed_token_once() {
     use crate::store::segments::{Segment, StreamedEnd};
     let (_dir, store, ledger) = fresh(LedgerConfig::default()).await;
-    let client = ledger
-        .create_account("client", AccountKind::Client)
-        .await
-        .unwrap();
+    let client = account(&ledger, "client", AccountKind::Client).await;
     ledger.grant("c", &client.id, 1_000_000, "").await.unwrap();
-    let op = ledger
-        .create_account("op", AccountKind::Operator)
-        .await
-        .unwrap();
+    let op = account(&ledger, "op", AccountKind::Operator).await;
     for n in ["drained", "vanished", "finisher"] {
         ledger.link_node(n, &op.id).await.unwrap();
     }
-    let job = NewJob {
-        id: JobId::new(),
-        model: "m".into(),
-        input: JobInput {
-            kind: Some(job_input::Kind::Prompt("hello there".into())),
-        },
-        sampling: SamplingParams {
-            seed: Some(1),
-            max_tokens: 100,
-            ..Default::default()
-        },
-        priority: 0,
-    };
+    let job = prompt_job("hello there", 100);
     let terms = JobTerms {
         account: client.id.clone(),
         price: PRICE,

@@ -11,7 +11,7 @@ use mlxnet_coordinator::{
     audit::{AuditConfig, Audits},
     store::Store,
 };
-use mlxnet_proto::v1::{BalanceRequest, JobState, ListModelsRequest};
+use mlxnet_proto::v1::{BalanceRequest, JobState};
 use mlxnet_tests::{
     chat_job, coordinator_config, now_ms, price_of, spawn_coordinator, spawn_node, state,
     test_model, within, Client, CLIENT_GRANT,
@@ -112,19 +112,7 @@ async fn a_cheaters_job_fails_its_audit_and_is_refunded_an_honest_one_is_paid_af
     .await?;
 
     // Job 1 is paid once its window closed; job 2's hold was voided.
-    let c = one
-        .job
-        .result
-        .as_ref()
-        .and_then(|r| r.claim.clone())
-        .expect("job 1 carries its claim");
-    let model = client
-        .models
-        .list(ListModelsRequest {})
-        .await?
-        .into_inner()
-        .models
-        .remove(0);
+    let (c, model) = client.claim_and_model(&one.job).await?;
     let (price, fee) = price_of(&c, &model);
     let watcher = client.clone();
     eventually("both holds to be resolved", move || {

@@ -6,7 +6,7 @@
 
 use mlxnet_proto::v1::{
     BalanceRequest, CreateAccountRequest, CreateApiKeyRequest, GrantRequest, JobState,
-    ListJobsRequest, ListModelsRequest,
+    ListJobsRequest,
 };
 use mlxnet_tests::{
     chat_job, coordinator_config, spawn_coordinator, spawn_node, state, test_model, CLIENT_GRANT,
@@ -70,19 +70,7 @@ async fn a_job_is_paid_exactly_its_price_and_the_owner_sees_it() -> anyhow::Resu
         .run_job(chat_job("What is the capital of France?", 24))
         .await?;
     assert_eq!(state(&run.job), JobState::Completed);
-    let c = run
-        .job
-        .result
-        .as_ref()
-        .and_then(|r| r.claim.clone())
-        .expect("a completed job carries its claim");
-    let model = client
-        .models
-        .list(ListModelsRequest {})
-        .await?
-        .into_inner()
-        .models
-        .remove(0);
+    let (c, model) = client.claim_and_model(&run.job).await?;
     let (price, fee) = mlxnet_tests::price_of(&c, &model);
     assert!(price > 0);
     let b = client
