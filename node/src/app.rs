@@ -114,6 +114,7 @@ impl Node {
                         .memory_limit_bytes
                         .unwrap_or(hardware.free_memory_bytes.max(1)),
                     max_context: settings.max_context,
+                    speed: settings.speed,
                     model: held.path.clone(),
                     compute: crate::engine::sharded::Compute::Native,
                     tcp: Default::default(),

@@ -103,6 +103,10 @@ pub struct PodSettings {
     /// is budgeted for it. Default: the model's context length.
     #[serde(default)]
     pub max_context: Option<usize>,
+    /// This member's speed for its tensor-parallel share (GB/s of the
+    /// formation probe, see `pod::speed`). Default: measured at formation.
+    #[serde(default)]
+    pub speed: Option<f64>,
 }
 
 fn default_pod_port() -> u16 {
@@ -118,6 +122,7 @@ impl PodSettings {
             parallelism: Default::default(),
             memory_limit_bytes: None,
             max_context: None,
+            speed: None,
         })
     }
 }
@@ -414,6 +419,14 @@ impl ConfigLayer {
                     PodSettings::layer(&mut layer.pod).max_context =
                         Some(parse_num(value).map_err(|_| bad("expected a whole number"))?)
                 }
+                "POD__SPEED" => {
+                    PodSettings::layer(&mut layer.pod).speed = Some(
+                        value
+                            .trim()
+                            .parse()
+                            .map_err(|_| bad("expected a positive number"))?,
+                    )
+                }
                 _ => return Err(ConfigError::UnknownEnv(key.to_owned())),
             }
         }
@@ -598,6 +611,13 @@ impl NodeConfig {
                     key: "pod.hostfile",
                     expected: "the path of the pod's MLX hostfile",
                     value: String::new(),
+                });
+            }
+            if let Some(speed) = pod.speed.filter(|s| !(s.is_finite() && *s > 0.0)) {
+                return Err(ConfigError::OutOfRange {
+                    key: "pod.speed",
+                    expected: "a positive number",
+                    value: speed.to_string(),
                 });
             }
             if self.models.len() != 1 {
@@ -801,6 +821,7 @@ mod tests {
                 ("MLX_NODE__POD__PORT", "4000"),
                 ("MLX_NODE__POD__MEMORY_LIMIT_BYTES", "1000"),
                 ("MLX_NODE__POD__MAX_CONTEXT", "512"),
+                ("MLX_NODE__POD__SPEED", "2.5"),
                 ("MLX_NODE__COORDINATOR_FINGERPRINT", &"ab".repeat(32)),
             ]),
             ConfigLayer::default(),
@@ -812,11 +833,16 @@ mod tests {
             (pod.rank, pod.port, pod.memory_limit_bytes, pod.max_context),
             (1, 4000, Some(1000), Some(512))
         );
+        assert_eq!(pod.speed, Some(2.5));
         c.validate().unwrap();
         c.models.push(ModelEntry {
             id: "b".into(),
             path: "/x/b.gguf".into(),
         });
+        let mut slow = c.clone();
+        slow.pod.as_mut().unwrap().speed = Some(0.0);
+        let err = slow.validate().unwrap_err().to_string();
+        assert!(err.contains("pod.speed"), "{err}");
         let err = c.validate().unwrap_err().to_string();
         assert!(err.contains("exactly one model"), "{err}");
         let bad = ConfigLayer::from_env(env(&[("MLX_NODE__POD__PARALLELISM", "ring")]));

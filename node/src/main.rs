@@ -153,6 +153,7 @@ fn main() -> anyhow::Result<()> {
                     parallelism,
                     memory_limit_bytes: None,
                     max_context: None,
+                    speed: None,
                 }),
                 coordinator,
                 coordinator_fingerprint: fingerprint,

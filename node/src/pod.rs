@@ -4,7 +4,8 @@
 //! JSON and JACCL's bare device matrix, read unchanged), the sharding plan
 //! that splits one model across the members ([`shard`]; the split model
 //! itself is `engine::sharded`), forming the TCP data plane from the config
-//! and measuring each link ([`links`]), the running pod that serves jobs
+//! and measuring each link ([`links`]), each member's speed for its share
+//! ([`speed`]), the running pod that serves jobs
 //! ([`runtime`]), and `mlx-node doctor` ([`doctor`]).
 //!
 //! # Invariants
@@ -22,3 +23,4 @@ pub mod hostfile;
 pub mod links;
 pub mod runtime;
 pub mod shard;
+pub mod speed;

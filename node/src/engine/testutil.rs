@@ -92,12 +92,21 @@ fn rand_tensor(rng: &mut ChaCha8Rng, shape: &[usize], center: f32, spread: f32) 
 
 /// Random weights under Hugging Face names, in Hugging Face layout.
 pub fn hf_weights(spec: &TinySpec) -> BTreeMap<String, Tensor> {
+    let mut w = BTreeMap::new();
+    each_hf_weight(spec, &mut |name, t| {
+        w.insert(name, t);
+    });
+    w
+}
+
+/// The weights of [`hf_weights`], handed to `f` one at a time as they are
+/// drawn (so a large model never holds all its f32 weights at once).
+pub fn each_hf_weight(spec: &TinySpec, f: &mut dyn FnMut(String, Tensor)) {
     let mut rng = ChaCha8Rng::seed_from_u64(spec.seed);
     let vocab = tiny_vocab().len();
     let (h, hd, ff) = (spec.hidden, spec.head_dim, spec.ffn);
-    let mut w = BTreeMap::new();
     let mut put = |name: String, shape: &[usize], center: f32, spread: f32| {
-        w.insert(name, rand_tensor(&mut rng, shape, center, spread));
+        f(name, rand_tensor(&mut rng, shape, center, spread));
     };
     put("model.embed_tokens.weight".into(), &[vocab, h], 0.0, 0.5);
     for i in 0..spec.layers {
@@ -165,7 +174,6 @@ pub fn hf_weights(spec: &TinySpec) -> BTreeMap<String, Tensor> {
     if !spec.tied {
         put("lm_head.weight".into(), &[vocab, h], 0.0, 0.1);
     }
-    w
 }
 
 /// llama.cpp's `permute` of q/k rows: each head's two halves interleaved.
@@ -276,11 +284,12 @@ pub fn write_gguf(path: &Path, spec: &TinySpec, dtype: GgmlDType, tweaks: &GgufT
             Value::String(CHATML.into()),
         ),
     ];
-    let mut tensors: Vec<(String, QTensor)> = Vec::new();
-    for (name, t) in hf_weights(spec) {
+    // Quantized as drawn; written in Hugging Face name order.
+    let mut tensors: Vec<(String, String, QTensor)> = Vec::new();
+    each_hf_weight(spec, &mut |name, t| {
         let g = gguf_name(&name);
         if tweaks.drop_tensor.as_deref() == Some(g.as_str()) {
-            continue;
+            return;
         }
         let t = if gguf_arch == "llama" && name.ends_with("q_proj.weight") {
             permute_rows(&t, spec.heads)
@@ -294,12 +303,15 @@ pub fn write_gguf(path: &Path, spec: &TinySpec, dtype: GgmlDType, tweaks: &GgufT
         } else {
             QTensor::quantize(&t, dtype).unwrap()
         };
-        tensors.push((g, q));
-    }
+        tensors.push((name, g, q));
+    });
+    tensors.sort_by(|a, b| a.0.cmp(&b.0));
     let meta_refs: Vec<(&str, &Value)> = meta.iter().map(|(k, v)| (k.as_str(), v)).collect();
-    let tensor_refs: Vec<(&str, &QTensor)> = tensors.iter().map(|(k, v)| (k.as_str(), v)).collect();
-    let mut f = std::fs::File::create(path).unwrap();
+    let tensor_refs: Vec<(&str, &QTensor)> =
+        tensors.iter().map(|(_, k, v)| (k.as_str(), v)).collect();
+    let mut f = std::io::BufWriter::new(std::fs::File::create(path).unwrap());
     candle_core::quantized::gguf_file::write(&mut f, &meta_refs, &tensor_refs).unwrap();
+    std::io::Write::flush(&mut f).unwrap();
 }
 
 /// The tiny vocabulary as a `tokenizer.json`.

@@ -6,11 +6,14 @@
 //! 1. forms the TCP data plane (rank `r` listens on `hosts[r].ips[0]` at
 //!    `port + r`, see [`super::links`]);
 //! 2. exchanges a record per member (node id, memory budget, wanted
-//!    parallelism); rank 0's parallelism wins, so the members cannot
+//!    parallelism, speed: measured by [`super::speed::probe`] or
+//!    configured); rank 0's parallelism wins, so the members cannot
 //!    disagree;
 //! 3. rank 0 measures every link (latency, bandwidth);
-//! 4. every rank computes the same plan (tensor: equal shares; pipeline:
-//!    layers in proportion to the members' budgets), checks its share
+//! 4. every rank computes the same plan from the same gathered records
+//!    (tensor: KV-head groups and feed-forward columns in proportion to the
+//!    members' speeds, [`super::speed::plan_weights`]; pipeline: layers in
+//!    proportion to the members' budgets), checks its share
 //!    against its memory budget and loads only its slices; then all ranks
 //!    exchange whether they loaded, so one rank's refusal fails formation
 //!    on every rank with that rank's reason;
@@ -49,6 +52,7 @@ use serde::Serialize;
 
 use super::hostfile::{PodConfig, PodConfigError};
 use super::links::{addresses, measure_links};
+use super::speed;
 use crate::collectives::tcp::{TcpOptions, TcpTransport};
 use crate::collectives::{Collective, CollectiveError, Group, GroupOptions};
 use crate::engine::sharded::{Compute, MemoryBudget, PodModel, PodModelError, PodPlan};
@@ -58,8 +62,9 @@ use crate::engine::{EngineError, Forward, GenerateRequest, Generation, TextSide,
 pub const IDLE_TICK: Duration = Duration::from_millis(500);
 /// Pause between attempts to form the pod again.
 const REFORM_DELAY: Duration = Duration::from_millis(500);
-/// Bytes of one member's record in the formation exchange.
-const RECORD: usize = 32 + 8 + 8;
+/// Bytes of one member's record in the formation exchange: node id,
+/// memory budget, wanted parallelism, speed (f64 bits).
+const RECORD: usize = 32 + 8 + 8 + 8;
 /// Bytes of one member's load report (status byte + reason).
 const REPORT: usize = 256;
 
@@ -170,6 +175,9 @@ pub struct PodSetup {
     pub memory_budget: u64,
     /// Longest sequence (prompt + generated) the pod accepts.
     pub max_context: Option<usize>,
+    /// This member's speed for its tensor-parallel share, in the unit of
+    /// [`super::speed::probe`]; `None` measures it at each formation.
+    pub speed: Option<f64>,
     /// The model file (every member holds the same file).
     pub model: PathBuf,
     pub compute: Compute,
@@ -190,6 +198,8 @@ struct PodJob {
 pub struct PodRuntime {
     pub rank: usize,
     info: Mutex<PodInfo>,
+    /// The plan the pod formed with last.
+    plan: Mutex<Option<PodPlan>>,
     /// `None` when whole; otherwise why it cannot take jobs.
     degraded: Arc<Mutex<Option<String>>>,
     jobs: Mutex<Option<mpsc::Sender<PodJob>>>,
@@ -231,6 +241,7 @@ impl PodRuntime {
         let runtime = Arc::new(PodRuntime {
             rank: setup.rank,
             info: Mutex::new(PodInfo::default()),
+            plan: Mutex::new(None),
             degraded: Arc::new(Mutex::new(Some("forming".into()))),
             jobs: Mutex::new(None),
         });
@@ -266,6 +277,11 @@ impl PodRuntime {
     /// What the node's Hello says about the pod.
     pub fn info(&self) -> PodInfo {
         lock(&self.info).clone()
+    }
+
+    /// How the pod split the model when it last formed.
+    pub fn plan(&self) -> Option<PodPlan> {
+        lock(&self.plan).clone()
     }
 
     /// Why the pod cannot take jobs now, if it cannot.
@@ -377,11 +393,13 @@ impl Member {
         let transport = TcpTransport::connect(s.rank, listener, &self.addrs, s.tcp)?;
         let mut comm = Group::new(transport, GroupOptions::default());
         let n = comm.size();
-        // 1. Records: id, budget, wanted parallelism.
+        // 1. Records: id, budget, wanted parallelism, speed.
+        let speed = s.speed.unwrap_or_else(speed::probe);
         let mut mine = [0u8; RECORD];
         mine[..32].copy_from_slice(&s.node_id);
         mine[32..40].copy_from_slice(&s.memory_budget.to_le_bytes());
         mine[40..48].copy_from_slice(&s.parallelism.code().to_le_bytes());
+        mine[48..56].copy_from_slice(&speed.to_bits().to_le_bytes());
         let mut all = vec![0u8; RECORD * n];
         comm.all_gather(&mine, &mut all)?;
         let word = |r: usize, at: usize| {
@@ -393,6 +411,7 @@ impl Member {
             .map(|r| all[r * RECORD..r * RECORD + 32].to_vec())
             .collect();
         let budgets: Vec<f64> = (0..n).map(|r| word(r, 32) as f64).collect();
+        let speeds: Vec<f64> = (0..n).map(|r| f64::from_bits(word(r, 48))).collect();
         // The data plane is TCP, so "auto" is pipeline.
         let parallelism = match Parallelism::from_code(word(0, 40)) {
             Parallelism::Tensor => Parallelism::Tensor,
@@ -403,7 +422,7 @@ impl Member {
         // 3. Plan and load.
         let (cfg, unit) = PodModel::ffn_unit(&s.model)?;
         let plan = match parallelism {
-            Parallelism::Tensor => PodPlan::tensor(&cfg, unit, &vec![1.0; n]),
+            Parallelism::Tensor => PodPlan::tensor(&cfg, unit, &speed::plan_weights(&speeds)),
             _ => PodPlan::pipeline(&cfg, &budgets),
         }
         .map_err(PodModelError::from)?;
@@ -462,7 +481,8 @@ impl Member {
                 _ => "pipeline".into(),
             },
         };
-        tracing::info!(rank = s.rank, plan = %plan.describe(s.rank), "pod share loaded");
+        tracing::info!(rank = s.rank, plan = %plan.describe(s.rank), ?speeds, "pod share loaded");
+        *lock(&self.runtime.plan) = Some(plan.clone());
         self.loaded = Some((plan, model));
         Ok(comm)
     }
@@ -615,6 +635,7 @@ mod tests {
             node_id: [rank as u8; 32],
             memory_budget: budget,
             max_context: Some(256),
+            speed: None,
             model: PathBuf::from(SMOLLM),
             compute: Compute::Native,
             tcp: TcpOptions {
@@ -653,6 +674,90 @@ mod tests {
                 "{err}"
             );
         }
+    }
+
+    /// Configured speeds 2 : 1 give the faster member two thirds of every
+    /// layer (KV-head groups, feed-forward columns, vocabulary rows), and the
+    /// uneven tensor-parallel pod still generates the single node's greedy
+    /// tokens (a near tie may go either way, as in the pod e2e test).
+    #[test]
+    fn members_twice_as_fast_take_twice_the_share_and_generate_the_same_tokens() {
+        let port = free_pair();
+        let ranks: Vec<_> = [(0, 2.0), (1, 1.0)]
+            .into_iter()
+            .map(|(rank, speed)| {
+                std::thread::spawn(move || {
+                    PodRuntime::start(PodSetup {
+                        parallelism: Parallelism::Tensor,
+                        speed: Some(speed),
+                        ..setup(rank, port, 1 << 34)
+                    })
+                })
+            })
+            .collect();
+        let mut pods: Vec<_> = ranks
+            .into_iter()
+            .map(|h| h.join().unwrap().unwrap())
+            .collect();
+        let _member = pods.pop().unwrap();
+        let leader = pods.pop().unwrap();
+        // SmolLM2: 3 KV heads, 1536 feed-forward columns cut in Q4_1 units
+        // of 64, 49152 vocabulary rows.
+        let Some(PodPlan::Tensor {
+            kv_heads,
+            ffn,
+            vocab,
+        }) = leader.plan()
+        else {
+            panic!("no tensor plan: {:?}", leader.plan());
+        };
+        assert_eq!(kv_heads, vec![0..2, 2..3]);
+        assert_eq!(ffn, vec![0..1024, 1024..1536]);
+        assert_eq!(vocab, vec![0..32768, 32768..49152]);
+        assert_eq!(leader.info().parallelism, "tensor");
+
+        const STEPS: usize = 12;
+        const NEAR_TIE: f32 = 0.35;
+        let prompt = crate::engine::PromptInput::Text("The capital of France is".into());
+        let request = GenerateRequest {
+            input: prompt.clone(),
+            sampling: crate::engine::Sampling {
+                max_tokens: STEPS,
+                ..Default::default()
+            },
+            resume: crate::engine::Resume::default(),
+        };
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap();
+        let (got, _) = rt.block_on(leader.submit(request, Box::new(|_| ControlFlow::Continue(()))));
+        let got = got.unwrap().output_token_ids;
+        let want = crate::engine::Engine::load(Path::new(SMOLLM))
+            .unwrap()
+            .greedy_trace(&prompt, STEPS)
+            .unwrap();
+        let mut equal = 0;
+        for (i, &(token, margin)) in want.iter().enumerate() {
+            if got.get(i) == Some(&token) {
+                equal += 1;
+                continue;
+            }
+            assert!(
+                margin < NEAR_TIE,
+                "token {i}: pod {:?}, single node {token}, margin {margin} is no near tie",
+                got.get(i)
+            );
+            break;
+        }
+        assert!(
+            equal * 2 >= want.len(),
+            "only {equal} of {} tokens equal",
+            want.len()
+        );
+        eprintln!(
+            "tensor x2 at speeds 2:1 vs single node: {equal} of {} tokens equal",
+            want.len()
+        );
     }
 
     /// A whole pod of two takes a job from its leader; a member cannot.
