@@ -151,7 +151,12 @@ impl<C: Collective> Collective for Timed<C> {
 /// prints the decode time per token and the part spent in collectives.
 fn rank_main(rank: usize, addrs: Vec<SocketAddr>) {
     let listener = TcpListener::bind(addrs[rank]).expect("bind");
-    let t = TcpTransport::connect(rank, listener, &addrs, TcpOptions::default()).expect("pod");
+    let spin = setting("MLXNET_POD_TP_SPIN_US").and_then(|s| s.parse().ok());
+    let opts = TcpOptions {
+        spin: spin.map_or(TcpOptions::default().spin, Duration::from_micros),
+        ..TcpOptions::default()
+    };
+    let t = TcpTransport::connect(rank, listener, &addrs, opts).expect("pod");
     let mut comm = Timed {
         inner: Group::new(t, GroupOptions::default()),
         spent: Duration::ZERO,

@@ -9,8 +9,8 @@
 //!   gate and up projections and the matching columns of the down
 //!   projection. Attention and feed-forward each end in a partial sum that
 //!   one all-reduce completes. Every rank embeds the tokens and holds its
-//!   share of the output head's rows; an all-gather brings the logits to
-//!   rank 0.
+//!   share of the output head's rows; the other ranks send their logits to
+//!   rank 0, which alone samples.
 //! - pipeline parallel: rank `r` holds whole layers `layers[r]`; rank 0
 //!   embeds, each stage receives the hidden states from the previous one and
 //!   sends its own to the next; the last stage applies the output head and
@@ -189,8 +189,6 @@ pub struct PodModel {
     head: Option<(Vec<f32>, Linear)>,
     /// Tensor parallel: each rank's vocabulary rows.
     vocab: Vec<Range<usize>>,
-    /// Tensor parallel: the all-gathered (padded) logit shares.
-    gathered: Vec<f32>,
     rope: Rope,
     /// Local attention shape (local heads, local KV heads).
     heads: usize,
@@ -493,7 +491,6 @@ impl PodModel {
             cs: Vec::new(),
             hidden: Vec::new(),
             vocab,
-            gathered: Vec::new(),
         })
     }
 
@@ -575,26 +572,25 @@ impl PodModel {
             Ok(head.1.forward_slice(&last, 1)?)
         };
         if tensor {
-            // Each rank has its vocabulary rows; shares padded to the largest
-            // for the all-gather, rank 0 strips the padding.
+            // Each rank has its vocabulary rows; only rank 0 needs them all,
+            // so the others send theirs straight into its logits vector.
             let head = self
                 .head
                 .as_ref()
                 .ok_or_else(|| PodModelError::Plan("no output head".into()))?;
-            let mut mine = logits(&x, head)?;
-            let width = self.vocab.iter().map(|r| r.len()).max().unwrap_or(0);
-            mine.resize(width, 0.0);
-            self.gathered.resize(width * n, 0.0);
-            comm.all_gather(
-                bytemuck::cast_slice(&mine),
-                bytemuck::cast_slice_mut(&mut self.gathered),
-            )?;
+            let mine = logits(&x, head)?;
             if self.rank != 0 {
+                comm.send(bytemuck::cast_slice(&mine), 0)?;
                 return Ok(None);
             }
-            let mut out = Vec::with_capacity(self.cfg.vocab_size);
+            let mut out = vec![0f32; self.cfg.vocab_size];
             for (r, range) in self.vocab.iter().enumerate() {
-                out.extend_from_slice(&self.gathered[r * width..r * width + range.len()]);
+                let dst = &mut out[range.clone()];
+                if r == 0 {
+                    dst.copy_from_slice(&mine);
+                } else {
+                    comm.recv(bytemuck::cast_slice_mut(dst), r)?;
+                }
             }
             return Ok(Some(out));
         }
