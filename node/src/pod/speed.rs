@@ -5,7 +5,7 @@
 //! feed-forward columns in proportion to its speed evens the step out.
 //!
 //! What is measured ([`probe`]): the time to multiply an f32 matrix much
-//! larger than the caches by a vector, on the engine's compute threads, the
+//! larger than the caches (64 MiB) by a vector, on the engine's compute threads, the
 //! same shape of work as a decode step (which streams weights from memory).
 //! The result is in GB/s of weights read. The probe is deterministic in its
 //! work (fixed sizes and values), takes tens of milliseconds, and runs once
@@ -29,9 +29,10 @@ use std::time::Instant;
 
 use crate::engine::kernels::par_chunks_mut;
 
-/// Rows and columns of the probe's matrix (32 MiB of f32: beyond the L2 and
-/// most of the last-level caches, small enough to allocate anywhere).
-const ROWS: usize = 2048;
+/// Rows and columns of the probe's matrix (64 MiB of f32: beyond the
+/// last-level caches of Apple silicon and of most x86 parts, so it streams
+/// from memory as decoding does; small enough to allocate anywhere).
+const ROWS: usize = 4096;
 const COLS: usize = 4096;
 /// Timed passes after one warm-up; the fastest counts.
 const PASSES: usize = 4;
