@@ -26,7 +26,7 @@ use std::time::{Duration, Instant};
 
 use candle_core::quantized::GgmlDType;
 use mlx_node::collectives::tcp::{TcpOptions, TcpTransport};
-use mlx_node::collectives::{Collective, CollectiveError, DType, Group, GroupOptions};
+use mlx_node::collectives::{all_reduce, Collective, CollectiveError, DType, Group, GroupOptions};
 use mlx_node::engine::sharded::{Compute, PodModel, PodPlan};
 
 #[path = "support/util.rs"]
@@ -169,6 +169,16 @@ fn rank_main(rank: usize, addrs: Vec<SocketAddr>) {
     let prompt = [1u32, 104, 101, 108, 108, 111];
     m.reset(prompt.len() + STEPS + 1);
     comm.barrier().expect("barrier");
+    // The wire alone: all-reduces of one hidden state between these ranks.
+    let mut hidden = vec![1.0f32; cfg.hidden_size];
+    let mut lat: Vec<Duration> = (0..200)
+        .map(|_| {
+            let start = Instant::now();
+            all_reduce(&mut comm.inner, &mut hidden).expect("all-reduce");
+            start.elapsed()
+        })
+        .collect();
+    lat.sort();
     let mut tokens = prompt.to_vec();
     let (mut decode, mut waiting) = (Duration::ZERO, Duration::ZERO);
     for step in 0..=STEPS {
@@ -195,14 +205,16 @@ fn rank_main(rank: usize, addrs: Vec<SocketAddr>) {
         tokens = vec![next[0]];
     }
     println!(
-        "RESULT {} {}",
+        "RESULT {} {} {}",
         decode.as_secs_f64() / STEPS as f64,
-        waiting.as_secs_f64() / STEPS as f64
+        waiting.as_secs_f64() / STEPS as f64,
+        lat[lat.len() / 2].as_secs_f64()
     );
 }
 
-/// Per-step decode time (rank 0) and each rank's time in collectives, in seconds.
-fn run_pod(ranks: usize) -> Result<(f64, Vec<f64>), String> {
+/// Per-step decode time (rank 0), each rank's time in collectives per step,
+/// and the median all-reduce of one hidden state (rank 0), in seconds.
+fn run_pod(ranks: usize) -> Result<(f64, Vec<f64>, f64), String> {
     let ports: Vec<SocketAddr> = (0..ranks)
         .map(|_| {
             TcpListener::bind("127.0.0.1:0")
@@ -245,7 +257,7 @@ fn run_pod(ranks: usize) -> Result<(f64, Vec<f64>), String> {
                 .find_map(|l| l.strip_prefix("RESULT "))
                 .and_then(|v| {
                     let mut it = v.split_whitespace().map(|x| x.parse::<f64>().ok());
-                    Some((it.next()??, it.next()??))
+                    Some((it.next()??, it.next()??, it.next()??))
                 })
                 .ok_or_else(|| {
                     format!(
@@ -255,7 +267,11 @@ fn run_pod(ranks: usize) -> Result<(f64, Vec<f64>), String> {
                 })
         })
         .collect::<Result<Vec<_>, _>>()?;
-    Ok((results[0].0, results.iter().map(|r| r.1).collect()))
+    Ok((
+        results[0].0,
+        results.iter().map(|r| r.1).collect(),
+        results[0].2,
+    ))
 }
 
 /// Bytes each memory-bandwidth child streams through, per pass.
@@ -381,10 +397,12 @@ fn main() {
         1.0 / b,
         ms(&runs.iter().map(|r| r.1 .0).collect::<Vec<_>>())
     );
-    for (i, (_, (_, wait))) in runs.iter().enumerate() {
+    for (i, (_, (_, wait, wire))) in runs.iter().enumerate() {
         println!(
-            "    round {i}: in collectives per step: {} ms (rank 0, rank 1)",
-            ms(wait)
+            "    round {i}: in collectives per step: {} ms (rank 0, rank 1); \
+             all-reduce of one hidden state alone: {:.1} us (median)",
+            ms(wait),
+            wire * 1e6
         );
     }
     println!(
