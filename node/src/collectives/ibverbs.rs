@@ -1098,4 +1098,6 @@ impl Drop for RdmaVerbs {
 }
 
 #[cfg(test)]
+pub(crate) mod fake;
+#[cfg(test)]
 mod tests;

@@ -58,7 +58,7 @@ fn mem_pod(n: usize, frame: usize, slots: usize, timeout: Duration) -> Vec<Boxed
 }
 
 /// Runs `f` on every rank in its own thread; returns the results in rank order.
-fn run<R: Send + 'static>(
+pub(crate) fn run<R: Send + 'static>(
     pod: Vec<Boxed>,
     f: impl Fn(&mut dyn Collective) -> R + Send + Sync + Clone + 'static,
 ) -> Vec<R> {

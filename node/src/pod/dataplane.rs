@@ -39,12 +39,24 @@ pub enum Backend {
     Rdma,
 }
 
-/// The pod's collectives over RDMA when possible (see the module policy).
+/// The pod's collectives over RDMA when possible (see the module policy),
+/// with the system verbs library.
 pub fn open(
     config: &PodConfig,
     rank: usize,
     tcp: TcpTransport,
     opts: &TcpOptions,
+) -> Result<(Box<dyn Collective>, Backend), CollectiveError> {
+    open_with(config, rank, tcp, opts, ibverbs::system())
+}
+
+/// [`open`] with a given verbs library.
+pub fn open_with(
+    config: &PodConfig,
+    rank: usize,
+    tcp: TcpTransport,
+    opts: &TcpOptions,
+    lib: Result<&'static ibverbs::Library, ibverbs::RdmaError>,
 ) -> Result<(Box<dyn Collective>, Backend), CollectiveError> {
     let mut group = Group::new(tcp, GroupOptions::default());
     if !config.has_rdma() {
@@ -55,7 +67,7 @@ pub fn open(
         Some(PodBackend::Jaccl | PodBackend::JacclRing)
     );
     let attempt = match config.devices().peer_devices(rank) {
-        Ok(devices) => ibverbs::connect(&mut group, &devices),
+        Ok(devices) => ibverbs::connect_with(&mut group, lib, &devices),
         Err(e) => Err(CollectiveError::RdmaUnavailable(format!(
             "{e} (the rdma data plane needs a cable between every pair of members)"
         ))),
@@ -100,20 +112,28 @@ mod tests {
         {"ssh": "a", "ips": ["127.0.0.1"], "rdma": [null, "mlxnode_test_dev"]},
         {"ssh": "b", "ips": ["127.0.0.1"], "rdma": ["mlxnode_test_dev", null]}]"#;
 
-    /// Runs `open` on both ranks of `config`; each rank's backend, or error,
-    /// plus whether its collectives still work (an all-reduce).
-    fn open_both(config: &str) -> Vec<Result<Backend, CollectiveError>> {
+    /// Runs `open` (or `open_with(lib)`) on every rank of `config`; each
+    /// rank's backend, or error; its collectives must work (an all-reduce).
+    fn open_all(
+        config: &str,
+        lib: Option<&'static ibverbs::Library>,
+    ) -> Vec<Result<Backend, CollectiveError>> {
         let config = PodConfig::parse(config).unwrap();
-        let handles: Vec<_> = tcp_mesh(2, TcpOptions::default())
+        let n = config.size();
+        let handles: Vec<_> = tcp_mesh(n, TcpOptions::default())
             .into_iter()
             .enumerate()
             .map(|(rank, t)| {
                 let config = config.clone();
                 std::thread::spawn(move || {
-                    let (mut comm, backend) = open(&config, rank, t, &TcpOptions::default())?;
+                    let opts = TcpOptions::default();
+                    let (mut comm, backend) = match lib {
+                        Some(lib) => open_with(&config, rank, t, &opts, Ok(lib))?,
+                        None => open(&config, rank, t, &opts)?,
+                    };
                     let mut v = [rank as f32 + 1.0; 3];
                     crate::collectives::all_reduce(comm.as_mut(), &mut v)?;
-                    assert_eq!(v, [3.0; 3]);
+                    assert_eq!(v, [(n * (n + 1) / 2) as f32; 3]);
                     Ok(backend)
                 })
             })
@@ -126,16 +146,15 @@ mod tests {
     /// every rank with the typed reason; no matrix is plain TCP.
     #[test]
     fn rdma_falls_back_to_tcp_unless_the_hostfile_requires_it() {
-        for r in
-            open_both(r#"[{"ssh": "a", "ips": ["127.0.0.1"]}, {"ssh": "b", "ips": ["127.0.0.1"]}]"#)
-        {
+        let plain = r#"[{"ssh": "a", "ips": ["127.0.0.1"]}, {"ssh": "b", "ips": ["127.0.0.1"]}]"#;
+        for r in open_all(plain, None) {
             assert_eq!(r.unwrap(), Backend::Tcp);
         }
-        for r in open_both(CABLED) {
+        for r in open_all(CABLED, None) {
             assert_eq!(r.unwrap(), Backend::Tcp);
         }
         let required = format!(r#"{{"backend": "jaccl", "hosts": {CABLED}}}"#);
-        for r in open_both(&required) {
+        for r in open_all(&required, None) {
             let err = r.unwrap_err();
             assert!(
                 matches!(
@@ -147,6 +166,18 @@ mod tests {
                 ),
                 "{err}"
             );
+        }
+    }
+
+    /// With a device that opens (the in-process fake provider), a cabled
+    /// pod's data plane is RDMA on every rank and its collectives work.
+    #[test]
+    fn a_cabled_pod_runs_on_rdma() {
+        let config = r#"[{"ssh": "a", "ips": ["127.0.0.1"], "rdma": [null, "fake0", "fake0"]},
+            {"ssh": "b", "ips": ["127.0.0.1"], "rdma": ["fake0", null, "fake0"]},
+            {"ssh": "c", "ips": ["127.0.0.1"], "rdma": ["fake0", "fake0", null]}]"#;
+        for r in open_all(config, Some(ibverbs::fake::library())) {
+            assert_eq!(r.unwrap(), Backend::Rdma);
         }
     }
 }

@@ -354,7 +354,8 @@ type FnDestroyQp = unsafe extern "C" fn(*mut Qp) -> c_int;
 #[derive(Debug)]
 pub struct Library {
     pub path: String,
-    _handle: usize,
+    /// The `dlopen` handle (never closed).
+    pub handle: usize,
     pub get_device_list: FnGetDeviceList,
     pub free_device_list: FnFreeDeviceList,
     pub get_device_name: FnGetDeviceName,
@@ -422,7 +423,7 @@ impl Library {
         }
         Ok(Library {
             path: path.into(),
-            _handle: handle as usize,
+            handle: handle as usize,
             get_device_list: load!("ibv_get_device_list", FnGetDeviceList),
             free_device_list: load!("ibv_free_device_list", FnFreeDeviceList),
             get_device_name: load!("ibv_get_device_name", FnGetDeviceName),

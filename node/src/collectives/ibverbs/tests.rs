@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use super::*;
 use crate::collectives::tcp::{TcpOptions, TcpTransport};
-use crate::collectives::tests::tcp_mesh;
+use crate::collectives::tests::{run, tcp_mesh};
 use crate::collectives::{Group, GroupOptions};
 
 fn tcp_groups(n: usize) -> Vec<Group<TcpTransport>> {
@@ -161,7 +161,10 @@ fn setting_up_without_a_device_fails_every_rank_with_a_typed_error() {
         connect(&mut g, &devices).map(|_| ())
     });
     for (rank, r) in results.into_iter().enumerate() {
-        match r.unwrap_err() {
+        let Err(e) = r else {
+            panic!("set-up must fail")
+        };
+        match e {
             CollectiveError::Rdma(RdmaError::LibraryNotFound { .. }) => {}
             CollectiveError::Rdma(RdmaError::NoSuchDevice { device, available }) => {
                 assert_eq!(device, "mlxnode_test_dev");
@@ -269,4 +272,150 @@ fn the_side_channel_reports_a_lost_peer() {
     }
     assert!(!s0.alive(1));
     s0.shutdown();
+}
+
+// ---- the whole binding over the in-process fake provider ----
+
+use super::fake;
+use crate::collectives::verbs::{VerbsOptions, VerbsTransport};
+
+/// Forms an `n`-rank pod over the fake provider's `device` exactly as the
+/// pod runtime does (TCP mesh, queue pairs over it, side channel, barrier).
+fn fake_pod(n: usize, device: &'static str) -> Vec<Result<Box<dyn Collective>, CollectiveError>> {
+    on_every_rank(tcp_groups(n), move |mut g| {
+        let rank = g.rank();
+        let devices: Vec<Option<String>> = (0..n)
+            .map(|p| (p != rank).then(|| device.to_string()))
+            .collect();
+        let pending = connect_with(&mut g, Ok(fake::library()), &devices)?;
+        let side = SideChannel::new(g.into_transport().into_streams())?;
+        let opts = VerbsOptions {
+            timeout: Duration::from_secs(5),
+            ..VerbsOptions::default()
+        };
+        let mut t = VerbsTransport::new(pending.finish(side), opts)?;
+        t.verbs_mut().barrier(Duration::from_secs(10))?;
+        Ok(Box::new(Group::new(t, GroupOptions::default())) as Box<dyn Collective>)
+    })
+}
+
+#[test]
+fn collectives_run_over_the_verbs_binding() {
+    let pod: Vec<_> = fake_pod(3, "fake0")
+        .into_iter()
+        .map(Result::unwrap)
+        .collect();
+    let sums = run(pod, |c| {
+        let rank = c.rank();
+        let mut out = Vec::new();
+        // One frame, a SmolLM2 hidden state, many frames (ring), odd sizes.
+        for len in [1usize, 576, 1021, 5000, (1 << 20) + 3] {
+            let mut v: Vec<f32> = (0..len).map(|i| (i % 97) as f32 + rank as f32).collect();
+            crate::collectives::all_reduce(c, &mut v).unwrap();
+            out.push(v);
+        }
+        let mine = [rank as u8 + 1; 4999];
+        let mut all = vec![0u8; 3 * mine.len()];
+        c.all_gather(&mine, &mut all).unwrap();
+        let mut b = vec![rank as u8; 10_000];
+        c.broadcast(&mut b, 2).unwrap();
+        c.barrier().unwrap();
+        (out, all, b)
+    });
+    for (rank, (out, all, b)) in sums.into_iter().enumerate() {
+        for v in out {
+            for (i, x) in v.iter().enumerate() {
+                assert_eq!(*x, 3.0 * (i % 97) as f32 + 3.0, "rank {rank} element {i}");
+            }
+        }
+        for r in 0..3 {
+            assert!(all[r * 4999..(r + 1) * 4999]
+                .iter()
+                .all(|&x| x == r as u8 + 1));
+        }
+        assert!(b.iter().all(|&x| x == 2), "rank {rank} broadcast");
+    }
+}
+
+#[test]
+fn a_lost_member_fails_the_others_within_two_seconds() {
+    let mut pod: Vec<_> = fake_pod(3, "fake0")
+        .into_iter()
+        .map(Result::unwrap)
+        .collect();
+    drop(pod.pop()); // rank 2 goes away: queue pairs destroyed, side channel closed
+    let started = Instant::now();
+    let errs = run(pod, |c| {
+        let mut v = vec![1.0f32; 100_000];
+        crate::collectives::all_reduce(c, &mut v).unwrap_err()
+    });
+    assert!(
+        started.elapsed() < Duration::from_secs(2),
+        "{:?}",
+        started.elapsed()
+    );
+    for e in errs {
+        assert!(
+            matches!(e, CollectiveError::PeerLost { .. }),
+            "expected a lost peer, got {e}"
+        );
+    }
+}
+
+#[test]
+fn device_problems_fail_every_rank_with_a_typed_error() {
+    for r in fake_pod(2, "no_such_dev") {
+        let Err(e) = r else {
+            panic!("set-up must fail")
+        };
+        match e {
+            CollectiveError::Rdma(RdmaError::NoSuchDevice { device, available }) => {
+                assert_eq!(device, "no_such_dev");
+                assert_eq!(available, ["fake0", "fake_down", "fake_lossy"]);
+            }
+            e => panic!("{e}"),
+        }
+    }
+    for r in fake_pod(2, "fake_down") {
+        let Err(e) = r else {
+            panic!("set-up must fail")
+        };
+        assert!(
+            matches!(
+                &e,
+                CollectiveError::Rdma(RdmaError::PortDown {
+                    port: 1,
+                    state: 1,
+                    ..
+                })
+            ),
+            "{e}"
+        );
+        assert!(
+            e.to_string().contains("fake_down: port 1 is not active"),
+            "{e}"
+        );
+    }
+}
+
+/// A frame an unreliable queue pair drops is an error naming the gap, on
+/// the receiver; never data at the wrong offset.
+#[test]
+fn a_dropped_frame_is_an_error_not_garbage() {
+    let pod: Vec<_> = fake_pod(2, "fake_lossy")
+        .into_iter()
+        .map(Result::unwrap)
+        .collect();
+    let results = run(pod, |c| {
+        let mut v = vec![1.0f32; 20_000];
+        crate::collectives::all_reduce(c, &mut v).map(|_| v)
+    });
+    let errs: Vec<String> = results
+        .into_iter()
+        .map(|r| r.unwrap_err().to_string())
+        .collect();
+    assert!(
+        errs.iter().any(|e| e.contains("frame 2 from rank")),
+        "{errs:?}"
+    );
 }
