@@ -603,6 +603,14 @@ impl Conn {
             }
             conn.local.lid = port.lid;
             conn.local.mtu = port.active_mtu.clamp(1, ffi::IBV_MTU_4096) as u8;
+            tracing::debug!(
+                device,
+                gid = %format_gid(&conn.local.gid),
+                gid_index = conn.gid_index,
+                lid = port.lid,
+                mtu = conn.local.mtu,
+                "rdma port up"
+            );
 
             conn.pd = (lib.alloc_pd)(ctx);
             if conn.pd.is_null() {
