@@ -13,7 +13,8 @@
 //!   ([`verbs::Verbs`]: registered frame slots, posted sends and receives,
 //!   completion polling, a side channel for peer liveness). Its backends are
 //!   [`fabric`], an in-memory emulated fabric with those semantics (so the
-//!   RDMA algorithm runs in tests here), and [`ibverbs`], the device.
+//!   RDMA algorithm runs in tests here), and [`ibverbs`], the device (the
+//!   system verbs library, loaded at run time).
 //!
 //! # Invariants
 //! - Every rank issues the same operations in the same order with the same
@@ -94,6 +95,8 @@ pub enum CollectiveError {
     Connect(String),
     #[error("rdma is unavailable: {0}")]
     RdmaUnavailable(String),
+    #[error("rdma is unavailable: {0}")]
+    Rdma(#[from] ibverbs::RdmaError),
     #[error("rdma work request failed: {0}")]
     Verbs(String),
 }

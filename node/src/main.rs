@@ -216,6 +216,8 @@ fn main() -> anyhow::Result<()> {
             for line in mlx_node::pod::doctor::report(&config, rank, devinfo.as_deref())? {
                 println!("{line}");
             }
+            // What the run-time verbs binding itself sees.
+            println!("{}", mlx_node::collectives::ibverbs::probe());
             Ok(())
         }
     }

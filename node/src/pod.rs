@@ -18,6 +18,7 @@
 //! # Failure
 //! [`hostfile::PodConfigError`] names the rank pair or device at fault.
 
+pub mod dataplane;
 pub mod doctor;
 pub mod hostfile;
 pub mod links;

@@ -276,6 +276,11 @@ impl<T: Transport> Group<T> {
         &self.t
     }
 
+    /// The transport back (e.g. to keep its connections as a side channel).
+    pub fn into_transport(self) -> T {
+        self.t
+    }
+
     fn out_header(&mut self, peer: usize, op: Op, len: usize) -> Result<Header, CollectiveError> {
         let len = u32::try_from(len).map_err(|_| {
             CollectiveError::InvalidArgument(format!("message of {len} bytes exceeds 4 GiB"))

@@ -1,17 +1,132 @@
-//! The RDMA device: ibverbs on Linux (InfiniBand/RoCE), the system verbs
-//! library on macOS (RDMA over Thunderbolt 5, loaded at run time as MLX's
-//! JACCL does).
+//! The RDMA device: a real [`Verbs`] over the system verbs library, loaded at
+//! run time: `libibverbs.so.1` on Linux (InfiniBand/RoCE), and on macOS 26.2+
+//! `/usr/lib/librdma.dylib`, the library RDMA over Thunderbolt 5 exposes (the
+//! file MLX's JACCL dlopens). No build or link dependency: a machine without
+//! the library gets [`RdmaError::LibraryNotFound`] at run time.
 //!
-//! Not bound in this build: neither the `ibverbs` crate nor a run-time
-//! loader of `libibverbs` / `librdma` is compiled in yet, so [`open`] always
-//! fails with [`CollectiveError::RdmaUnavailable`] naming what is missing, and
-//! a pod falls back to TCP (pipeline parallel). The transport that will run
-//! on it ([`super::verbs::VerbsTransport`]) is complete and tested over the
-//! emulated fabric ([`super::fabric`]).
+//! Setting a pod up ([`connect`], then [`Pending::finish`]):
+//! 1. every rank opens, per peer, the device its hostfile row names for that
+//!    peer (one device per cable, as JACCL's matrix says), checks port 1 is
+//!    active, picks a GID (the IPv4-mapped one, as JACCL; else the first
+//!    non-zero one), allocates a protection domain, a completion queue, a
+//!    queue pair and `slots` send + `slots` receive frames of [`FRAME`]
+//!    bytes, registered once;
+//! 2. the ranks agree over the TCP side channel that every rank got that
+//!    far (one rank's failure fails every rank with that rank's reason);
+//! 3. they exchange [`QpInfo`] (queue-pair number, packet sequence number,
+//!    LID, GID, MTU) over the side channel and move each queue pair
+//!    INIT → RTR → RTS, then agree again;
+//! 4. the TCP connections stay open as the side channel: a closed one is a
+//!    lost peer ([`Verbs::peer_alive`]), and [`Verbs::shutdown`] closes them.
+//!
+//! Queue-pair type: unreliable connected (UC) on macOS, as JACCL uses (what
+//! Apple's stack offers); reliable connected (RC) elsewhere, where every
+//! InfiniBand/RoCE device has it and receiver-not-ready retries make a frame
+//! that arrives before its receive is re-posted wait instead of vanish
+//! (the emulated fabric's semantics, which the transport was tested on).
+//!
+//! Each frame starts with an 8-byte prefix (a per-peer sequence number and a
+//! magic word): an unreliable queue pair drops a frame silently, and the
+//! receiver turns the gap into [`CollectiveError::Verbs`] rather than
+//! placing the next frame at the wrong offset.
+//!
+//! # Invariants
+//! - Work request ids are `kind << 32 | slot`; one completion queue per peer,
+//!   so a completion's peer is the queue it came from.
+//! - Frames are registered once; no allocation per operation.
+//! - Nothing is dlclosed: function pointers stay valid for the process.
+//!
+//! # Failure
+//! Setup fails with [`RdmaError`] (library not found, symbol missing, no such
+//! device with the list of those present, port down, no usable GID, a verbs
+//! call failing with its errno, a queue-pair transition failing with its
+//! errno, a peer rank's failure), wrapped in [`CollectiveError::Rdma`]. At run
+//! time a failed work completion is [`CollectiveError::Verbs`] (or
+//! [`CollectiveError::PeerLost`] for retry-exceeded on RC), and a closed side
+//! channel is a lost peer.
 
-use super::CollectiveError;
+mod ffi;
 
-/// The verbs library a build would load on this platform.
+use std::ffi::c_int;
+use std::io::{ErrorKind, Read, Write};
+use std::net::{Shutdown, TcpStream};
+use std::sync::OnceLock;
+use std::time::Duration;
+
+use super::verbs::{Completion, CompletionKind, Verbs};
+use super::{Collective, CollectiveError};
+
+pub use ffi::Library;
+
+/// Bytes per registered frame (JACCL's `FRAME_SIZE`).
+pub const FRAME: usize = 4096;
+/// Bytes of the per-frame prefix (sequence number + magic).
+pub const PREFIX: usize = 8;
+/// Frames per direction per peer.
+pub const SLOTS: usize = 16;
+/// The device port (JACCL and every single-port device: 1).
+const PORT: u8 = 1;
+const FRAME_MAGIC: u32 = 0x4658_4d56; // "VMXF"
+const KIND_SEND: u64 = 1;
+const KIND_RECV: u64 = 2;
+
+/// Why RDMA could not be set up.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum RdmaError {
+    #[error("verbs library {library} not found: {reason}")]
+    LibraryNotFound { library: String, reason: String },
+    #[error("verbs library {library} lacks {symbol}")]
+    SymbolMissing {
+        library: String,
+        symbol: &'static str,
+    },
+    #[error("no rdma device {device} (devices present: {})", list(available))]
+    NoSuchDevice {
+        device: String,
+        available: Vec<String>,
+    },
+    #[error("rdma device {device}: port {port} is not active (state {state})")]
+    PortDown {
+        device: String,
+        port: u8,
+        state: i32,
+    },
+    #[error(
+        "rdma device {device} publishes no usable GID (on Thunderbolt, give the \
+         interface an IPv4 address, e.g. a 169.254/16 link-local one)"
+    )]
+    NoGid { device: String },
+    #[error("rdma device {device}: {call} failed (errno {errno})")]
+    Call {
+        device: String,
+        call: &'static str,
+        errno: i32,
+    },
+    #[error(
+        "rdma device {device}: queue pair to rank {peer} could not move to {state} (errno {errno})"
+    )]
+    QpTransition {
+        device: String,
+        peer: usize,
+        state: &'static str,
+        errno: i32,
+    },
+    #[error("rank {peer} sent a malformed queue-pair record: {reason}")]
+    Exchange { peer: usize, reason: String },
+    #[error("rank {rank} could not set up rdma: {reason}")]
+    PeerFailed { rank: usize, reason: String },
+}
+
+fn list(v: &[String]) -> String {
+    if v.is_empty() {
+        "none".into()
+    } else {
+        v.join(", ")
+    }
+}
+
+/// The verbs library this platform loads.
 pub fn library_name() -> &'static str {
     if cfg!(target_os = "macos") {
         "/usr/lib/librdma.dylib"
@@ -20,11 +135,977 @@ pub fn library_name() -> &'static str {
     }
 }
 
-/// Opens RDMA device `device` (e.g. `rdma_en3` on macOS, `mlx5_0` on Linux).
-pub fn open(device: &str) -> Result<std::convert::Infallible, CollectiveError> {
-    Err(CollectiveError::RdmaUnavailable(format!(
-        "cannot open {device}: this build of mlx-node has no verbs binding \
-         ({} is not loaded); use the TCP data plane",
-        library_name()
-    )))
+/// The system verbs library, loaded once per process.
+pub fn system() -> Result<&'static Library, RdmaError> {
+    static LIB: OnceLock<Result<Library, RdmaError>> = OnceLock::new();
+    LIB.get_or_init(|| Library::open(library_name()))
+        .as_ref()
+        .map_err(Clone::clone)
 }
+
+/// One line for `mlx-node doctor`: whether the library loads and which
+/// devices it lists.
+pub fn probe() -> String {
+    match system() {
+        Ok(lib) => format!(
+            "verbs library {}: loaded, devices: {}",
+            lib.path,
+            list(&lib.device_names())
+        ),
+        Err(e) => format!("{e}: RDMA unavailable, pods use TCP"),
+    }
+}
+
+// ---- pure parts: GIDs, the exchanged record ----
+
+/// A GID as verbs prints it: eight groups of four hex digits.
+pub fn format_gid(gid: &[u8; 16]) -> String {
+    gid.chunks(2)
+        .map(|c| format!("{:02x}{:02x}", c[0], c[1]))
+        .collect::<Vec<_>>()
+        .join(":")
+}
+
+/// Parses [`format_gid`]'s form (also accepts `::`-compressed IPv6 text).
+pub fn parse_gid(text: &str) -> Option<[u8; 16]> {
+    if let Ok(ip) = text.parse::<std::net::Ipv6Addr>() {
+        return Some(ip.octets());
+    }
+    None
+}
+
+/// True for `::ffff:a.b.c.d`, the GID a RoCE v2 / Thunderbolt port derives
+/// from an IPv4 address.
+pub fn is_ipv4_mapped(gid: &[u8; 16]) -> bool {
+    gid[..10].iter().all(|&b| b == 0) && gid[10] == 0xff && gid[11] == 0xff
+}
+
+/// The GID table entry to use: the first IPv4-mapped one (what JACCL picks),
+/// else the first non-zero one; `None` when every entry is zero.
+pub fn pick_gid(table: &[[u8; 16]]) -> Option<usize> {
+    table
+        .iter()
+        .position(is_ipv4_mapped)
+        .or_else(|| table.iter().position(|g| g.iter().any(|&b| b != 0)))
+}
+
+/// What a rank tells the peer at the other end of one queue pair.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct QpInfo {
+    pub qp_num: u32,
+    pub psn: u32,
+    pub lid: u16,
+    /// Active MTU as the `ibv_mtu` enum (1 = 256 .. 5 = 4096).
+    pub mtu: u8,
+    pub gid: [u8; 16],
+}
+
+impl QpInfo {
+    pub const BYTES: usize = 32;
+    const MAGIC: u32 = 0x5150_4d56; // "VMPQ"
+
+    pub fn encode(&self) -> [u8; Self::BYTES] {
+        let mut b = [0u8; Self::BYTES];
+        b[0..4].copy_from_slice(&Self::MAGIC.to_le_bytes());
+        b[4..8].copy_from_slice(&self.qp_num.to_le_bytes());
+        b[8..12].copy_from_slice(&self.psn.to_le_bytes());
+        b[12..14].copy_from_slice(&self.lid.to_le_bytes());
+        b[14] = self.mtu;
+        b[16..32].copy_from_slice(&self.gid);
+        b
+    }
+
+    pub fn decode(peer: usize, b: &[u8]) -> Result<QpInfo, RdmaError> {
+        let bad = |reason: String| RdmaError::Exchange { peer, reason };
+        if b.len() != Self::BYTES {
+            return Err(bad(format!("{} bytes, expected {}", b.len(), Self::BYTES)));
+        }
+        let word = |i: usize| u32::from_le_bytes([b[i], b[i + 1], b[i + 2], b[i + 3]]);
+        if word(0) != Self::MAGIC {
+            return Err(bad("no queue-pair record magic".into()));
+        }
+        let info = QpInfo {
+            qp_num: word(4),
+            psn: word(8),
+            lid: u16::from_le_bytes([b[12], b[13]]),
+            mtu: b[14],
+            gid: b[16..32].try_into().expect("16 bytes"),
+        };
+        if info.psn > 0xff_ffff || info.qp_num > 0xff_ffff {
+            return Err(bad(format!(
+                "queue pair {} / psn {} exceed 24 bits",
+                info.qp_num, info.psn
+            )));
+        }
+        if !(1..=5).contains(&info.mtu) {
+            return Err(bad(format!("mtu code {}", info.mtu)));
+        }
+        Ok(info)
+    }
+}
+
+fn wr_id(kind: u64, slot: usize) -> u64 {
+    kind << 32 | slot as u64
+}
+
+fn split_wr_id(id: u64) -> (u64, usize) {
+    (id >> 32, (id & 0xffff_ffff) as usize)
+}
+
+/// Checks a received frame's prefix against the next expected sequence.
+fn check_prefix(peer: usize, prefix: &[u8], expected: u32) -> Result<(), CollectiveError> {
+    let word =
+        |i: usize| u32::from_le_bytes([prefix[i], prefix[i + 1], prefix[i + 2], prefix[i + 3]]);
+    if word(4) != FRAME_MAGIC {
+        return Err(CollectiveError::Verbs(format!(
+            "frame from rank {peer} has no frame magic"
+        )));
+    }
+    let got = word(0);
+    if got != expected {
+        return Err(CollectiveError::Verbs(format!(
+            "frame {expected} from rank {peer} was lost (got frame {got}; \
+             an unreliable queue pair drops frames silently)"
+        )));
+    }
+    Ok(())
+}
+
+// ---- the side channel ----
+
+/// The TCP connections kept open beside the queue pairs: a peer whose
+/// connection closes is gone.
+#[derive(Debug)]
+pub struct SideChannel {
+    links: Vec<Option<TcpStream>>,
+}
+
+impl SideChannel {
+    /// `links[p]`: the connection to rank `p` (`None` for this rank).
+    pub fn new(links: Vec<Option<TcpStream>>) -> Result<SideChannel, CollectiveError> {
+        for (peer, s) in links.iter().enumerate() {
+            if let Some(s) = s {
+                s.set_nonblocking(true)
+                    .map_err(|e| CollectiveError::PeerLost {
+                        peer,
+                        reason: e.to_string(),
+                    })?;
+            }
+        }
+        Ok(SideChannel { links })
+    }
+
+    /// True while `peer`'s connection is open (no data ever flows after
+    /// [`SideChannel::barrier`], so a readable socket means closed).
+    pub fn alive(&self, peer: usize) -> bool {
+        let Some(Some(s)) = self.links.get(peer) else {
+            return false;
+        };
+        let mut b = [0u8; 1];
+        match s.peek(&mut b) {
+            Ok(0) => false,
+            Ok(_) => true,
+            Err(e) => e.kind() == ErrorKind::WouldBlock || e.kind() == ErrorKind::Interrupted,
+        }
+    }
+
+    /// Every rank has reached this point (one byte each way per peer).
+    pub fn barrier(&mut self, timeout: Duration) -> Result<(), CollectiveError> {
+        const SYNC: u8 = 0xb7;
+        for (peer, s) in self.links.iter_mut().enumerate() {
+            let Some(s) = s else { continue };
+            let lost = |e: std::io::Error| CollectiveError::PeerLost {
+                peer,
+                reason: format!("side channel: {e}"),
+            };
+            s.set_nonblocking(false).map_err(lost)?;
+            s.set_write_timeout(Some(timeout)).map_err(lost)?;
+            s.write_all(&[SYNC]).map_err(lost)?;
+        }
+        for (peer, s) in self.links.iter_mut().enumerate() {
+            let Some(s) = s else { continue };
+            let lost = |e: std::io::Error| CollectiveError::PeerLost {
+                peer,
+                reason: format!("side channel: {e}"),
+            };
+            s.set_read_timeout(Some(timeout)).map_err(lost)?;
+            let mut b = [0u8; 1];
+            s.read_exact(&mut b).map_err(lost)?;
+            if b[0] != SYNC {
+                return Err(CollectiveError::Mismatch {
+                    peer,
+                    expected: "the side channel's sync byte".into(),
+                    got: format!("byte {:#x}", b[0]),
+                });
+            }
+            s.set_nonblocking(true).map_err(lost)?;
+        }
+        Ok(())
+    }
+
+    /// Closes every connection: the peers see this rank gone.
+    pub fn shutdown(&mut self) {
+        for s in self.links.iter().flatten() {
+            let _ = s.shutdown(Shutdown::Both);
+        }
+    }
+}
+
+// ---- agreement over the side channel ----
+
+const REPORT: usize = 256;
+
+/// Every rank learns whether every rank's `local` step succeeded; a failure
+/// anywhere fails everywhere (this rank's own error, or the first failed
+/// rank's reason).
+pub fn agree<T>(
+    comm: &mut dyn Collective,
+    local: Result<T, RdmaError>,
+) -> Result<T, CollectiveError> {
+    let n = comm.size();
+    let mut mine = [0u8; REPORT];
+    if let Err(e) = &local {
+        mine[0] = 1;
+        let msg = e.to_string();
+        let len = msg.len().min(REPORT - 1);
+        mine[1..1 + len].copy_from_slice(&msg.as_bytes()[..len]);
+    }
+    let mut all = vec![0u8; REPORT * n];
+    comm.all_gather(&mine, &mut all)?;
+    let value = local?;
+    if let Some(rank) = (0..n).find(|&r| all[r * REPORT] != 0) {
+        let text = &all[rank * REPORT + 1..(rank + 1) * REPORT];
+        let end = text.iter().position(|&b| b == 0).unwrap_or(text.len());
+        return Err(RdmaError::PeerFailed {
+            rank,
+            reason: String::from_utf8_lossy(&text[..end]).into_owned(),
+        }
+        .into());
+    }
+    Ok(value)
+}
+
+/// Exchanges one record per ordered pair: `mine[p]` goes to rank `p`; the
+/// result's `[p]` is what rank `p` made for this rank.
+pub fn exchange_infos(
+    comm: &mut dyn Collective,
+    mine: &[Option<QpInfo>],
+) -> Result<Vec<Option<QpInfo>>, CollectiveError> {
+    let (n, rank) = (comm.size(), comm.rank());
+    if mine.len() != n {
+        return Err(CollectiveError::InvalidArgument(format!(
+            "{} queue-pair records for a pod of {n}",
+            mine.len()
+        )));
+    }
+    let row = QpInfo::BYTES * n;
+    let mut out = vec![0u8; row];
+    for (p, info) in mine.iter().enumerate() {
+        if let Some(info) = info {
+            out[p * QpInfo::BYTES..(p + 1) * QpInfo::BYTES].copy_from_slice(&info.encode());
+        }
+    }
+    let mut all = vec![0u8; row * n];
+    comm.all_gather(&out, &mut all)?;
+    (0..n)
+        .map(|p| {
+            if p == rank {
+                return Ok(None);
+            }
+            let at = p * row + rank * QpInfo::BYTES;
+            QpInfo::decode(p, &all[at..at + QpInfo::BYTES])
+                .map(Some)
+                .map_err(CollectiveError::from)
+        })
+        .collect()
+}
+
+// ---- the device ----
+
+/// Page-aligned frames: `slots` send frames, then `slots` receive frames.
+struct Frames {
+    ptr: *mut u8,
+    layout: std::alloc::Layout,
+}
+
+impl Frames {
+    fn new(bytes: usize) -> Frames {
+        let layout = std::alloc::Layout::from_size_align(bytes, 4096).expect("frame layout");
+        // SAFETY: non-zero size.
+        let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
+        if ptr.is_null() {
+            std::alloc::handle_alloc_error(layout);
+        }
+        Frames { ptr, layout }
+    }
+}
+
+impl Drop for Frames {
+    fn drop(&mut self) {
+        // SAFETY: allocated in `new` with this layout.
+        unsafe { std::alloc::dealloc(self.ptr, self.layout) }
+    }
+}
+
+fn errno() -> i32 {
+    std::io::Error::last_os_error().raw_os_error().unwrap_or(0)
+}
+
+/// One peer's queue pair and frames.
+struct Conn {
+    lib: &'static Library,
+    device: String,
+    ctx: *mut ffi::Context,
+    pd: *mut ffi::Pd,
+    cq: *mut ffi::Cq,
+    qp: *mut ffi::Qp,
+    mr: *mut ffi::Mr,
+    frames: Frames,
+    slots: usize,
+    gid_index: u8,
+    local: QpInfo,
+    /// Next sequence number to send / expected to receive.
+    send_seq: u32,
+    recv_seq: u32,
+}
+
+impl Drop for Conn {
+    fn drop(&mut self) {
+        // SAFETY: each pointer is null or a live object created by `open`,
+        // destroyed once, children before parents.
+        unsafe {
+            if !self.qp.is_null() {
+                (self.lib.destroy_qp)(self.qp);
+            }
+            if !self.cq.is_null() {
+                (self.lib.destroy_cq)(self.cq);
+            }
+            if !self.mr.is_null() {
+                (self.lib.dereg_mr)(self.mr);
+            }
+            if !self.pd.is_null() {
+                (self.lib.dealloc_pd)(self.pd);
+            }
+            if !self.ctx.is_null() {
+                (self.lib.close_device)(self.ctx);
+            }
+        }
+    }
+}
+
+fn qp_type() -> c_int {
+    if cfg!(target_os = "macos") {
+        ffi::IBV_QPT_UC
+    } else {
+        ffi::IBV_QPT_RC
+    }
+}
+
+impl Conn {
+    fn open(lib: &'static Library, device: &str, slots: usize) -> Result<Conn, RdmaError> {
+        let call = |call: &'static str| RdmaError::Call {
+            device: device.into(),
+            call,
+            errno: errno(),
+        };
+        // SAFETY: the device list is used and freed here; every pointer
+        // comes from the library and is checked before use.
+        let ctx = unsafe {
+            let mut n: c_int = 0;
+            let list = (lib.get_device_list)(&mut n);
+            let mut names = Vec::new();
+            let mut ctx = std::ptr::null_mut();
+            if !list.is_null() {
+                for i in 0..n.max(0) as usize {
+                    let d = *list.add(i);
+                    if d.is_null() {
+                        break;
+                    }
+                    let name = ffi::name_of(lib, d);
+                    if name == device {
+                        ctx = (lib.open_device)(d);
+                        if ctx.is_null() {
+                            let e = call("ibv_open_device");
+                            (lib.free_device_list)(list);
+                            return Err(e);
+                        }
+                        break;
+                    }
+                    names.push(name);
+                }
+                (lib.free_device_list)(list);
+            }
+            if ctx.is_null() {
+                return Err(RdmaError::NoSuchDevice {
+                    device: device.into(),
+                    available: names,
+                });
+            }
+            ctx
+        };
+        let mut conn = Conn {
+            lib,
+            device: device.into(),
+            ctx,
+            pd: std::ptr::null_mut(),
+            cq: std::ptr::null_mut(),
+            qp: std::ptr::null_mut(),
+            mr: std::ptr::null_mut(),
+            frames: Frames::new(2 * slots * FRAME),
+            slots,
+            gid_index: 0,
+            local: QpInfo {
+                qp_num: 0,
+                psn: rand::random::<u32>() & 0xff_ffff,
+                lid: 0,
+                mtu: ffi::IBV_MTU_1024 as u8,
+                gid: [0; 16],
+            },
+            send_seq: 0,
+            recv_seq: 0,
+        };
+        // SAFETY: ctx is open; every created object is stored in `conn` at
+        // once, so `Drop` releases it on any later error.
+        unsafe {
+            let mut port = ffi::PortAttr::default();
+            if (lib.query_port)(ctx, PORT, &mut port) != 0 {
+                return Err(call("ibv_query_port"));
+            }
+            if port.state != ffi::IBV_PORT_ACTIVE {
+                return Err(RdmaError::PortDown {
+                    device: device.into(),
+                    port: PORT,
+                    state: port.state,
+                });
+            }
+            let table: Vec<[u8; 16]> = (0..port.gid_tbl_len.clamp(0, 256))
+                .map(|i| {
+                    let mut g = ffi::Gid::default();
+                    if (lib.query_gid)(ctx, PORT, i, &mut g) == 0 {
+                        g.raw
+                    } else {
+                        [0; 16]
+                    }
+                })
+                .collect();
+            match pick_gid(&table) {
+                Some(i) => {
+                    conn.gid_index = i as u8;
+                    conn.local.gid = table[i];
+                }
+                // InfiniBand routes by LID alone; anything else needs a GID.
+                None if port.lid != 0 => {}
+                None => {
+                    return Err(RdmaError::NoGid {
+                        device: device.into(),
+                    })
+                }
+            }
+            conn.local.lid = port.lid;
+            conn.local.mtu = port.active_mtu.clamp(1, ffi::IBV_MTU_4096) as u8;
+            tracing::debug!(
+                device,
+                gid = %format_gid(&conn.local.gid),
+                gid_index = conn.gid_index,
+                lid = port.lid,
+                mtu = conn.local.mtu,
+                "rdma port up"
+            );
+
+            conn.pd = (lib.alloc_pd)(ctx);
+            if conn.pd.is_null() {
+                return Err(call("ibv_alloc_pd"));
+            }
+            conn.cq = (lib.create_cq)(
+                ctx,
+                (2 * slots) as c_int,
+                std::ptr::null_mut(),
+                std::ptr::null_mut(),
+                0,
+            );
+            if conn.cq.is_null() {
+                return Err(call("ibv_create_cq"));
+            }
+            let mut init = ffi::QpInitAttr {
+                qp_context: std::ptr::null_mut(),
+                send_cq: conn.cq,
+                recv_cq: conn.cq,
+                srq: std::ptr::null_mut(),
+                cap: ffi::QpCap {
+                    max_send_wr: slots as u32,
+                    max_recv_wr: slots as u32,
+                    max_send_sge: 1,
+                    max_recv_sge: 1,
+                    max_inline_data: 0,
+                },
+                qp_type: qp_type(),
+                sq_sig_all: 0,
+            };
+            conn.qp = (lib.create_qp)(conn.pd, &mut init);
+            if conn.qp.is_null() {
+                return Err(call("ibv_create_qp"));
+            }
+            conn.local.qp_num = (*conn.qp).qp_num;
+            conn.mr = (lib.reg_mr)(
+                conn.pd,
+                conn.frames.ptr.cast(),
+                conn.frames.layout.size(),
+                ffi::IBV_ACCESS_LOCAL_WRITE,
+            );
+            if conn.mr.is_null() {
+                return Err(call("ibv_reg_mr"));
+            }
+            let mut attr = ffi::QpAttr {
+                qp_state: ffi::IBV_QPS_INIT,
+                port_num: PORT,
+                pkey_index: 0,
+                qp_access_flags: (ffi::IBV_ACCESS_LOCAL_WRITE
+                    | ffi::IBV_ACCESS_REMOTE_WRITE
+                    | ffi::IBV_ACCESS_REMOTE_READ) as u32,
+                ..Default::default()
+            };
+            let mask = ffi::IBV_QP_STATE
+                | ffi::IBV_QP_PKEY_INDEX
+                | ffi::IBV_QP_PORT
+                | ffi::IBV_QP_ACCESS_FLAGS;
+            conn.modify(&mut attr, mask, usize::MAX, "INIT")?;
+        }
+        Ok(conn)
+    }
+
+    fn modify(
+        &mut self,
+        attr: &mut ffi::QpAttr,
+        mask: c_int,
+        peer: usize,
+        state: &'static str,
+    ) -> Result<(), RdmaError> {
+        // SAFETY: live queue pair; `attr` outlives the call.
+        let rc = unsafe { (self.lib.modify_qp)(self.qp, attr, mask) };
+        if rc != 0 {
+            return Err(RdmaError::QpTransition {
+                device: self.device.clone(),
+                peer,
+                state,
+                errno: if rc > 0 { rc } else { errno() },
+            });
+        }
+        Ok(())
+    }
+
+    /// RTR towards `remote`, then RTS.
+    fn connect(&mut self, peer: usize, remote: &QpInfo) -> Result<(), RdmaError> {
+        let rc = qp_type() == ffi::IBV_QPT_RC;
+        let mut mtu = self.local.mtu.min(remote.mtu) as c_int;
+        if cfg!(target_os = "macos") {
+            mtu = mtu.min(ffi::IBV_MTU_1024); // what JACCL uses on Thunderbolt
+        }
+        let mut attr = ffi::QpAttr {
+            qp_state: ffi::IBV_QPS_RTR,
+            path_mtu: mtu,
+            rq_psn: remote.psn,
+            dest_qp_num: remote.qp_num,
+            ..Default::default()
+        };
+        attr.ah_attr.dlid = remote.lid;
+        attr.ah_attr.port_num = PORT;
+        if remote.gid[8..].iter().any(|&b| b != 0) {
+            attr.ah_attr.is_global = 1;
+            attr.ah_attr.grh.dgid = ffi::Gid { raw: remote.gid };
+            attr.ah_attr.grh.sgid_index = self.gid_index;
+            attr.ah_attr.grh.hop_limit = if cfg!(target_os = "macos") { 1 } else { 64 };
+        }
+        let mut mask = ffi::IBV_QP_STATE
+            | ffi::IBV_QP_AV
+            | ffi::IBV_QP_PATH_MTU
+            | ffi::IBV_QP_DEST_QPN
+            | ffi::IBV_QP_RQ_PSN;
+        if rc {
+            attr.max_dest_rd_atomic = 1;
+            attr.min_rnr_timer = 12;
+            mask |= ffi::IBV_QP_MAX_DEST_RD_ATOMIC | ffi::IBV_QP_MIN_RNR_TIMER;
+        }
+        self.modify(&mut attr, mask, peer, "RTR")?;
+        let mut attr = ffi::QpAttr {
+            qp_state: ffi::IBV_QPS_RTS,
+            sq_psn: self.local.psn,
+            ..Default::default()
+        };
+        let mut mask = ffi::IBV_QP_STATE | ffi::IBV_QP_SQ_PSN;
+        if rc {
+            attr.timeout = 14;
+            attr.retry_cnt = 7;
+            attr.rnr_retry = 7; // retry forever while the receiver is not ready
+            attr.max_rd_atomic = 1;
+            mask |= ffi::IBV_QP_TIMEOUT
+                | ffi::IBV_QP_RETRY_CNT
+                | ffi::IBV_QP_RNR_RETRY
+                | ffi::IBV_QP_MAX_QP_RD_ATOMIC;
+        }
+        self.modify(&mut attr, mask, peer, "RTS")
+    }
+
+    fn frame(&self, recv: bool, slot: usize) -> *mut u8 {
+        let index = if recv { self.slots + slot } else { slot };
+        // SAFETY: index < 2 * slots, within the allocation.
+        unsafe { self.frames.ptr.add(index * FRAME) }
+    }
+
+    fn lkey(&self) -> u32 {
+        // SAFETY: registered in `open`.
+        unsafe { (*self.mr).lkey }
+    }
+
+    fn ops(&self) -> &ffi::ContextOps {
+        // SAFETY: the queue pair's context is live and its ops table filled
+        // in by the provider.
+        unsafe { &(*(*self.qp).context).ops }
+    }
+}
+
+/// A queue pair per peer, set up but not yet joined to its side channel.
+pub struct Pending {
+    rank: usize,
+    conns: Vec<Option<Conn>>,
+}
+
+impl std::fmt::Debug for Pending {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Pending").field("rank", &self.rank).finish()
+    }
+}
+
+/// Sets up a queue pair to every peer over `comm` (the TCP side channel)
+/// with the system verbs library: `devices[p]` is this rank's device towards
+/// rank `p` (`None` for itself). Every rank calls it; all succeed or all
+/// fail (with [`CollectiveError::Rdma`]; any other error is the side
+/// channel's own).
+pub fn connect(
+    comm: &mut dyn Collective,
+    devices: &[Option<String>],
+) -> Result<Pending, CollectiveError> {
+    connect_with(comm, system(), devices)
+}
+
+/// [`connect`] with a given library.
+pub fn connect_with(
+    comm: &mut dyn Collective,
+    lib: Result<&'static Library, RdmaError>,
+    devices: &[Option<String>],
+) -> Result<Pending, CollectiveError> {
+    let (n, rank) = (comm.size(), comm.rank());
+    let opened = (|| {
+        if devices.len() != n {
+            return Err(RdmaError::Exchange {
+                peer: rank,
+                reason: format!("{} devices for a pod of {n}", devices.len()),
+            });
+        }
+        let lib = lib?;
+        devices
+            .iter()
+            .enumerate()
+            .map(|(p, d)| match d {
+                Some(d) if p != rank => Conn::open(lib, d, SLOTS).map(Some),
+                _ => Ok(None),
+            })
+            .collect::<Result<Vec<_>, _>>()
+    })();
+    let mut conns = agree(comm, opened)?;
+    let mine: Vec<Option<QpInfo>> = conns.iter().map(|c| c.as_ref().map(|c| c.local)).collect();
+    // A malformed record is this rank's failure, agreed on like the others.
+    let connected = match exchange_infos(comm, &mine) {
+        Ok(remote) => conns
+            .iter_mut()
+            .enumerate()
+            .try_for_each(|(p, c)| match (c, &remote[p]) {
+                (Some(c), Some(r)) => c.connect(p, r),
+                _ => Ok(()),
+            }),
+        Err(CollectiveError::Rdma(e)) => Err(e),
+        Err(e) => return Err(e),
+    };
+    agree(comm, connected)?;
+    Ok(Pending { rank, conns })
+}
+
+impl Pending {
+    /// Joins the side channel (the same members' TCP connections).
+    pub fn finish(self, side: SideChannel) -> RdmaVerbs {
+        let slots = self
+            .conns
+            .iter()
+            .flatten()
+            .map(|c| c.slots)
+            .next()
+            .unwrap_or(SLOTS);
+        RdmaVerbs {
+            rank: self.rank,
+            slots,
+            wcs: vec![ffi::Wc::default(); 4 * slots],
+            conns: self.conns,
+            side,
+        }
+    }
+}
+
+/// [`Verbs`] over real queue pairs.
+pub struct RdmaVerbs {
+    rank: usize,
+    slots: usize,
+    conns: Vec<Option<Conn>>,
+    side: SideChannel,
+    wcs: Vec<ffi::Wc>,
+}
+
+// SAFETY: the verbs objects are only used through `&mut self` (one thread at
+// a time), and rdma-core's verbs are thread-safe anyway.
+unsafe impl Send for RdmaVerbs {}
+
+impl std::fmt::Debug for RdmaVerbs {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RdmaVerbs")
+            .field("rank", &self.rank)
+            .finish()
+    }
+}
+
+impl RdmaVerbs {
+    fn conn(&mut self, peer: usize) -> Result<&mut Conn, CollectiveError> {
+        self.conns
+            .get_mut(peer)
+            .and_then(Option::as_mut)
+            .ok_or_else(|| {
+                CollectiveError::InvalidArgument(format!("no queue pair to rank {peer}"))
+            })
+    }
+
+    /// Every rank has posted its receives (call once, before the first
+    /// exchange: an unreliable queue pair drops a frame sent too early).
+    pub fn barrier(&mut self, timeout: Duration) -> Result<(), CollectiveError> {
+        self.side.barrier(timeout)
+    }
+}
+
+impl Verbs for RdmaVerbs {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn size(&self) -> usize {
+        self.conns.len()
+    }
+
+    fn frame_size(&self) -> usize {
+        FRAME - PREFIX
+    }
+
+    fn slots(&self) -> usize {
+        self.slots
+    }
+
+    fn post_send(
+        &mut self,
+        peer: usize,
+        slot: usize,
+        head: &[u8],
+        body: &[u8],
+    ) -> Result<(), CollectiveError> {
+        let len = head.len() + body.len();
+        let slots = self.slots;
+        let c = self.conn(peer)?;
+        if len > FRAME - PREFIX || slot >= slots {
+            return Err(CollectiveError::Verbs(format!(
+                "send of {len} bytes in slot {slot}: frames are {} bytes x {slots} slots",
+                FRAME - PREFIX
+            )));
+        }
+        let frame = c.frame(false, slot);
+        // SAFETY: the frame is `FRAME` bytes, not in flight (the transport
+        // reuses a slot only after its send completed).
+        unsafe {
+            let dst = std::slice::from_raw_parts_mut(frame, PREFIX + len);
+            dst[0..4].copy_from_slice(&c.send_seq.to_le_bytes());
+            dst[4..8].copy_from_slice(&FRAME_MAGIC.to_le_bytes());
+            dst[PREFIX..PREFIX + head.len()].copy_from_slice(head);
+            dst[PREFIX + head.len()..].copy_from_slice(body);
+        }
+        let mut sge = ffi::Sge {
+            addr: frame as u64,
+            length: (PREFIX + len) as u32,
+            lkey: c.lkey(),
+        };
+        let mut wr = ffi::SendWr {
+            wr_id: wr_id(KIND_SEND, slot),
+            next: std::ptr::null_mut(),
+            sg_list: &mut sge,
+            num_sge: 1,
+            opcode: ffi::IBV_WR_SEND,
+            send_flags: ffi::IBV_SEND_SIGNALED,
+            imm_data: 0,
+            wr: [0; 4],
+            qp_type: [0; 2],
+            bind_mw: [0; 6],
+        };
+        let post = c
+            .ops()
+            .post_send
+            .ok_or_else(|| CollectiveError::Verbs("the provider has no post_send".into()))?;
+        let mut bad = std::ptr::null_mut();
+        // SAFETY: live queue pair; `wr` and `sge` outlive the call (the
+        // provider copies them into its queue).
+        let rc = unsafe { post(c.qp, &mut wr, &mut bad) };
+        if rc != 0 {
+            return Err(CollectiveError::Verbs(format!(
+                "posting a send to rank {peer} failed (errno {rc})"
+            )));
+        }
+        c.send_seq = c.send_seq.wrapping_add(1);
+        Ok(())
+    }
+
+    fn post_recv(&mut self, peer: usize, slot: usize) -> Result<(), CollectiveError> {
+        let slots = self.slots;
+        let c = self.conn(peer)?;
+        if slot >= slots {
+            return Err(CollectiveError::Verbs(format!(
+                "receive slot {slot} from rank {peer} does not exist"
+            )));
+        }
+        let mut sge = ffi::Sge {
+            addr: c.frame(true, slot) as u64,
+            length: FRAME as u32,
+            lkey: c.lkey(),
+        };
+        let mut wr = ffi::RecvWr {
+            wr_id: wr_id(KIND_RECV, slot),
+            next: std::ptr::null_mut(),
+            sg_list: &mut sge,
+            num_sge: 1,
+        };
+        let post = c
+            .ops()
+            .post_recv
+            .ok_or_else(|| CollectiveError::Verbs("the provider has no post_recv".into()))?;
+        let mut bad = std::ptr::null_mut();
+        // SAFETY: as in post_send.
+        let rc = unsafe { post(c.qp, &mut wr, &mut bad) };
+        if rc != 0 {
+            return Err(CollectiveError::Verbs(format!(
+                "posting a receive from rank {peer} failed (errno {rc})"
+            )));
+        }
+        Ok(())
+    }
+
+    fn read_recv(&self, peer: usize, slot: usize, offset: usize, dst: &mut [u8]) {
+        let Some(Some(c)) = self.conns.get(peer) else {
+            return;
+        };
+        assert!(slot < self.slots && PREFIX + offset + dst.len() <= FRAME);
+        // SAFETY: bounds checked above; the receive completed, so the device
+        // no longer writes this frame until it is re-posted.
+        unsafe {
+            let src = c.frame(true, slot).add(PREFIX + offset);
+            std::ptr::copy_nonoverlapping(src, dst.as_mut_ptr(), dst.len());
+        }
+    }
+
+    fn poll(&mut self, out: &mut [Completion]) -> Result<usize, CollectiveError> {
+        let mut got = 0;
+        for peer in 0..self.conns.len() {
+            let Some(c) = self.conns[peer].as_mut() else {
+                continue;
+            };
+            let room = (out.len() - got).min(self.wcs.len());
+            if room == 0 {
+                break;
+            }
+            let poll = c
+                .ops()
+                .poll_cq
+                .ok_or_else(|| CollectiveError::Verbs("the provider has no poll_cq".into()))?;
+            // SAFETY: live completion queue; `wcs` has `room` entries.
+            let n = unsafe { poll(c.cq, room as c_int, self.wcs.as_mut_ptr()) };
+            if n < 0 {
+                return Err(CollectiveError::Verbs(format!(
+                    "polling the completion queue of rank {peer} failed ({n})"
+                )));
+            }
+            for wc in &self.wcs[..n as usize] {
+                let (kind, slot) = split_wr_id(wc.wr_id);
+                if wc.status != ffi::IBV_WC_SUCCESS {
+                    let what = format!(
+                        "work completion status {} (vendor error {})",
+                        wc.status, wc.vendor_err
+                    );
+                    if wc.status == ffi::IBV_WC_RETRY_EXC_ERR
+                        || wc.status == ffi::IBV_WC_RNR_RETRY_EXC_ERR
+                    {
+                        return Err(CollectiveError::PeerLost { peer, reason: what });
+                    }
+                    return Err(CollectiveError::Verbs(format!("rank {peer}: {what}")));
+                }
+                let recv = kind == KIND_RECV || wc.opcode & ffi::IBV_WC_RECV != 0;
+                let len = if recv {
+                    let bytes = wc.byte_len as usize;
+                    if !(PREFIX..=FRAME).contains(&bytes) || slot >= self.slots {
+                        return Err(CollectiveError::Verbs(format!(
+                            "frame of {bytes} bytes from rank {peer} in slot {slot}"
+                        )));
+                    }
+                    let mut prefix = [0u8; PREFIX];
+                    // SAFETY: the frame is FRAME bytes and complete.
+                    unsafe {
+                        std::ptr::copy_nonoverlapping(
+                            c.frame(true, slot),
+                            prefix.as_mut_ptr(),
+                            PREFIX,
+                        )
+                    };
+                    check_prefix(peer, &prefix, c.recv_seq)?;
+                    c.recv_seq = c.recv_seq.wrapping_add(1);
+                    bytes - PREFIX
+                } else {
+                    0
+                };
+                out[got] = Completion {
+                    kind: if recv {
+                        CompletionKind::Recv
+                    } else {
+                        CompletionKind::Send
+                    },
+                    peer,
+                    slot,
+                    len,
+                };
+                got += 1;
+            }
+        }
+        Ok(got)
+    }
+
+    fn wait(&mut self, timeout: Duration) {
+        // No completion channel: a short sleep between polls.
+        std::thread::sleep(timeout.min(Duration::from_micros(50)));
+    }
+
+    fn peer_alive(&self, peer: usize) -> bool {
+        self.side.alive(peer)
+    }
+
+    fn shutdown(&mut self) {
+        self.side.shutdown();
+    }
+}
+
+impl Drop for RdmaVerbs {
+    fn drop(&mut self) {
+        self.side.shutdown();
+    }
+}
+
+#[cfg(test)]
+pub(crate) mod fake;
+#[cfg(test)]
+mod tests;

@@ -147,6 +147,11 @@ impl<V: Verbs> VerbsTransport<V> {
         })
     }
 
+    /// The device (e.g. for a start-up barrier once every receive is posted).
+    pub fn verbs_mut(&mut self) -> &mut V {
+        &mut self.v
+    }
+
     fn frames(&self, len: usize) -> usize {
         (Header::BYTES + len).div_ceil(self.v.frame_size())
     }

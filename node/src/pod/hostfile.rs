@@ -336,6 +336,26 @@ impl DeviceMatrix {
         self.check_symmetric()
     }
 
+    /// Rank `rank`'s device towards each member (`None` for itself; the
+    /// first cable's device where a pair has several), for the RDMA data
+    /// plane, which needs a full mesh.
+    pub fn peer_devices(&self, rank: usize) -> Result<Vec<Option<String>>, PodConfigError> {
+        let row = self.rows.get(rank).ok_or(PodConfigError::RankOutOfRange {
+            rank,
+            hosts: self.size(),
+        })?;
+        self.check_mesh()?;
+        Ok((0..self.size())
+            .map(|p| {
+                if p == rank {
+                    None
+                } else {
+                    row[p].first().cloned()
+                }
+            })
+            .collect())
+    }
+
     /// Every device `rank` names exists on this machine (`available`, e.g.
     /// from `ibv_devices`).
     pub fn check_devices(

@@ -4,7 +4,9 @@
 //! Every member runs one `mlx-node run` with the same hostfile and its own
 //! rank. Each starts a dedicated thread ([`PodRuntime::start`]) that:
 //! 1. forms the TCP data plane (rank `r` listens on `hosts[r].ips[0]` at
-//!    `port + r`, see [`super::links`]);
+//!    `port + r`, see [`super::links`]) and moves it onto RDMA when the
+//!    hostfile's `rdma` matrix cables every pair and the devices open
+//!    ([`super::dataplane`]);
 //! 2. exchanges a record per member (node id, memory budget, wanted
 //!    parallelism, speed: measured by [`super::speed::probe`] or
 //!    configured); rank 0's parallelism wins, so the members cannot
@@ -26,7 +28,7 @@
 //!    member between jobs too.
 //!
 //! Which parallelism: forced by config, or by the links (RDMA: tensor;
-//! TCP only: pipeline). The data plane here is always TCP.
+//! TCP only: pipeline).
 //!
 //! # Invariants
 //! - Every rank executes the leader's commands in the leader's order; the
@@ -50,11 +52,12 @@ use std::time::Duration;
 use mlxnet_proto::v1::PodInfo;
 use serde::Serialize;
 
+use super::dataplane::{self, Backend};
 use super::hostfile::{PodConfig, PodConfigError};
 use super::links::{addresses, measure_links};
 use super::speed;
 use crate::collectives::tcp::{TcpOptions, TcpTransport};
-use crate::collectives::{Collective, CollectiveError, Group, GroupOptions};
+use crate::collectives::{Collective, CollectiveError};
 use crate::engine::sharded::{Compute, MemoryBudget, PodModel, PodModelError, PodPlan};
 use crate::engine::{EngineError, Forward, GenerateRequest, Generation, TextSide, TokenChunk};
 
@@ -381,7 +384,7 @@ impl Member {
     }
 
     /// Connects, agrees, measures, plans and loads.
-    fn form(&mut self) -> Result<Group<TcpTransport>, PodError> {
+    fn form(&mut self) -> Result<Box<dyn Collective>, PodError> {
         let s = &self.setup;
         let listener = self
             .listener
@@ -391,7 +394,7 @@ impl Member {
                 source,
             })?;
         let transport = TcpTransport::connect(s.rank, listener, &self.addrs, s.tcp)?;
-        let mut comm = Group::new(transport, GroupOptions::default());
+        let (mut comm, backend) = dataplane::open(&s.config, s.rank, transport, &s.tcp)?;
         let n = comm.size();
         // 1. Records: id, budget, wanted parallelism, speed.
         let speed = s.speed.unwrap_or_else(speed::probe);
@@ -412,13 +415,13 @@ impl Member {
             .collect();
         let budgets: Vec<f64> = (0..n).map(|r| word(r, 32) as f64).collect();
         let speeds: Vec<f64> = (0..n).map(|r| f64::from_bits(word(r, 48))).collect();
-        // The data plane is TCP, so "auto" is pipeline.
-        let parallelism = match Parallelism::from_code(word(0, 40)) {
-            Parallelism::Tensor => Parallelism::Tensor,
+        // "auto" follows the data plane (every rank has the same).
+        let parallelism = match (Parallelism::from_code(word(0, 40)), backend) {
+            (Parallelism::Tensor, _) | (Parallelism::Auto, Backend::Rdma) => Parallelism::Tensor,
             _ => Parallelism::Pipeline,
         };
         // 2. Links, measured from rank 0.
-        let figures = measure_links(&mut comm, 20, 1 << 20)?;
+        let figures = measure_links(comm.as_mut(), 20, 1 << 20)?;
         // 3. Plan and load.
         let (cfg, unit) = PodModel::ffn_unit(&s.model)?;
         let plan = match parallelism {
@@ -488,7 +491,7 @@ impl Member {
     }
 
     /// Serves until the pod breaks (an error) or the node drops the runtime.
-    fn serve(&mut self, mut comm: Group<TcpTransport>) -> Result<(), PodError> {
+    fn serve(&mut self, mut comm: Box<dyn Collective>) -> Result<(), PodError> {
         let context = self
             .setup
             .max_context
@@ -498,7 +501,7 @@ impl Member {
             return Err(PodError::Stopped);
         };
         if self.setup.rank != 0 {
-            return follow(model, &mut comm);
+            return follow(model, comm.as_mut());
         }
         let text = self.text.as_ref().ok_or(PodError::Stopped)?;
         loop {
@@ -506,7 +509,7 @@ impl Member {
                 Ok(mut job) => {
                     let mut driver = Driver {
                         model: &mut *model,
-                        comm: &mut comm,
+                        comm: comm.as_mut(),
                         context,
                         broken: None,
                     };
@@ -522,7 +525,7 @@ impl Member {
                         return Err(e.into());
                     }
                 }
-                Err(RecvTimeoutError::Timeout) => command(&mut comm, OP_IDLE, 0)?,
+                Err(RecvTimeoutError::Timeout) => command(comm.as_mut(), OP_IDLE, 0)?,
                 Err(RecvTimeoutError::Disconnected) => return Ok(()),
             }
         }
@@ -570,7 +573,7 @@ fn follow(model: &mut PodModel, comm: &mut dyn Collective) -> Result<(), PodErro
 /// The leader's forward pass across the pod: each step is broadcast first.
 struct Driver<'a> {
     model: &'a mut PodModel,
-    comm: &'a mut Group<TcpTransport>,
+    comm: &'a mut dyn Collective,
     context: usize,
     /// A failure that leaves the pod out of step (the pod must form again).
     broken: Option<PodModelError>,

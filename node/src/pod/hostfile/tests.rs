@@ -213,3 +213,33 @@ fn malformed_files_are_rejected_with_their_reason() {
         })
     );
 }
+
+#[test]
+fn each_rank_picks_its_device_towards_every_peer() {
+    let m = PodConfig::parse(JACCL_MESH_4).unwrap().devices();
+    let some = |d: &str| Some(d.to_string());
+    assert_eq!(
+        m.peer_devices(0).unwrap(),
+        vec![None, some("rdma_en5"), some("rdma_en4"), some("rdma_en3")]
+    );
+    assert_eq!(
+        m.peer_devices(2).unwrap(),
+        vec![some("rdma_en4"), some("rdma_en3"), None, some("rdma_en5")]
+    );
+    // Two cables per link: the first cable's device.
+    let two = DeviceMatrix::parse(
+        r#"[[null, ["rdma_en2", "rdma_en3"]], [["rdma_en4", "rdma_en5"], null]]"#,
+    )
+    .unwrap();
+    assert_eq!(two.peer_devices(1).unwrap(), vec![some("rdma_en4"), None]);
+    // A ring is not enough for the verbs transport's direct exchanges.
+    let ring = PodConfig::parse(JACCL_RING_4).unwrap().devices();
+    assert_eq!(
+        ring.peer_devices(1),
+        Err(PodConfigError::MeshIncomplete { from: 0, to: 2 })
+    );
+    assert_eq!(
+        m.peer_devices(4),
+        Err(PodConfigError::RankOutOfRange { rank: 4, hosts: 4 })
+    );
+}

@@ -1,0 +1,421 @@
+//! The verbs backend without RDMA hardware: the pure parts, the loader's
+//! typed errors, and the side channel (agreement, queue-pair exchange,
+//! liveness) over real loopback TCP between threads.
+
+use std::time::{Duration, Instant};
+
+use super::*;
+use crate::collectives::tcp::{TcpOptions, TcpTransport};
+use crate::collectives::tests::{run, tcp_mesh};
+use crate::collectives::{Group, GroupOptions};
+
+fn tcp_groups(n: usize) -> Vec<Group<TcpTransport>> {
+    tcp_mesh(n, TcpOptions::default())
+        .into_iter()
+        .map(|t| Group::new(t, GroupOptions::default()))
+        .collect()
+}
+
+fn on_every_rank<R: Send + 'static>(
+    groups: Vec<Group<TcpTransport>>,
+    f: impl Fn(Group<TcpTransport>) -> R + Send + Sync + Clone + 'static,
+) -> Vec<R> {
+    let handles: Vec<_> = groups
+        .into_iter()
+        .map(|g| {
+            let f = f.clone();
+            std::thread::spawn(move || f(g))
+        })
+        .collect();
+    handles.into_iter().map(|h| h.join().unwrap()).collect()
+}
+
+#[test]
+fn gids_format_parse_and_pick_like_jaccl() {
+    let mapped: [u8; 16] = [0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0xff, 0xff, 169, 254, 0, 1];
+    let text = format_gid(&mapped);
+    assert_eq!(text, "0000:0000:0000:0000:0000:ffff:a9fe:0001");
+    assert_eq!(parse_gid(&text), Some(mapped));
+    assert_eq!(parse_gid("::ffff:169.254.0.1"), Some(mapped));
+    assert_eq!(parse_gid("fe80::1:2"), {
+        let mut g = [0u8; 16];
+        g[0] = 0xfe;
+        g[1] = 0x80;
+        g[13] = 1;
+        g[15] = 2;
+        Some(g)
+    });
+    assert_eq!(parse_gid("not a gid"), None);
+    assert!(is_ipv4_mapped(&mapped));
+    let link_local = parse_gid("fe80::a:b:c:d").unwrap();
+    assert!(!is_ipv4_mapped(&link_local));
+    // The IPv4-mapped entry wins even after a link-local one; else the first
+    // non-zero one; an all-zero table has none.
+    assert_eq!(pick_gid(&[link_local, [0; 16], mapped]), Some(2));
+    assert_eq!(pick_gid(&[[0; 16], link_local]), Some(1));
+    assert_eq!(pick_gid(&[[0; 16], [0; 16]]), None);
+    assert_eq!(pick_gid(&[]), None);
+}
+
+#[test]
+fn queue_pair_records_round_trip_and_bad_ones_are_refused() {
+    let info = QpInfo {
+        qp_num: 0x12_3456,
+        psn: 0xab_cdef,
+        lid: 7,
+        mtu: 3,
+        gid: parse_gid("::ffff:10.0.0.2").unwrap(),
+    };
+    let b = info.encode();
+    assert_eq!(QpInfo::decode(1, &b), Ok(info));
+
+    let err = QpInfo::decode(1, &b[..31]).unwrap_err();
+    assert!(matches!(err, RdmaError::Exchange { peer: 1, .. }), "{err}");
+    let mut bad = b;
+    bad[0] ^= 1;
+    assert!(QpInfo::decode(2, &bad)
+        .unwrap_err()
+        .to_string()
+        .contains("magic"));
+    let mut bad = b;
+    bad[14] = 9;
+    assert!(QpInfo::decode(2, &bad)
+        .unwrap_err()
+        .to_string()
+        .contains("mtu code 9"));
+    let mut bad = b;
+    bad[11] = 1; // psn above 24 bits
+    assert!(QpInfo::decode(2, &bad)
+        .unwrap_err()
+        .to_string()
+        .contains("24 bits"));
+    // An all-zero slot (a rank that made no record for us) is refused too.
+    assert!(QpInfo::decode(0, &[0u8; QpInfo::BYTES]).is_err());
+}
+
+#[test]
+fn frame_prefixes_catch_a_dropped_frame() {
+    let prefix = |seq: u32, magic: u32| {
+        let mut p = [0u8; PREFIX];
+        p[..4].copy_from_slice(&seq.to_le_bytes());
+        p[4..].copy_from_slice(&magic.to_le_bytes());
+        p
+    };
+    check_prefix(1, &prefix(5, FRAME_MAGIC), 5).unwrap();
+    let lost = check_prefix(1, &prefix(6, FRAME_MAGIC), 5).unwrap_err();
+    assert!(
+        lost.to_string().contains("frame 5 from rank 1 was lost"),
+        "{lost}"
+    );
+    assert!(check_prefix(1, &prefix(5, 0), 5).is_err());
+    for (kind, slot) in [
+        (KIND_SEND, 0),
+        (KIND_RECV, 15),
+        (KIND_RECV, usize::MAX >> 40),
+    ] {
+        assert_eq!(split_wr_id(wr_id(kind, slot)), (kind, slot));
+    }
+}
+
+#[test]
+fn a_missing_library_or_symbol_is_a_typed_error() {
+    let err = Library::open("libmlx-node-no-such-verbs.so.1").unwrap_err();
+    assert!(
+        matches!(&err, RdmaError::LibraryNotFound { library, .. } if library == "libmlx-node-no-such-verbs.so.1"),
+        "{err}"
+    );
+    // A real library that is not a verbs library: the first verb is missing.
+    let libc_name = if cfg!(target_os = "macos") {
+        "/usr/lib/libSystem.B.dylib"
+    } else {
+        "libc.so.6"
+    };
+    let err = Library::open(libc_name).unwrap_err();
+    assert_eq!(
+        err,
+        RdmaError::SymbolMissing {
+            library: libc_name.into(),
+            symbol: "ibv_get_device_list"
+        }
+    );
+}
+
+/// Without RDMA hardware every rank's set-up fails with a typed error: the
+/// library is missing, or (rdma-core installed, no device) the device is
+/// not there and the error lists what is. Nothing panics, every rank fails.
+#[test]
+fn setting_up_without_a_device_fails_every_rank_with_a_typed_error() {
+    match system() {
+        Ok(lib) => println!(
+            "{} loaded, devices: {:?} (testing the no-such-device path)",
+            lib.path,
+            lib.device_names()
+        ),
+        Err(e) => println!("{e} (testing the library-not-found path)"),
+    }
+    let results = on_every_rank(tcp_groups(2), |mut g| {
+        let rank = g.rank();
+        let devices: Vec<Option<String>> = (0..2)
+            .map(|p| (p != rank).then(|| "mlxnode_test_dev".to_string()))
+            .collect();
+        connect(&mut g, &devices).map(|_| ())
+    });
+    for (rank, r) in results.into_iter().enumerate() {
+        let Err(e) = r else {
+            panic!("set-up must fail")
+        };
+        match e {
+            CollectiveError::Rdma(RdmaError::LibraryNotFound { .. }) => {}
+            CollectiveError::Rdma(RdmaError::NoSuchDevice { device, available }) => {
+                assert_eq!(device, "mlxnode_test_dev");
+                assert!(!available.contains(&device));
+            }
+            other => panic!("rank {rank}: {other}"),
+        }
+    }
+}
+
+#[test]
+fn one_ranks_failure_fails_every_rank_with_its_reason() {
+    let results = on_every_rank(tcp_groups(3), |mut g| {
+        let local = if g.rank() == 1 {
+            Err(RdmaError::PortDown {
+                device: "rdma_en3".into(),
+                port: 1,
+                state: 1,
+            })
+        } else {
+            Ok(g.rank())
+        };
+        let first = agree(&mut g, local);
+        // The group stays usable: a second, successful round agrees.
+        let rank = g.rank();
+        let second = agree(&mut g, Ok(rank));
+        (first, second)
+    });
+    for (rank, (first, second)) in results.into_iter().enumerate() {
+        let err = first.unwrap_err();
+        match (rank, &err) {
+            (1, CollectiveError::Rdma(RdmaError::PortDown { .. })) => {}
+            (_, CollectiveError::Rdma(RdmaError::PeerFailed { rank: 1, reason })) => {
+                assert!(
+                    reason.contains("rdma_en3: port 1 is not active"),
+                    "{reason}"
+                )
+            }
+            _ => panic!("rank {rank}: {err}"),
+        }
+        assert_eq!(second.unwrap(), rank);
+    }
+}
+
+#[test]
+fn queue_pair_records_cross_the_side_channel_pairwise() {
+    let results = on_every_rank(tcp_groups(3), |mut g| {
+        let rank = g.rank();
+        let mine: Vec<Option<QpInfo>> = (0..3)
+            .map(|p| {
+                (p != rank).then(|| QpInfo {
+                    qp_num: (rank * 16 + p) as u32,
+                    psn: 100 + rank as u32,
+                    lid: p as u16,
+                    mtu: 3,
+                    gid: [rank as u8; 16],
+                })
+            })
+            .collect();
+        exchange_infos(&mut g, &mine).unwrap()
+    });
+    for (rank, got) in results.into_iter().enumerate() {
+        for (p, info) in got.into_iter().enumerate() {
+            if p == rank {
+                assert_eq!(info, None);
+                continue;
+            }
+            let info = info.unwrap();
+            assert_eq!(info.qp_num as usize, p * 16 + rank, "rank {rank} from {p}");
+            assert_eq!(
+                (info.psn, info.lid, info.gid),
+                (100 + p as u32, rank as u16, [p as u8; 16])
+            );
+        }
+    }
+}
+
+/// The TCP connections, kept as the side channel: a barrier passes, a
+/// dropped member is seen gone within the bound, one that shuts down too.
+#[test]
+fn the_side_channel_reports_a_lost_peer() {
+    let sides: Vec<SideChannel> = on_every_rank(tcp_groups(3), |g| {
+        let mut side = SideChannel::new(g.into_transport().into_streams()).unwrap();
+        side.barrier(Duration::from_secs(10)).unwrap();
+        side
+    });
+    let mut sides = sides.into_iter();
+    let (mut s0, mut s1, s2) = (
+        sides.next().unwrap(),
+        sides.next().unwrap(),
+        sides.next().unwrap(),
+    );
+    assert!(s0.alive(1) && s0.alive(2) && s1.alive(0) && s1.alive(2));
+    assert!(!s0.alive(0), "no link to itself");
+    drop(s2);
+    let until = Instant::now() + Duration::from_secs(2);
+    while s0.alive(2) && Instant::now() < until {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert!(!s0.alive(2), "rank 2 dropped its side channel 2 s ago");
+    assert!(s0.alive(1));
+    s1.shutdown();
+    while s0.alive(1) && Instant::now() < until + Duration::from_secs(2) {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert!(!s0.alive(1));
+    s0.shutdown();
+}
+
+// ---- the whole binding over the in-process fake provider ----
+
+use super::fake;
+use crate::collectives::verbs::{VerbsOptions, VerbsTransport};
+
+/// Forms an `n`-rank pod over the fake provider's `device` exactly as the
+/// pod runtime does (TCP mesh, queue pairs over it, side channel, barrier).
+fn fake_pod(n: usize, device: &'static str) -> Vec<Result<Box<dyn Collective>, CollectiveError>> {
+    on_every_rank(tcp_groups(n), move |mut g| {
+        let rank = g.rank();
+        let devices: Vec<Option<String>> = (0..n)
+            .map(|p| (p != rank).then(|| device.to_string()))
+            .collect();
+        let pending = connect_with(&mut g, Ok(fake::library()), &devices)?;
+        let side = SideChannel::new(g.into_transport().into_streams())?;
+        let opts = VerbsOptions {
+            timeout: Duration::from_secs(5),
+            ..VerbsOptions::default()
+        };
+        let mut t = VerbsTransport::new(pending.finish(side), opts)?;
+        t.verbs_mut().barrier(Duration::from_secs(10))?;
+        Ok(Box::new(Group::new(t, GroupOptions::default())) as Box<dyn Collective>)
+    })
+}
+
+#[test]
+fn collectives_run_over_the_verbs_binding() {
+    let pod: Vec<_> = fake_pod(3, "fake0")
+        .into_iter()
+        .map(Result::unwrap)
+        .collect();
+    let sums = run(pod, |c| {
+        let rank = c.rank();
+        let mut out = Vec::new();
+        // One frame, a SmolLM2 hidden state, many frames (ring), odd sizes.
+        for len in [1usize, 576, 1021, 5000, (1 << 20) + 3] {
+            let mut v: Vec<f32> = (0..len).map(|i| (i % 97) as f32 + rank as f32).collect();
+            crate::collectives::all_reduce(c, &mut v).unwrap();
+            out.push(v);
+        }
+        let mine = [rank as u8 + 1; 4999];
+        let mut all = vec![0u8; 3 * mine.len()];
+        c.all_gather(&mine, &mut all).unwrap();
+        let mut b = vec![rank as u8; 10_000];
+        c.broadcast(&mut b, 2).unwrap();
+        c.barrier().unwrap();
+        (out, all, b)
+    });
+    for (rank, (out, all, b)) in sums.into_iter().enumerate() {
+        for v in out {
+            for (i, x) in v.iter().enumerate() {
+                assert_eq!(*x, 3.0 * (i % 97) as f32 + 3.0, "rank {rank} element {i}");
+            }
+        }
+        for r in 0..3 {
+            assert!(all[r * 4999..(r + 1) * 4999]
+                .iter()
+                .all(|&x| x == r as u8 + 1));
+        }
+        assert!(b.iter().all(|&x| x == 2), "rank {rank} broadcast");
+    }
+}
+
+#[test]
+fn a_lost_member_fails_the_others_within_two_seconds() {
+    let mut pod: Vec<_> = fake_pod(3, "fake0")
+        .into_iter()
+        .map(Result::unwrap)
+        .collect();
+    drop(pod.pop()); // rank 2 goes away: queue pairs destroyed, side channel closed
+    let started = Instant::now();
+    let errs = run(pod, |c| {
+        let mut v = vec![1.0f32; 100_000];
+        crate::collectives::all_reduce(c, &mut v).unwrap_err()
+    });
+    assert!(
+        started.elapsed() < Duration::from_secs(2),
+        "{:?}",
+        started.elapsed()
+    );
+    for e in errs {
+        assert!(
+            matches!(e, CollectiveError::PeerLost { .. }),
+            "expected a lost peer, got {e}"
+        );
+    }
+}
+
+#[test]
+fn device_problems_fail_every_rank_with_a_typed_error() {
+    for r in fake_pod(2, "no_such_dev") {
+        let Err(e) = r else {
+            panic!("set-up must fail")
+        };
+        match e {
+            CollectiveError::Rdma(RdmaError::NoSuchDevice { device, available }) => {
+                assert_eq!(device, "no_such_dev");
+                assert_eq!(available, ["fake0", "fake_down", "fake_lossy"]);
+            }
+            e => panic!("{e}"),
+        }
+    }
+    for r in fake_pod(2, "fake_down") {
+        let Err(e) = r else {
+            panic!("set-up must fail")
+        };
+        assert!(
+            matches!(
+                &e,
+                CollectiveError::Rdma(RdmaError::PortDown {
+                    port: 1,
+                    state: 1,
+                    ..
+                })
+            ),
+            "{e}"
+        );
+        assert!(
+            e.to_string().contains("fake_down: port 1 is not active"),
+            "{e}"
+        );
+    }
+}
+
+/// A frame an unreliable queue pair drops is an error naming the gap, on
+/// the receiver; never data at the wrong offset.
+#[test]
+fn a_dropped_frame_is_an_error_not_garbage() {
+    let pod: Vec<_> = fake_pod(2, "fake_lossy")
+        .into_iter()
+        .map(Result::unwrap)
+        .collect();
+    let results = run(pod, |c| {
+        let mut v = vec![1.0f32; 20_000];
+        crate::collectives::all_reduce(c, &mut v).map(|_| v)
+    });
+    let errs: Vec<String> = results
+        .into_iter()
+        .map(|r| r.unwrap_err().to_string())
+        .collect();
+    assert!(
+        errs.iter().any(|e| e.contains("frame 2 from rank")),
+        "{errs:?}"
+    );
+}
