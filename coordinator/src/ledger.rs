@@ -29,6 +29,7 @@
 pub mod keys;
 pub mod rewards;
 pub mod settle;
+mod submit;
 pub mod transfer;
 
 #[cfg(test)]
@@ -236,7 +237,7 @@ pub struct Ledger {
     /// One ledger write transaction at a time (see [`Ledger::write_tx`]).
     writer: std::sync::Arc<tokio::sync::Mutex<()>>,
     /// Submits waiting for the next group commit (see [`Ledger::submit_job`]).
-    submits: std::sync::Arc<std::sync::Mutex<Vec<settle::QueuedSubmit>>>,
+    submits: std::sync::Arc<std::sync::Mutex<Vec<submit::QueuedSubmit>>>,
     /// Recently authenticated keys (see [`keys`]).
     keys: std::sync::Arc<keys::KeyCache>,
 }

@@ -1,5 +1,6 @@
-//! Paying for jobs: the hold at submit, settlement when the job ends, and
-//! the expiry of holds whose deadline passed.
+//! Paying for jobs: settlement when the job ends, and the expiry of holds
+//! whose deadline passed (the hold itself is placed at submit, by group
+//! commit: see `submit.rs`).
 //!
 //! Transfer ids (idempotency keys) derive from the job id, so every step can
 //! be retried, replayed after a crash, or raced by the sweep, and still
@@ -37,7 +38,6 @@ use super::{
     transfer::{self, Applied, NewTransfer, TransferKind},
     Ledger, LedgerError, ESCROW, FEE,
 };
-use crate::store::{sqlite::insert_job_on, JobRecord, NewJob};
 
 /// Settlement steps since the process started (for the test pause knob).
 static STEPS: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
@@ -139,70 +139,6 @@ pub enum Settlement {
 }
 
 impl Ledger {
-    /// Places the hold for `job` on `terms.account` and inserts the job, in
-    /// one transaction: with too small a balance nothing is stored.
-    ///
-    /// Group commit: concurrent submits queue up; whoever holds the ledger's
-    /// writer lock next runs every queued submit in one transaction, so one
-    /// commit serves many. A refused submit (balance, account, duplicate)
-    /// writes nothing before it is refused, so it never spoils the others; a
-    /// database error aborts the whole batch and every submit in it fails.
-    pub async fn submit_job(
-        &self,
-        job: &NewJob,
-        terms: &JobTerms,
-        now_ms: i64,
-    ) -> Result<JobRecord, LedgerError> {
-        let (reply, answer) = tokio::sync::oneshot::channel();
-        lock(&self.submits).push(QueuedSubmit {
-            job: job.clone(),
-            terms: terms.clone(),
-            now_ms,
-            reply,
-        });
-        {
-            let guard = self.writer_lock().await;
-            let batch = std::mem::take(&mut *lock(&self.submits));
-            if !batch.is_empty() {
-                let mut tx = self.begin_locked(guard).await?;
-                let mut results = Vec::with_capacity(batch.len());
-                let mut aborted = None;
-                for q in &batch {
-                    match submit_one(self, &mut tx, &q.job, &q.terms, q.now_ms).await {
-                        Ok(r) => results.push(Ok(r)),
-                        Err(
-                            e @ (LedgerError::InsufficientFunds { .. }
-                            | LedgerError::NoSuchAccount(_)
-                            | LedgerError::Invalid(_)),
-                        ) => results.push(Err(e)),
-                        Err(e) => {
-                            aborted = Some(e.to_string());
-                            results.push(Err(e));
-                            break;
-                        }
-                    }
-                }
-                let committed = match aborted {
-                    Some(why) => Err(why),
-                    None => tx.commit().await.map_err(|e| e.to_string()),
-                };
-                let mut results = results.into_iter();
-                for q in batch {
-                    let r = match (&committed, results.next()) {
-                        (Ok(()), Some(r)) => r,
-                        (Err(_), Some(Err(e))) if !matches!(e, LedgerError::Database(_)) => Err(e),
-                        (Err(why), _) => Err(LedgerError::BatchAborted(why.clone())),
-                        (Ok(()), None) => Err(LedgerError::BatchAborted("lost".into())),
-                    };
-                    let _ = q.reply.send(r);
-                }
-            }
-        }
-        answer
-            .await
-            .unwrap_or_else(|_| Err(LedgerError::BatchAborted("the batch was dropped".into())))
-    }
-
     /// Who pays for `job`, if it was submitted through the ledger.
     pub async fn job_terms(&self, job: JobId) -> Result<Option<JobTerms>, LedgerError> {
         let mut conn = self.pool().acquire().await?;
@@ -367,69 +303,6 @@ impl Ledger {
         .fetch_all(self.pool())
         .await?)
     }
-}
-
-/// A submit waiting for the next group commit.
-#[derive(Debug)]
-pub(crate) struct QueuedSubmit {
-    job: NewJob,
-    terms: JobTerms,
-    now_ms: i64,
-    reply: tokio::sync::oneshot::Sender<Result<JobRecord, LedgerError>>,
-}
-
-fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    match m.lock() {
-        Ok(g) => g,
-        Err(poisoned) => poisoned.into_inner(),
-    }
-}
-
-/// One submit inside the batch's transaction. Every refusal happens before
-/// its first write.
-async fn submit_one(
-    ledger: &Ledger,
-    conn: &mut SqliteConnection,
-    job: &NewJob,
-    terms: &JobTerms,
-    now_ms: i64,
-) -> Result<JobRecord, LedgerError> {
-    let id = job.id.to_string();
-    if terms.max_price > 0 {
-        let applied = transfer::apply(
-            conn,
-            &NewTransfer {
-                id: hold_id(&id),
-                kind: Some(TransferKind::Pending),
-                debit: terms.account.clone(),
-                credit: ESCROW.into(),
-                amount: terms.max_price,
-                deadline_ms: Some(now_ms.saturating_add(ledger.config().hold_ttl_ms)),
-                job_id: Some(id.clone()),
-                memo: "hold".into(),
-                ..Default::default()
-            },
-            now_ms,
-        )
-        .await?;
-        if applied == Applied::AlreadyExists {
-            return Err(LedgerError::Invalid("this job was already submitted"));
-        }
-    } else if transfer::account(conn, &terms.account).await?.is_none() {
-        return Err(LedgerError::NoSuchAccount(terms.account.clone()));
-    }
-    sqlx::query(
-        "INSERT INTO job_holds (job_id, account_id, input_per_mtok, output_per_mtok, max_price) \
-         VALUES (?, ?, ?, ?, ?)",
-    )
-    .bind(&id)
-    .bind(&terms.account)
-    .bind(i64::try_from(terms.price.input_per_mtok).unwrap_or(i64::MAX))
-    .bind(i64::try_from(terms.price.output_per_mtok).unwrap_or(i64::MAX))
-    .bind(terms.max_price)
-    .execute(&mut *conn)
-    .await?;
-    Ok(insert_job_on(conn, job, now_ms).await?)
 }
 
 /// Who is paid for a completed job, given its finishing attempt's share

@@ -1152,3 +1152,166 @@ async fn a_handed_off_job_pays_each_signed_token_once() {
     );
     assert!(ledger.audit().await.unwrap().is_empty());
 }
+
+/// Queues `submits` in order while the writer lock is held, then lets them
+/// go: they are written as one group commit. One answer per submit.
+async fn one_batch(
+    ledger: &Ledger,
+    submits: Vec<(NewJob, JobTerms)>,
+) -> Vec<Result<crate::store::JobRecord, LedgerError>> {
+    let guard = ledger.writer_lock().await;
+    let mut tasks = Vec::new();
+    for (i, (job, terms)) in submits.into_iter().enumerate() {
+        let l = ledger.clone();
+        tasks.push(tokio::spawn(async move {
+            l.submit_job(&job, &terms, 1_000).await
+        }));
+        while ledger.submits.lock().unwrap().len() <= i {
+            tokio::task::yield_now().await;
+        }
+    }
+    drop(guard);
+    let mut out = Vec::new();
+    for t in tasks {
+        out.push(t.await.unwrap());
+    }
+    assert!(ledger.submits.lock().unwrap().is_empty());
+    out
+}
+
+fn terms_of(account: &str, max_price: i64) -> JobTerms {
+    JobTerms {
+        account: account.into(),
+        price: PRICE,
+        max_price,
+    }
+}
+
+#[tokio::test]
+async fn a_batch_refuses_only_the_submits_that_cannot_be_held() {
+    let (_dir, store, ledger) = fresh(LedgerConfig::default()).await;
+    let rich = account(&ledger, "rich", AccountKind::Client).await;
+    let poor = account(&ledger, "poor", AccountKind::Client).await;
+    ledger.grant("rich", &rich.id, 1_000_000, "").await.unwrap();
+    ledger.grant("poor", &poor.id, 250, "").await.unwrap();
+    let old = prompt_job("old", 8);
+    ledger
+        .submit_job(&old, &terms_of(&rich.id, 10), 1)
+        .await
+        .unwrap();
+    let twice = prompt_job("twice", 8);
+    let batch = vec![
+        (prompt_job("a", 8), terms_of(&poor.id, 100)),
+        (prompt_job("b", 8), terms_of(&rich.id, 100)),
+        (prompt_job("c", 8), terms_of(&poor.id, 100)),
+        // 50 left: this one would overdraw, the next one fits exactly.
+        (prompt_job("d", 8), terms_of(&poor.id, 100)),
+        (prompt_job("e", 8), terms_of(&poor.id, 50)),
+        (prompt_job("f", 8), terms_of("acct_nobody", 10)),
+        (old.clone(), terms_of(&rich.id, 10)),
+        (twice.clone(), terms_of(&rich.id, 10)),
+        (twice.clone(), terms_of(&rich.id, 10)),
+        (prompt_job("g", 8), terms_of(&rich.id, -5)),
+        (prompt_job("h", 8), terms_of(&rich.id, 0)),
+    ];
+    let jobs: Vec<JobId> = batch.iter().map(|(j, _)| j.id).collect();
+    let answers = one_batch(&ledger, batch).await;
+    let verdict = |r: &Result<crate::store::JobRecord, LedgerError>| match r {
+        Ok(_) => "ok".to_owned(),
+        Err(LedgerError::InsufficientFunds {
+            needed, available, ..
+        }) => format!("funds {needed}/{available}"),
+        Err(LedgerError::NoSuchAccount(_)) => "account".into(),
+        Err(LedgerError::Invalid(m)) => m.to_string(),
+        Err(e) => panic!("{e}"),
+    };
+    let got: Vec<String> = answers.iter().map(verdict).collect();
+    assert_eq!(
+        got,
+        [
+            "ok",
+            "ok",
+            "ok",
+            "funds 100/50",
+            "ok",
+            "account",
+            "this job was already submitted",
+            "ok",
+            "this job was already submitted",
+            "amounts are never negative",
+            "ok",
+        ]
+    );
+    for (i, (id, r)) in jobs.iter().zip(&answers).enumerate() {
+        let stored = store.get_job(*id).await.unwrap();
+        match r {
+            Ok(record) => {
+                assert_eq!(record.id, *id);
+                assert_eq!(stored.as_ref(), Some(record), "submit {i}");
+            }
+            // A refused duplicate leaves the first one's row alone.
+            Err(_) if *id == old.id || *id == twice.id => assert!(stored.is_some()),
+            Err(_) => assert!(stored.is_none(), "refused submit {i} stored a job"),
+        }
+    }
+    let poor_now = ledger.account(&poor.id).await.unwrap().unwrap();
+    assert_eq!((poor_now.available(), poor_now.debits_pending), (0, 250));
+    let rich_now = ledger.account(&rich.id).await.unwrap().unwrap();
+    assert_eq!(rich_now.debits_pending, 10 + 100 + 10);
+    let escrow = ledger.account(ESCROW).await.unwrap().unwrap();
+    assert_eq!(escrow.credits_pending, 250 + 120);
+    // Holds: old, a, b, c, e, twice (h is free: terms, no hold).
+    assert_eq!(ledger.totals().await.unwrap().open_holds, 6);
+    assert_eq!(
+        ledger.job_terms(jobs[10]).await.unwrap().unwrap().max_price,
+        0
+    );
+    assert_eq!(
+        ledger.violations(2_000).await.unwrap(),
+        Vec::<String>::new()
+    );
+    // Each hold settles once, as any other.
+    assert!(store.cancel(jobs[0]).await.is_ok());
+    assert_eq!(
+        ledger.settle_job(jobs[0], 2_000).await.unwrap(),
+        Settlement::Voided
+    );
+    assert_eq!(
+        ledger.account(&poor.id).await.unwrap().unwrap().available(),
+        100
+    );
+}
+
+#[tokio::test]
+async fn a_database_error_aborts_the_whole_batch_and_stores_nothing_of_it() {
+    let (_dir, store, ledger) = fresh(LedgerConfig::default()).await;
+    let client = account(&ledger, "client", AccountKind::Client).await;
+    ledger.grant("c", &client.id, 1_000, "").await.unwrap();
+    let mut bad = prompt_job("bad", 8);
+    // The schema refuses it (priority is 0..=3), inside the batch's
+    // transaction, after the holds were added to the balances.
+    bad.priority = 9;
+    let batch = vec![
+        (prompt_job("a", 8), terms_of(&client.id, 100)),
+        (bad, terms_of(&client.id, 100)),
+        (prompt_job("b", 8), terms_of(&client.id, 100)),
+    ];
+    let jobs: Vec<JobId> = batch.iter().map(|(j, _)| j.id).collect();
+    for r in one_batch(&ledger, batch).await {
+        assert!(matches!(r, Err(LedgerError::BatchAborted(_))), "{r:?}");
+    }
+    for id in jobs {
+        assert!(store.get_job(id).await.unwrap().is_none());
+    }
+    let after = ledger.account(&client.id).await.unwrap().unwrap();
+    assert_eq!((after.available(), after.debits_pending), (1_000, 0));
+    assert_eq!(ledger.totals().await.unwrap().open_holds, 0);
+    assert!(ledger.audit().await.unwrap().is_empty());
+    // The next batch commits as usual.
+    let job = prompt_job("next", 8);
+    ledger
+        .submit_job(&job, &terms_of(&client.id, 100), 1)
+        .await
+        .unwrap();
+    assert!(store.get_job(job.id).await.unwrap().is_some());
+}
