@@ -140,6 +140,21 @@ fn price((input, output): (u64, u64), in_tokens: u64, out_tokens: u64) -> i64 {
     (in_tokens * input + out_tokens * output).div_ceil(1_000_000) as i64
 }
 
+/// What the client pays for a finished job: the last claim's tokens, with
+/// the tokens resumed from an earlier attempt (streamed, never signed) not
+/// billed. Returns the price and the job's own prompt length.
+fn paid_for(p: (u64, u64), run: &JobRun) -> anyhow::Result<(i64, u64)> {
+    let c = run
+        .job
+        .result
+        .clone()
+        .and_then(|s| s.claim)
+        .context("claim")?;
+    let resumed = (run.streamed_ids.len() - c.output_token_ids.len()) as u64;
+    let prompt = u64::from(c.prompt_tokens) - resumed;
+    Ok((price(p, prompt, u64::from(c.completion_tokens)), prompt))
+}
+
 /// The nodes a job was assigned to, in order (a watch that starts while
 /// the job is being assigned may see one assignment twice).
 fn nodes(run: &JobRun) -> Vec<&str> {
@@ -219,28 +234,17 @@ async fn a_killed_nodes_job_finishes_on_another_node_in_one_stream() -> anyhow::
 
     // Paid once: the vanished node signed nothing, so its tokens cost the
     // client nothing; the finishing node is paid the prompt and its tokens.
-    let c = run
-        .job
-        .result
-        .clone()
-        .and_then(|s| s.claim)
-        .context("claim")?;
     let p = prices(&mut client).await?;
-    let paid = price(
-        p,
-        u64::from(c.prompt_tokens) - cut as u64,
-        u64::from(c.completion_tokens),
-    );
-    let whole_claim = whole.job.result.and_then(|s| s.claim).context("claim")?;
-    let whole_paid = price(
-        p,
-        u64::from(whole_claim.prompt_tokens),
-        u64::from(whole_claim.completion_tokens),
-    );
+    let (paid, prompt) = paid_for(p, &run)?;
+    // What the same tokens cost when one node signs them all. (Not the
+    // second job's own price: on a loaded machine that job can itself be
+    // requeued and resumed, and then it too is paid only for its last claim.)
+    let unsplit = price(p, prompt, run.streamed_ids.len() as u64);
     assert!(
-        paid < whole_paid,
-        "the split job cost {paid}, the whole one {whole_paid}"
+        paid < unsplit,
+        "the split job cost {paid}, the same tokens signed by one node {unsplit}"
     );
+    let (whole_paid, _) = paid_for(p, &whole)?;
     let balance = client
         .accounts
         .balance(BalanceRequest {})
