@@ -4,20 +4,28 @@
 //!
 //! The model is a random-weight llama written at bench time (by the engine
 //! tests' GGUF writer, `src/engine/testutil.rs`) into the target dir and
-//! reused by later runs: hidden 2304, 18 heads of 128 in 6 KV-head groups
+//! reused by later runs: hidden 3072, 24 heads of 128 in 6 KV-head groups
 //! (6 divides by 2 and by 3, so every rank gets the same share of attention),
-//! feed-forward 6144, 16 layers, Q4_0 weights (about 0.5 GB), run with the
-//! production compute (`Compute::Native`: our quantized kernels). One 1-rank
-//! decode step takes well over 50 ms on one core; the bench prints it.
+//! feed-forward 8192, run with the production compute (`Compute::Native`).
+//! One 1-rank decode step takes over 50 ms on one core; the bench prints it.
 //!
-//! `cargo bench -p mlx-node --bench pod_tp` (Linux; pins with `taskset`).
-//! Settings: `MLXNET_POD_TP_COMPUTE=f32` dequantizes the same file to f32
-//! at load (a memory-bandwidth-bound step: two cores share the memory bus);
-//! `MLXNET_POD_TP_LAYERS=N` changes the depth.
+//! With no settings it measures two regimes, each in its own process:
+//! - **compute-bound**: Q4_K weights (candle's kernel), 5 layers. The ranks'
+//!   arithmetic is what is split, so this is the figure for the goal.
+//! - **memory-bound**: Q4_0 weights (our kernels, which stream the weights
+//!   near the memory bus's speed), 16 layers. Here the two pinned ranks
+//!   share one memory bus (two Macs have one each), so the bench also
+//!   measures that bus with 1 and 2 cores: its scaling bounds this ratio.
+//!
+//! `cargo bench --profile dev -p mlx-node --bench pod_tp` (Linux; pins with
+//! `taskset`). Settings (any one picks a single regime):
+//! `MLXNET_POD_TP_DTYPE` (q4_0, q4_1, q8_0, q4_k, q6_k, f16),
+//! `MLXNET_POD_TP_LAYERS=N`, `MLXNET_POD_TP_COMPUTE=f32` (dequantize at load),
+//! `MLXNET_POD_TP_ROUNDS=N` (default 3), `MLXNET_POD_TP_SPIN_US`.
 //!
 //! Prints the 1-rank step time, decode tokens/s of each, the ratio against
-//! the goal (>= 1.9x), where rank 0's step time goes (compute vs waiting in
-//! the collectives) and the load average at the start and end of the run.
+//! the goal (>= 1.9x), each rank's time waiting in the collectives, the
+//! all-reduce alone, the memory bus and the load average.
 
 use std::net::{SocketAddr, TcpListener};
 use std::path::{Path, PathBuf};
@@ -279,9 +287,25 @@ const STREAM_BYTES: usize = 512 << 20;
 
 /// A child that reads a buffer much larger than the caches over and over
 /// and prints its best read bandwidth in bytes/s.
-fn stream_main() {
-    let buf: Vec<u64> = (0..STREAM_BYTES / 8).map(|i| i as u64).collect();
+/// A probe child (`POD_TP_STREAM`): `memory` streams a buffer and prints its
+/// read bandwidth (bytes/s); `compute` runs a fixed dependent floating-point
+/// chain and prints its rate (operations/s).
+fn stream_main(kind: &str) {
     let mut best = f64::INFINITY;
+    if kind == "compute" {
+        const OPS: u64 = 100_000_000;
+        for _ in 0..3 {
+            let start = Instant::now();
+            let mut x = 1.0f64;
+            for _ in 0..OPS {
+                x = std::hint::black_box(x * 1.000_000_1 + 1e-9);
+            }
+            std::hint::black_box(x);
+            best = best.min(start.elapsed().as_secs_f64());
+        }
+        return println!("STREAM {}", OPS as f64 / best);
+    }
+    let buf: Vec<u64> = (0..STREAM_BYTES / 8).map(|i| i as u64).collect();
     let mut sink = 0u64;
     for _ in 0..8 {
         let start = Instant::now();
@@ -292,16 +316,16 @@ fn stream_main() {
     println!("STREAM {}", STREAM_BYTES as f64 / best);
 }
 
-/// Read bandwidth (bytes/s) of each of `cores` processes pinned to cores
-/// 0.., streaming at the same time.
-fn stream(cores: usize) -> Result<Vec<f64>, String> {
+/// The rate of each of `cores` probe processes (`kind`: memory or compute)
+/// pinned to cores 0.., running at the same time.
+fn stream(cores: usize, kind: &str) -> Result<Vec<f64>, String> {
     let exe = std::env::current_exe().map_err(|e| e.to_string())?;
     let children = (0..cores)
         .map(|r| {
             Command::new("taskset")
                 .args(["-c", &r.to_string()])
                 .arg(&exe)
-                .env("POD_TP_STREAM", "1")
+                .env("POD_TP_STREAM", kind)
                 .stdout(std::process::Stdio::piped())
                 .spawn()
         })
@@ -326,6 +350,32 @@ fn loadavg() -> String {
         .unwrap_or_else(|_| "unknown".into())
 }
 
+/// Runs this bench again for each regime (every rank reads its settings
+/// from the environment, so a regime is a process).
+fn both_regimes() {
+    let exe = match std::env::current_exe() {
+        Ok(exe) => exe,
+        Err(e) => return println!("failed: {e}"),
+    };
+    for (dtype, layers, regime) in [
+        ("q4_k", "5", "compute-bound (the goal's figure)"),
+        (
+            "q4_0",
+            "16",
+            "memory-bound (bounded by the shared memory bus)",
+        ),
+    ] {
+        println!("== {regime}");
+        let status = Command::new(&exe)
+            .env("MLXNET_POD_TP_DTYPE", dtype)
+            .env("MLXNET_POD_TP_LAYERS", layers)
+            .status();
+        if let Err(e) = status {
+            println!("failed: {e}");
+        }
+    }
+}
+
 fn main() {
     if let (Ok(rank), Ok(addrs)) = (std::env::var("POD_TP_RANK"), std::env::var("POD_TP_ADDRS")) {
         let addrs: Vec<SocketAddr> = addrs
@@ -335,8 +385,19 @@ fn main() {
         rank_main(rank.parse().expect("rank"), addrs);
         return;
     }
-    if std::env::var_os("POD_TP_STREAM").is_some() {
-        stream_main();
+    if let Ok(kind) = std::env::var("POD_TP_STREAM") {
+        stream_main(&kind);
+        return;
+    }
+    if [
+        "MLXNET_POD_TP_DTYPE",
+        "MLXNET_POD_TP_LAYERS",
+        "MLXNET_POD_TP_COMPUTE",
+    ]
+    .iter()
+    .all(|k| setting(k).is_none())
+    {
+        both_regimes();
         return;
     }
     if let Err(e) = ensure_model(&model_path()) {
@@ -369,7 +430,12 @@ fn main() {
             }
         }
     }
-    let bus = stream(1).and_then(|one| Ok((one[0], stream(2)?.iter().sum::<f64>())));
+    let bus =
+        stream(1, "memory").and_then(|one| Ok((one[0], stream(2, "memory")?.iter().sum::<f64>())));
+    let cpu = stream(1, "compute").and_then(|one| {
+        let two = stream(2, "compute")?;
+        Ok((one[0], two.into_iter().fold(f64::INFINITY, f64::min)))
+    });
     let load_after = loadavg();
     let median = |mut v: Vec<f64>| {
         v.sort_by(f64::total_cmp);
@@ -423,6 +489,15 @@ fn main() {
             std::fs::metadata(model_path()).map_or(0.0, |m| m.len() as f64) / a / 1e9
         ),
         Err(e) => println!("  memory bandwidth: not measured: {e}"),
+    }
+    match cpu {
+        Ok((one, slower)) => println!(
+            "  arithmetic, same machine: with both cores busy the slower runs at {:.0}% of one \
+             core alone, so 2 ranks can be at most {:.2}x here",
+            slower / one * 100.0,
+            2.0 * slower / one
+        ),
+        Err(e) => println!("  arithmetic scaling: not measured: {e}"),
     }
     println!("  load average: {load_before} before, {load_after} after");
 }
