@@ -124,6 +124,10 @@ fn spawn_member(
     .env("MLX_NODE__POD__RANK", rank.to_string())
     .env("MLX_NODE__POD__PORT", port.to_string())
     .env("MLX_NODE__POD__PARALLELISM", "tensor")
+    // Equal speeds, so the plan (and with it the split sums' rounding) is the
+    // same every run: three processes probing a loaded 2-core machine
+    // measure different speeds and would get uneven shares at random.
+    .env("MLX_NODE__POD__SPEED", "1")
     .env("MLX_NODE__POD__MAX_CONTEXT", "512")
     .stdout(Stdio::piped())
     .stderr(if std::env::var("TEST_LOG").is_ok() {
