@@ -21,7 +21,8 @@
 //! `taskset`). Settings (any one picks a single regime):
 //! `MLXNET_POD_TP_DTYPE` (q4_0, q4_1, q8_0, q4_k, q6_k, f16),
 //! `MLXNET_POD_TP_LAYERS=N`, `MLXNET_POD_TP_COMPUTE=f32` (dequantize at load),
-//! `MLXNET_POD_TP_ROUNDS=N` (default 3), `MLXNET_POD_TP_SPIN_US`.
+//! `MLXNET_POD_TP_ROUNDS=N` (default 3), `MLXNET_POD_TP_SPIN_US`,
+//! `MLXNET_POD_TP_CORES=1,0` (the core of each rank; default rank r on core r).
 //!
 //! Prints the 1-rank step time, decode tokens/s of each, the ratio against
 //! the goal (>= 1.9x), each rank's time waiting in the collectives, the
@@ -239,7 +240,7 @@ fn run_pod(ranks: usize) -> Result<(f64, Vec<f64>, f64), String> {
     let children: Vec<_> = (0..ranks)
         .map(|r| {
             Command::new("taskset")
-                .args(["-c", &r.to_string()])
+                .args(["-c", &core_of(r).to_string()])
                 .arg(&exe)
                 .env("POD_TP_RANK", r.to_string())
                 .env("POD_TP_ADDRS", &list)
@@ -342,6 +343,15 @@ fn stream(cores: usize, kind: &str) -> Result<Vec<f64>, String> {
                 .ok_or_else(|| "a stream child printed nothing".to_string())
         })
         .collect()
+}
+
+/// The core rank `r` is pinned to: `r`, or the `r`-th entry of
+/// `MLXNET_POD_TP_CORES` (e.g. `1,0`: whether a slow rank follows its core
+/// or its share).
+fn core_of(r: usize) -> usize {
+    setting("MLXNET_POD_TP_CORES")
+        .and_then(|c| c.split(',').nth(r).and_then(|c| c.trim().parse().ok()))
+        .unwrap_or(r)
 }
 
 fn loadavg() -> String {
