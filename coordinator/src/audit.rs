@@ -34,6 +34,7 @@ mod driver;
 
 use std::{collections::HashSet, sync::Mutex};
 
+use crate::lock;
 use mlxnet_proto::{ids::NodeId, v1::SignedVerdict};
 use prost::Message;
 use serde::Deserialize;
@@ -262,13 +263,6 @@ impl Audits {
                 .fetch_optional(&self.pool)
                 .await?,
         )
-    }
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    match m.lock() {
-        Ok(g) => g,
-        Err(poisoned) => poisoned.into_inner(),
     }
 }
 

@@ -46,6 +46,7 @@ use tokio::{sync::Notify, task::JoinSet};
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, instrument, warn};
 
+use crate::lock;
 use crate::{
     catalogue::{Catalogue, Model},
     config::CoordinatorConfig,
@@ -721,12 +722,5 @@ pub fn input_bytes(input: &JobInput) -> usize {
             .map(|m| m.content.len() + m.role.len())
             .sum(),
         None => 0,
-    }
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    match m.lock() {
-        Ok(g) => g,
-        Err(poisoned) => poisoned.into_inner(),
     }
 }

@@ -43,3 +43,9 @@ pub mod world;
 
 pub use app::Application;
 pub use config::CoordinatorConfig;
+
+/// Locks `m`. A lock poisoned by a holder that panicked is taken as it is,
+/// so one panicked task does not wedge every other user of that state.
+pub(crate) fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}

@@ -38,6 +38,7 @@ use tokio::{
     sync::{OwnedSemaphorePermit, Semaphore},
 };
 
+use crate::lock;
 use crate::{config::Limits, error::ApiError, ledger::keys::Caller};
 
 /// Per-key entries kept before idle ones are dropped.
@@ -127,10 +128,6 @@ impl Drop for KeyPermit {
             s.in_flight = s.in_flight.saturating_sub(1);
         }
     }
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 impl Admission {

@@ -156,6 +156,37 @@ impl Element for bf16 {
     }
 }
 
+/// Bytes of one rank's report in [`first_failure`]: a flag and the reason,
+/// cut to fit.
+const REPORT: usize = 256;
+
+/// Every rank learns whether every rank's own step failed (`mine`: this
+/// rank's error, if any): the first failed rank and its reason, the same on
+/// every rank, so a pod decides together. One all-gather.
+pub fn first_failure(
+    c: &mut (impl Collective + ?Sized),
+    mine: Option<&dyn std::fmt::Display>,
+) -> Result<Option<(usize, String)>, CollectiveError> {
+    let n = c.size();
+    let mut report = [0u8; REPORT];
+    if let Some(e) = mine {
+        report[0] = 1;
+        let msg = e.to_string();
+        let mut len = msg.len().min(REPORT - 1);
+        while !msg.is_char_boundary(len) {
+            len -= 1;
+        }
+        report[1..1 + len].copy_from_slice(&msg.as_bytes()[..len]);
+    }
+    let mut all = vec![0u8; REPORT * n];
+    c.all_gather(&report, &mut all)?;
+    Ok((0..n).find(|&r| all[r * REPORT] != 0).map(|r| {
+        let text = &all[r * REPORT + 1..(r + 1) * REPORT];
+        let end = text.iter().position(|&b| b == 0).unwrap_or(text.len());
+        (r, String::from_utf8_lossy(&text[..end]).into_owned())
+    }))
+}
+
 /// Typed all-reduce sum.
 pub fn all_reduce<T: Element>(
     c: &mut (impl Collective + ?Sized),

@@ -39,6 +39,7 @@ use std::collections::{HashMap, HashSet};
 use sqlx::{Row, SqliteConnection};
 
 use super::{settle::hold_id, settle::JobTerms, Ledger, LedgerError, ESCROW};
+use crate::lock;
 use crate::store::{
     sqlite::{insert_jobs_on, insert_rows},
     JobRecord, NewJob,
@@ -385,11 +386,4 @@ async fn payers(
             ))
         })
         .collect()
-}
-
-fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    match m.lock() {
-        Ok(g) => g,
-        Err(poisoned) => poisoned.into_inner(),
-    }
 }

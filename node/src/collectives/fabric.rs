@@ -16,7 +16,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::Duration;
 
-use super::verbs::{Completion, CompletionKind, Verbs};
+use super::verbs::{check_recv, check_send, Completion, CompletionKind, Verbs};
 use super::CollectiveError;
 
 struct Inner {
@@ -125,12 +125,7 @@ impl Verbs for MemEndpoint {
         body: &[u8],
     ) -> Result<(), CollectiveError> {
         let len = head.len() + body.len();
-        if len > self.shared.frame || slot >= self.shared.slots {
-            return Err(CollectiveError::Verbs(format!(
-                "send of {len} bytes in slot {slot}: frames are {} bytes x {} slots",
-                self.shared.frame, self.shared.slots
-            )));
-        }
+        check_send(len, slot, self.shared.frame, self.shared.slots)?;
         let dst = self.port(peer);
         if dst.alive.load(Ordering::Acquire) {
             let mut d = lock(dst);
@@ -165,11 +160,7 @@ impl Verbs for MemEndpoint {
     }
 
     fn post_recv(&mut self, peer: usize, slot: usize) -> Result<(), CollectiveError> {
-        if slot >= self.shared.slots || peer >= self.size() {
-            return Err(CollectiveError::Verbs(format!(
-                "receive slot {slot} from rank {peer} does not exist"
-            )));
-        }
+        check_recv(peer, slot, self.size(), self.shared.slots)?;
         let port = self.port(self.rank);
         let mut me = lock(port);
         if let Some(f) = me.rnr[peer].pop_front() {

@@ -53,8 +53,8 @@ use std::net::{Shutdown, TcpStream};
 use std::sync::OnceLock;
 use std::time::Duration;
 
-use super::verbs::{Completion, CompletionKind, Verbs};
-use super::{Collective, CollectiveError};
+use super::verbs::{check_recv, check_send, Completion, CompletionKind, Verbs};
+use super::{first_failure, Collective, CollectiveError};
 
 pub use ffi::Library;
 
@@ -353,8 +353,6 @@ impl SideChannel {
 
 // ---- agreement over the side channel ----
 
-const REPORT: usize = 256;
-
 /// Every rank learns whether every rank's `local` step succeeded; a failure
 /// anywhere fails everywhere (this rank's own error, or the first failed
 /// rank's reason).
@@ -362,27 +360,12 @@ pub fn agree<T>(
     comm: &mut dyn Collective,
     local: Result<T, RdmaError>,
 ) -> Result<T, CollectiveError> {
-    let n = comm.size();
-    let mut mine = [0u8; REPORT];
-    if let Err(e) = &local {
-        mine[0] = 1;
-        let msg = e.to_string();
-        let len = msg.len().min(REPORT - 1);
-        mine[1..1 + len].copy_from_slice(&msg.as_bytes()[..len]);
-    }
-    let mut all = vec![0u8; REPORT * n];
-    comm.all_gather(&mine, &mut all)?;
+    let failed = first_failure(comm, local.as_ref().err().map(|e| e as _))?;
     let value = local?;
-    if let Some(rank) = (0..n).find(|&r| all[r * REPORT] != 0) {
-        let text = &all[rank * REPORT + 1..(rank + 1) * REPORT];
-        let end = text.iter().position(|&b| b == 0).unwrap_or(text.len());
-        return Err(RdmaError::PeerFailed {
-            rank,
-            reason: String::from_utf8_lossy(&text[..end]).into_owned(),
-        }
-        .into());
+    match failed {
+        Some((rank, reason)) => Err(RdmaError::PeerFailed { rank, reason }.into()),
+        None => Ok(value),
     }
-    Ok(value)
 }
 
 /// Exchanges one record per ordered pair: `mine[p]` goes to rank `p`; the
@@ -912,14 +895,8 @@ impl Verbs for RdmaVerbs {
         body: &[u8],
     ) -> Result<(), CollectiveError> {
         let len = head.len() + body.len();
-        let slots = self.slots;
+        check_send(len, slot, FRAME - PREFIX, self.slots)?;
         let c = self.conn(peer)?;
-        if len > FRAME - PREFIX || slot >= slots {
-            return Err(CollectiveError::Verbs(format!(
-                "send of {len} bytes in slot {slot}: frames are {} bytes x {slots} slots",
-                FRAME - PREFIX
-            )));
-        }
         let frame = c.frame(false, slot);
         // SAFETY: the frame is `FRAME` bytes, not in flight (the transport
         // reuses a slot only after its send completed).
@@ -965,13 +942,8 @@ impl Verbs for RdmaVerbs {
     }
 
     fn post_recv(&mut self, peer: usize, slot: usize) -> Result<(), CollectiveError> {
-        let slots = self.slots;
+        check_recv(peer, slot, self.conns.len(), self.slots)?;
         let c = self.conn(peer)?;
-        if slot >= slots {
-            return Err(CollectiveError::Verbs(format!(
-                "receive slot {slot} from rank {peer} does not exist"
-            )));
-        }
         let mut sge = ffi::Sge {
             addr: c.frame(true, slot) as u64,
             length: FRAME as u32,

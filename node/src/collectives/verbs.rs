@@ -46,6 +46,37 @@ pub struct Completion {
     pub len: usize,
 }
 
+/// The bounds every [`Verbs::post_send`] checks: at most a frame, an
+/// existing slot.
+pub(super) fn check_send(
+    len: usize,
+    slot: usize,
+    frame: usize,
+    slots: usize,
+) -> Result<(), CollectiveError> {
+    if len > frame || slot >= slots {
+        return Err(CollectiveError::Verbs(format!(
+            "send of {len} bytes in slot {slot}: frames are {frame} bytes x {slots} slots"
+        )));
+    }
+    Ok(())
+}
+
+/// The bounds every [`Verbs::post_recv`] checks: an existing peer and slot.
+pub(super) fn check_recv(
+    peer: usize,
+    slot: usize,
+    peers: usize,
+    slots: usize,
+) -> Result<(), CollectiveError> {
+    if slot >= slots || peer >= peers {
+        return Err(CollectiveError::Verbs(format!(
+            "receive slot {slot} from rank {peer} does not exist"
+        )));
+    }
+    Ok(())
+}
+
 /// The verbs a device (or the emulated fabric) provides.
 pub trait Verbs: Send {
     fn rank(&self) -> usize;

@@ -57,7 +57,7 @@ use super::hostfile::{PodConfig, PodConfigError};
 use super::links::{addresses, measure_links};
 use super::speed;
 use crate::collectives::tcp::{TcpOptions, TcpTransport};
-use crate::collectives::{Collective, CollectiveError};
+use crate::collectives::{first_failure, Collective, CollectiveError};
 use crate::engine::sharded::{Compute, MemoryBudget, PodModel, PodModelError, PodPlan};
 use crate::engine::{EngineError, Forward, GenerateRequest, Generation, TextSide, TokenChunk};
 
@@ -68,8 +68,6 @@ const REFORM_DELAY: Duration = Duration::from_millis(500);
 /// Bytes of one member's record in the formation exchange: node id,
 /// memory budget, wanted parallelism, speed (f64 bits).
 const RECORD: usize = 32 + 8 + 8 + 8;
-/// Bytes of one member's load report (status byte + reason).
-const REPORT: usize = 256;
 
 /// How the model is split across the pod.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, serde::Deserialize)]
@@ -447,23 +445,10 @@ impl Member {
             ),
         };
         // 4. Everyone learns whether everyone loaded.
-        let mut report = [0u8; REPORT];
-        if let Err(e) = &loaded {
-            report[0] = 1;
-            let msg = e.to_string();
-            let len = msg.len().min(REPORT - 1);
-            report[1..1 + len].copy_from_slice(&msg.as_bytes()[..len]);
-        }
-        let mut reports = vec![0u8; REPORT * n];
-        comm.all_gather(&report, &mut reports)?;
+        let refused = first_failure(&mut *comm, loaded.as_ref().err().map(|e| e as _))?;
         let model = loaded?;
-        if let Some(r) = (0..n).find(|&r| reports[r * REPORT] != 0) {
-            let text = &reports[r * REPORT + 1..(r + 1) * REPORT];
-            let end = text.iter().position(|&b| b == 0).unwrap_or(text.len());
-            return Err(PodError::MemberRefused {
-                rank: r,
-                reason: String::from_utf8_lossy(&text[..end]).into_owned(),
-            });
+        if let Some((rank, reason)) = refused {
+            return Err(PodError::MemberRefused { rank, reason });
         }
         let leader = hex_short(&members[0]);
         *lock(&self.runtime.info) = PodInfo {

@@ -19,8 +19,8 @@ use mlxnet_coordinator::config::CoordinatorConfig;
 use mlxnet_proto::{
     claim,
     v1::{
-        job_event, BalanceRequest, EarningsRequest, JobState, ListModelsRequest, SubmitJobRequest,
-        WatchJobRequest,
+        job_event, BalanceRequest, EarningsRequest, JobState, ListModelsRequest, ResultClaim,
+        SubmitJobRequest, WatchJobRequest,
     },
 };
 use mlxnet_tests::{
@@ -140,16 +140,20 @@ fn price((input, output): (u64, u64), in_tokens: u64, out_tokens: u64) -> i64 {
     (in_tokens * input + out_tokens * output).div_ceil(1_000_000) as i64
 }
 
+/// The finished job's (last) signed claim.
+fn claim_of(run: &JobRun) -> anyhow::Result<ResultClaim> {
+    run.job
+        .result
+        .clone()
+        .and_then(|s| s.claim)
+        .context("no claim")
+}
+
 /// What the client pays for a finished job: the last claim's tokens, with
 /// the tokens resumed from an earlier attempt (streamed, never signed) not
 /// billed. Returns the price and the job's own prompt length.
 fn paid_for(p: (u64, u64), run: &JobRun) -> anyhow::Result<(i64, u64)> {
-    let c = run
-        .job
-        .result
-        .clone()
-        .and_then(|s| s.claim)
-        .context("claim")?;
+    let c = claim_of(run)?;
     let resumed = (run.streamed_ids.len() - c.output_token_ids.len()) as u64;
     let prompt = u64::from(c.prompt_tokens) - resumed;
     Ok((price(p, prompt, u64::from(c.completion_tokens)), prompt))
@@ -327,30 +331,17 @@ async fn a_draining_nodes_job_finishes_on_another_node_and_it_takes_no_new_job(
             .and_then(|n| n.all_time)
             .map_or(0, |p| p.tokens)
     };
-    let c = run
-        .job
-        .result
-        .clone()
-        .and_then(|s| s.claim)
-        .context("claim")?;
     assert_eq!(tokens_of(&draining_id), cut as u64);
-    let newcomer_claim = newcomer.job.result.and_then(|s| s.claim).context("claim")?;
     assert_eq!(
         tokens_of(&survivor_id),
-        u64::from(c.completion_tokens) + u64::from(newcomer_claim.completion_tokens)
+        u64::from(claim_of(&run)?.completion_tokens)
+            + u64::from(claim_of(&newcomer)?.completion_tokens)
     );
+    // The draining node signed its part (no prompt); the survivor is paid
+    // the prompt and the rest.
     let p = prices(&mut client).await?;
-    let job_price = price(p, 0, cut as u64)
-        + price(
-            p,
-            u64::from(c.prompt_tokens) - cut as u64,
-            u64::from(c.completion_tokens),
-        );
-    let newcomer_price = price(
-        p,
-        u64::from(newcomer_claim.prompt_tokens),
-        u64::from(newcomer_claim.completion_tokens),
-    );
+    let job_price = price(p, 0, cut as u64) + paid_for(p, &run)?.0;
+    let (newcomer_price, _) = paid_for(p, &newcomer)?;
     let balance = client
         .accounts
         .balance(BalanceRequest {})
