@@ -759,19 +759,11 @@ impl std::fmt::Debug for Pending {
 }
 
 /// Sets up a queue pair to every peer over `comm` (the TCP side channel)
-/// with the system verbs library: `devices[p]` is this rank's device towards
-/// rank `p` (`None` for itself). Every rank calls it; all succeed or all
-/// fail (with [`CollectiveError::Rdma`]; any other error is the side
-/// channel's own).
+/// with verbs library `lib` ([`system`] in production): `devices[p]` is this
+/// rank's device towards rank `p` (`None` for itself). Every rank calls it;
+/// all succeed or all fail (with [`CollectiveError::Rdma`]; any other error
+/// is the side channel's own).
 pub fn connect(
-    comm: &mut dyn Collective,
-    devices: &[Option<String>],
-) -> Result<Pending, CollectiveError> {
-    connect_with(comm, system(), devices)
-}
-
-/// [`connect`] with a given library.
-pub fn connect_with(
     comm: &mut dyn Collective,
     lib: Result<&'static Library, RdmaError>,
     devices: &[Option<String>],

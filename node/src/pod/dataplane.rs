@@ -67,7 +67,7 @@ pub fn open_with(
         Some(PodBackend::Jaccl | PodBackend::JacclRing)
     );
     let attempt = match config.devices().peer_devices(rank) {
-        Ok(devices) => ibverbs::connect_with(&mut group, lib, &devices),
+        Ok(devices) => ibverbs::connect(&mut group, lib, &devices),
         Err(e) => Err(CollectiveError::RdmaUnavailable(format!(
             "{e} (the rdma data plane needs a cable between every pair of members)"
         ))),

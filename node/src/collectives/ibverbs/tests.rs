@@ -158,7 +158,7 @@ fn setting_up_without_a_device_fails_every_rank_with_a_typed_error() {
         let devices: Vec<Option<String>> = (0..2)
             .map(|p| (p != rank).then(|| "mlxnode_test_dev".to_string()))
             .collect();
-        connect(&mut g, &devices).map(|_| ())
+        connect(&mut g, system(), &devices).map(|_| ())
     });
     for (rank, r) in results.into_iter().enumerate() {
         let Err(e) = r else {
@@ -287,7 +287,7 @@ fn fake_pod(n: usize, device: &'static str) -> Vec<Result<Box<dyn Collective>, C
         let devices: Vec<Option<String>> = (0..n)
             .map(|p| (p != rank).then(|| device.to_string()))
             .collect();
-        let pending = connect_with(&mut g, Ok(fake::library()), &devices)?;
+        let pending = connect(&mut g, Ok(fake::library()), &devices)?;
         let side = SideChannel::new(g.into_transport().into_streams())?;
         let opts = VerbsOptions {
             timeout: Duration::from_secs(5),
