@@ -19,16 +19,22 @@
 //! 4. the TCP connections stay open as the side channel: a closed one is a
 //!    lost peer ([`Verbs::peer_alive`]), and [`Verbs::shutdown`] closes them.
 //!
-//! Queue-pair type: unreliable connected (UC) on macOS, as JACCL uses (what
-//! Apple's stack offers); reliable connected (RC) elsewhere, where every
-//! InfiniBand/RoCE device has it and receiver-not-ready retries make a frame
-//! that arrives before its receive is re-posted wait instead of vanish
-//! (the emulated fabric's semantics, which the transport was tested on).
+//! Queue-pair type ([`QueuePairs`]): unreliable connected (UC) on macOS, as
+//! JACCL uses (what Apple's stack offers); reliable connected (RC)
+//! elsewhere, where every InfiniBand/RoCE device has it.
 //!
-//! Each frame starts with an 8-byte prefix (a per-peer sequence number and a
-//! magic word): an unreliable queue pair drops a frame silently, and the
-//! receiver turns the gap into [`CollectiveError::Verbs`] rather than
-//! placing the next frame at the wrong offset.
+//! A UC queue pair drops a frame that arrives before its receive is posted,
+//! so frames are sent on credit ([`Credit`]): each side counts the receives
+//! it has posted and writes the count into every frame it sends; a sender
+//! only sends into receives it knows are posted, holding frames back (in
+//! order) until the count arrives, and a receiver that has nothing to send
+//! returns the count in a credit-only frame. RC queue pairs use the same
+//! scheme, so they never fall back on receiver-not-ready retries.
+//!
+//! Each frame starts with an 8-byte prefix (a per-peer sequence number, the
+//! credit count, a magic word for data or credit): should a frame still be
+//! lost, the receiver turns the gap into [`CollectiveError::Verbs`] rather
+//! than placing the next frame at the wrong offset.
 //!
 //! # Invariants
 //! - Work request ids are `kind << 32 | slot`; one completion queue per peer,
@@ -47,6 +53,7 @@
 
 mod ffi;
 
+use std::collections::VecDeque;
 use std::ffi::c_int;
 use std::io::{ErrorKind, Read, Write};
 use std::net::{Shutdown, TcpStream};
@@ -60,13 +67,16 @@ pub use ffi::Library;
 
 /// Bytes per registered frame (JACCL's `FRAME_SIZE`).
 pub const FRAME: usize = 4096;
-/// Bytes of the per-frame prefix (sequence number + magic).
+/// Bytes of the per-frame prefix (sequence number, credit count, magic).
 pub const PREFIX: usize = 8;
 /// Frames per direction per peer.
 pub const SLOTS: usize = 16;
 /// The device port (JACCL and every single-port device: 1).
 const PORT: u8 = 1;
-const FRAME_MAGIC: u32 = 0x4658_4d56; // "VMXF"
+/// The prefix's last two bytes: a data frame, or a frame that only returns
+/// credit.
+const DATA_MAGIC: u16 = 0x4d56; // "VM"
+const CREDIT_MAGIC: u16 = 0x4356; // "VC"
 const KIND_SEND: u64 = 1;
 const KIND_RECV: u64 = 2;
 
@@ -252,23 +262,139 @@ fn split_wr_id(id: u64) -> (u64, usize) {
     (id >> 32, (id & 0xffff_ffff) as usize)
 }
 
-/// Checks a received frame's prefix against the next expected sequence.
-fn check_prefix(peer: usize, prefix: &[u8], expected: u32) -> Result<(), CollectiveError> {
-    let word =
-        |i: usize| u32::from_le_bytes([prefix[i], prefix[i + 1], prefix[i + 2], prefix[i + 3]]);
-    if word(4) != FRAME_MAGIC {
-        return Err(CollectiveError::Verbs(format!(
-            "frame from rank {peer} has no frame magic"
-        )));
+/// A frame's prefix: its sequence number, the sender's count of receives
+/// posted for us, and what it is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Prefix {
+    seq: u32,
+    posted: u16,
+    credit_only: bool,
+}
+
+impl Prefix {
+    fn encode(self) -> [u8; PREFIX] {
+        let mut p = [0u8; PREFIX];
+        p[..4].copy_from_slice(&self.seq.to_le_bytes());
+        p[4..6].copy_from_slice(&self.posted.to_le_bytes());
+        let magic = if self.credit_only {
+            CREDIT_MAGIC
+        } else {
+            DATA_MAGIC
+        };
+        p[6..].copy_from_slice(&magic.to_le_bytes());
+        p
     }
-    let got = word(0);
-    if got != expected {
-        return Err(CollectiveError::Verbs(format!(
-            "frame {expected} from rank {peer} was lost (got frame {got}; \
-             an unreliable queue pair drops frames silently)"
-        )));
+
+    /// Decodes a received prefix, checking it is the next expected frame.
+    fn check(peer: usize, p: &[u8; PREFIX], expected: u32) -> Result<Prefix, CollectiveError> {
+        let credit_only = match u16::from_le_bytes([p[6], p[7]]) {
+            DATA_MAGIC => false,
+            CREDIT_MAGIC => true,
+            _ => {
+                return Err(CollectiveError::Verbs(format!(
+                    "frame from rank {peer} has no frame magic"
+                )))
+            }
+        };
+        let seq = u32::from_le_bytes([p[0], p[1], p[2], p[3]]);
+        if seq != expected {
+            return Err(CollectiveError::Verbs(format!(
+                "frame {expected} from rank {peer} was lost (got frame {seq}; \
+                 an unreliable queue pair drops frames silently)"
+            )));
+        }
+        Ok(Prefix {
+            seq,
+            posted: u16::from_le_bytes([p[4], p[5]]),
+            credit_only,
+        })
     }
-    Ok(())
+}
+
+/// Credit flow control towards one peer.
+///
+/// An unreliable queue pair drops a frame that finds no receive posted, so
+/// a sender may only send into receives it knows are posted. Each side
+/// counts the receives it has posted (cumulative, wrapping) and writes the
+/// count into every frame it sends; the sender's credit is the peer's
+/// latest count minus the frames it has sent. Every receive is posted
+/// before the first exchange (a barrier), so both start at `slots`.
+///
+/// A data frame needs 2 credits, so one is always left for a credit-only
+/// frame: when a receiver has re-posted half its receives without sending
+/// anything back, it returns the count in a frame of its own (the receiver
+/// of that frame re-posts it at once). Neither side can then wait on the
+/// other's credit forever.
+#[derive(Debug)]
+struct Credit {
+    slots: u16,
+    /// Receives posted for the peer.
+    posted: u16,
+    /// The `posted` last written into a frame to the peer.
+    advertised: u16,
+    /// The peer's `posted`, from its latest frame.
+    peer_posted: u16,
+    /// Frames sent to the peer.
+    sent: u16,
+    /// Data frames written into their send slot, waiting for credit:
+    /// (slot, length after the prefix).
+    deferred: VecDeque<(usize, usize)>,
+    /// The credit-only frame is in flight.
+    credit_busy: bool,
+}
+
+impl Credit {
+    fn new(slots: usize) -> Credit {
+        let slots = slots as u16;
+        Credit {
+            slots,
+            posted: 0,
+            advertised: slots,
+            peer_posted: slots,
+            sent: 0,
+            deferred: VecDeque::with_capacity(slots as usize),
+            credit_busy: false,
+        }
+    }
+
+    /// Receives the peer has posted that no frame of ours has taken yet.
+    fn credits(&self) -> i32 {
+        self.peer_posted.wrapping_sub(self.sent) as i16 as i32
+    }
+
+    /// Receives posted here that the peer has not been told of.
+    fn owed(&self) -> i32 {
+        (self.posted.wrapping_sub(self.advertised) as i16 as i32).max(0)
+    }
+
+    /// A data frame may go now (in order, keeping one credit back).
+    fn data_may_go(&self) -> bool {
+        self.deferred.is_empty() && self.credits() >= 2
+    }
+
+    /// The next deferred data frame may go.
+    fn deferred_may_go(&self) -> bool {
+        !self.deferred.is_empty() && self.credits() >= 2
+    }
+
+    /// A credit-only frame should go.
+    fn credit_frame_due(&self) -> bool {
+        !self.credit_busy && self.owed() >= (self.slots as i32 / 2).max(1) && self.credits() >= 1
+    }
+
+    /// A frame is being sent: the count it carries.
+    fn stamp(&mut self) -> u16 {
+        self.sent = self.sent.wrapping_add(1);
+        self.advertised = self.posted;
+        self.posted
+    }
+
+    /// A frame from the peer said it has posted `posted` receives.
+    fn heard(&mut self, posted: u16) {
+        if posted.wrapping_sub(self.peer_posted) as i16 > 0 {
+            self.peer_posted = posted;
+        }
+    }
 }
 
 // ---- the side channel ----
@@ -405,7 +531,8 @@ pub fn exchange_infos(
 
 // ---- the device ----
 
-/// Page-aligned frames: `slots` send frames, then `slots` receive frames.
+/// Page-aligned frames: `slots` send frames and the credit frame, then
+/// `slots` receive frames.
 struct Frames {
     ptr: *mut u8,
     layout: std::alloc::Layout,
@@ -447,9 +574,11 @@ struct Conn {
     slots: usize,
     gid_index: u8,
     local: QpInfo,
+    kind: QueuePairs,
     /// Next sequence number to send / expected to receive.
     send_seq: u32,
     recv_seq: u32,
+    credit: Credit,
 }
 
 impl Drop for Conn {
@@ -476,16 +605,41 @@ impl Drop for Conn {
     }
 }
 
-fn qp_type() -> c_int {
-    if cfg!(target_os = "macos") {
-        ffi::IBV_QPT_UC
-    } else {
-        ffi::IBV_QPT_RC
+/// The queue-pair type: what the device delivers when a frame finds no
+/// receive posted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum QueuePairs {
+    /// Reliable connected: the sender retries until a receive is posted.
+    Reliable,
+    /// Unreliable connected: the frame is dropped (Thunderbolt's only kind).
+    Unreliable,
+}
+
+impl QueuePairs {
+    /// UC on macOS (as JACCL), RC elsewhere.
+    pub fn platform() -> QueuePairs {
+        if cfg!(target_os = "macos") {
+            QueuePairs::Unreliable
+        } else {
+            QueuePairs::Reliable
+        }
+    }
+
+    fn raw(self) -> c_int {
+        match self {
+            QueuePairs::Reliable => ffi::IBV_QPT_RC,
+            QueuePairs::Unreliable => ffi::IBV_QPT_UC,
+        }
     }
 }
 
 impl Conn {
-    fn open(lib: &'static Library, device: &str, slots: usize) -> Result<Conn, RdmaError> {
+    fn open(
+        lib: &'static Library,
+        device: &str,
+        slots: usize,
+        kind: QueuePairs,
+    ) -> Result<Conn, RdmaError> {
         let call = |call: &'static str| RdmaError::Call {
             device: device.into(),
             call,
@@ -534,8 +688,10 @@ impl Conn {
             cq: std::ptr::null_mut(),
             qp: std::ptr::null_mut(),
             mr: std::ptr::null_mut(),
-            frames: Frames::new(2 * slots * FRAME),
+            frames: Frames::new((2 * slots + 1) * FRAME),
             slots,
+            kind,
+            credit: Credit::new(slots),
             gid_index: 0,
             local: QpInfo {
                 qp_num: 0,
@@ -601,7 +757,7 @@ impl Conn {
             }
             conn.cq = (lib.create_cq)(
                 ctx,
-                (2 * slots) as c_int,
+                (2 * slots + 1) as c_int,
                 std::ptr::null_mut(),
                 std::ptr::null_mut(),
                 0,
@@ -615,13 +771,13 @@ impl Conn {
                 recv_cq: conn.cq,
                 srq: std::ptr::null_mut(),
                 cap: ffi::QpCap {
-                    max_send_wr: slots as u32,
+                    max_send_wr: slots as u32 + 1,
                     max_recv_wr: slots as u32,
                     max_send_sge: 1,
                     max_recv_sge: 1,
                     max_inline_data: 0,
                 },
-                qp_type: qp_type(),
+                qp_type: kind.raw(),
                 sq_sig_all: 0,
             };
             conn.qp = (lib.create_qp)(conn.pd, &mut init);
@@ -678,7 +834,7 @@ impl Conn {
 
     /// RTR towards `remote`, then RTS.
     fn connect(&mut self, peer: usize, remote: &QpInfo) -> Result<(), RdmaError> {
-        let rc = qp_type() == ffi::IBV_QPT_RC;
+        let rc = self.kind == QueuePairs::Reliable;
         let mut mtu = self.local.mtu.min(remote.mtu) as c_int;
         if cfg!(target_os = "macos") {
             mtu = mtu.min(ffi::IBV_MTU_1024); // what JACCL uses on Thunderbolt
@@ -728,9 +884,10 @@ impl Conn {
         self.modify(&mut attr, mask, peer, "RTS")
     }
 
+    /// Send frame `slot` (`slots`: the credit frame) or receive frame `slot`.
     fn frame(&self, recv: bool, slot: usize) -> *mut u8 {
-        let index = if recv { self.slots + slot } else { slot };
-        // SAFETY: index < 2 * slots, within the allocation.
+        let index = if recv { self.slots + 1 + slot } else { slot };
+        // SAFETY: index < 2 * slots + 1, within the allocation.
         unsafe { self.frames.ptr.add(index * FRAME) }
     }
 
@@ -743,6 +900,101 @@ impl Conn {
         // SAFETY: the queue pair's context is live and its ops table filled
         // in by the provider.
         unsafe { &(*(*self.qp).context).ops }
+    }
+
+    /// Posts send frame `slot` (`slots`: the credit frame), whose `len`
+    /// bytes after the prefix are written, stamping its prefix now.
+    fn post_frame(
+        &mut self,
+        peer: usize,
+        slot: usize,
+        len: usize,
+        credit_only: bool,
+    ) -> Result<(), CollectiveError> {
+        let prefix = Prefix {
+            seq: self.send_seq,
+            posted: self.credit.stamp(),
+            credit_only,
+        };
+        let frame = self.frame(false, slot);
+        // SAFETY: the frame is `FRAME` bytes and not in flight.
+        unsafe { std::ptr::copy_nonoverlapping(prefix.encode().as_ptr(), frame, PREFIX) };
+        let mut sge = ffi::Sge {
+            addr: frame as u64,
+            length: (PREFIX + len) as u32,
+            lkey: self.lkey(),
+        };
+        let mut wr = ffi::SendWr {
+            wr_id: wr_id(KIND_SEND, slot),
+            next: std::ptr::null_mut(),
+            sg_list: &mut sge,
+            num_sge: 1,
+            opcode: ffi::IBV_WR_SEND,
+            send_flags: ffi::IBV_SEND_SIGNALED,
+            imm_data: 0,
+            wr: [0; 4],
+            qp_type: [0; 2],
+            bind_mw: [0; 6],
+        };
+        let post = self
+            .ops()
+            .post_send
+            .ok_or_else(|| CollectiveError::Verbs("the provider has no post_send".into()))?;
+        let mut bad = std::ptr::null_mut();
+        // SAFETY: live queue pair; `wr` and `sge` outlive the call (the
+        // provider copies them into its queue).
+        let rc = unsafe { post(self.qp, &mut wr, &mut bad) };
+        if rc != 0 {
+            return Err(CollectiveError::Verbs(format!(
+                "posting a send to rank {peer} failed (errno {rc})"
+            )));
+        }
+        self.send_seq = self.send_seq.wrapping_add(1);
+        Ok(())
+    }
+
+    /// Posts receive frame `slot`.
+    fn post_receive(&mut self, peer: usize, slot: usize) -> Result<(), CollectiveError> {
+        let mut sge = ffi::Sge {
+            addr: self.frame(true, slot) as u64,
+            length: FRAME as u32,
+            lkey: self.lkey(),
+        };
+        let mut wr = ffi::RecvWr {
+            wr_id: wr_id(KIND_RECV, slot),
+            next: std::ptr::null_mut(),
+            sg_list: &mut sge,
+            num_sge: 1,
+        };
+        let post = self
+            .ops()
+            .post_recv
+            .ok_or_else(|| CollectiveError::Verbs("the provider has no post_recv".into()))?;
+        let mut bad = std::ptr::null_mut();
+        // SAFETY: as in `post_frame`.
+        let rc = unsafe { post(self.qp, &mut wr, &mut bad) };
+        if rc != 0 {
+            return Err(CollectiveError::Verbs(format!(
+                "posting a receive from rank {peer} failed (errno {rc})"
+            )));
+        }
+        self.credit.posted = self.credit.posted.wrapping_add(1);
+        Ok(())
+    }
+
+    /// Sends what credit now allows: deferred data frames in order, then a
+    /// credit-only frame if one is due.
+    fn pump(&mut self, peer: usize) -> Result<(), CollectiveError> {
+        while self.credit.deferred_may_go() {
+            if let Some((slot, len)) = self.credit.deferred.pop_front() {
+                self.post_frame(peer, slot, len, false)?;
+            }
+        }
+        if self.credit.credit_frame_due() {
+            self.post_frame(peer, self.slots, 0, true)?;
+            self.credit.credit_busy = true;
+        }
+        Ok(())
     }
 }
 
@@ -768,6 +1020,16 @@ pub fn connect(
     lib: Result<&'static Library, RdmaError>,
     devices: &[Option<String>],
 ) -> Result<Pending, CollectiveError> {
+    connect_with(comm, lib, devices, QueuePairs::platform())
+}
+
+/// [`connect`] with queue pairs of `kind`.
+pub fn connect_with(
+    comm: &mut dyn Collective,
+    lib: Result<&'static Library, RdmaError>,
+    devices: &[Option<String>],
+    kind: QueuePairs,
+) -> Result<Pending, CollectiveError> {
     let (n, rank) = (comm.size(), comm.rank());
     let opened = (|| {
         if devices.len() != n {
@@ -781,7 +1043,7 @@ pub fn connect(
             .iter()
             .enumerate()
             .map(|(p, d)| match d {
-                Some(d) if p != rank => Conn::open(lib, d, SLOTS).map(Some),
+                Some(d) if p != rank => Conn::open(lib, d, SLOTS, kind).map(Some),
                 _ => Ok(None),
             })
             .collect::<Result<Vec<_>, _>>()
@@ -891,75 +1153,26 @@ impl Verbs for RdmaVerbs {
         let c = self.conn(peer)?;
         let frame = c.frame(false, slot);
         // SAFETY: the frame is `FRAME` bytes, not in flight (the transport
-        // reuses a slot only after its send completed).
+        // reuses a slot only after its send completed); the prefix is
+        // written when the frame is posted.
         unsafe {
-            let dst = std::slice::from_raw_parts_mut(frame, PREFIX + len);
-            dst[0..4].copy_from_slice(&c.send_seq.to_le_bytes());
-            dst[4..8].copy_from_slice(&FRAME_MAGIC.to_le_bytes());
-            dst[PREFIX..PREFIX + head.len()].copy_from_slice(head);
-            dst[PREFIX + head.len()..].copy_from_slice(body);
+            let dst = std::slice::from_raw_parts_mut(frame.add(PREFIX), len);
+            dst[..head.len()].copy_from_slice(head);
+            dst[head.len()..].copy_from_slice(body);
         }
-        let mut sge = ffi::Sge {
-            addr: frame as u64,
-            length: (PREFIX + len) as u32,
-            lkey: c.lkey(),
-        };
-        let mut wr = ffi::SendWr {
-            wr_id: wr_id(KIND_SEND, slot),
-            next: std::ptr::null_mut(),
-            sg_list: &mut sge,
-            num_sge: 1,
-            opcode: ffi::IBV_WR_SEND,
-            send_flags: ffi::IBV_SEND_SIGNALED,
-            imm_data: 0,
-            wr: [0; 4],
-            qp_type: [0; 2],
-            bind_mw: [0; 6],
-        };
-        let post = c
-            .ops()
-            .post_send
-            .ok_or_else(|| CollectiveError::Verbs("the provider has no post_send".into()))?;
-        let mut bad = std::ptr::null_mut();
-        // SAFETY: live queue pair; `wr` and `sge` outlive the call (the
-        // provider copies them into its queue).
-        let rc = unsafe { post(c.qp, &mut wr, &mut bad) };
-        if rc != 0 {
-            return Err(CollectiveError::Verbs(format!(
-                "posting a send to rank {peer} failed (errno {rc})"
-            )));
+        if c.credit.data_may_go() {
+            c.post_frame(peer, slot, len, false)
+        } else {
+            c.credit.deferred.push_back((slot, len));
+            Ok(())
         }
-        c.send_seq = c.send_seq.wrapping_add(1);
-        Ok(())
     }
 
     fn post_recv(&mut self, peer: usize, slot: usize) -> Result<(), CollectiveError> {
         check_recv(peer, slot, self.conns.len(), self.slots)?;
         let c = self.conn(peer)?;
-        let mut sge = ffi::Sge {
-            addr: c.frame(true, slot) as u64,
-            length: FRAME as u32,
-            lkey: c.lkey(),
-        };
-        let mut wr = ffi::RecvWr {
-            wr_id: wr_id(KIND_RECV, slot),
-            next: std::ptr::null_mut(),
-            sg_list: &mut sge,
-            num_sge: 1,
-        };
-        let post = c
-            .ops()
-            .post_recv
-            .ok_or_else(|| CollectiveError::Verbs("the provider has no post_recv".into()))?;
-        let mut bad = std::ptr::null_mut();
-        // SAFETY: as in post_send.
-        let rc = unsafe { post(c.qp, &mut wr, &mut bad) };
-        if rc != 0 {
-            return Err(CollectiveError::Verbs(format!(
-                "posting a receive from rank {peer} failed (errno {rc})"
-            )));
-        }
-        Ok(())
+        c.post_receive(peer, slot)?;
+        c.pump(peer)
     }
 
     fn read_recv(&self, peer: usize, slot: usize, offset: usize, dst: &mut [u8]) {
@@ -1011,40 +1224,48 @@ impl Verbs for RdmaVerbs {
                     return Err(CollectiveError::Verbs(format!("rank {peer}: {what}")));
                 }
                 let recv = kind == KIND_RECV || wc.opcode & ffi::IBV_WC_RECV != 0;
-                let len = if recv {
-                    let bytes = wc.byte_len as usize;
-                    if !(PREFIX..=FRAME).contains(&bytes) || slot >= self.slots {
-                        return Err(CollectiveError::Verbs(format!(
-                            "frame of {bytes} bytes from rank {peer} in slot {slot}"
-                        )));
+                if !recv {
+                    if slot == self.slots {
+                        c.credit.credit_busy = false;
+                        continue;
                     }
-                    let mut prefix = [0u8; PREFIX];
-                    // SAFETY: the frame is FRAME bytes and complete.
-                    unsafe {
-                        std::ptr::copy_nonoverlapping(
-                            c.frame(true, slot),
-                            prefix.as_mut_ptr(),
-                            PREFIX,
-                        )
+                    out[got] = Completion {
+                        kind: CompletionKind::Send,
+                        peer,
+                        slot,
+                        len: 0,
                     };
-                    check_prefix(peer, &prefix, c.recv_seq)?;
-                    c.recv_seq = c.recv_seq.wrapping_add(1);
-                    bytes - PREFIX
-                } else {
-                    0
+                    got += 1;
+                    continue;
+                }
+                let bytes = wc.byte_len as usize;
+                if !(PREFIX..=FRAME).contains(&bytes) || slot >= self.slots {
+                    return Err(CollectiveError::Verbs(format!(
+                        "frame of {bytes} bytes from rank {peer} in slot {slot}"
+                    )));
+                }
+                let mut raw = [0u8; PREFIX];
+                // SAFETY: the frame is FRAME bytes and complete.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(c.frame(true, slot), raw.as_mut_ptr(), PREFIX)
                 };
+                let prefix = Prefix::check(peer, &raw, c.recv_seq)?;
+                c.recv_seq = c.recv_seq.wrapping_add(1);
+                c.credit.heard(prefix.posted);
+                if prefix.credit_only {
+                    // Nothing for the transport: the receive goes back at once.
+                    c.post_receive(peer, slot)?;
+                    continue;
+                }
                 out[got] = Completion {
-                    kind: if recv {
-                        CompletionKind::Recv
-                    } else {
-                        CompletionKind::Send
-                    },
+                    kind: CompletionKind::Recv,
                     peer,
                     slot,
-                    len,
+                    len: bytes - PREFIX,
                 };
                 got += 1;
             }
+            c.pump(peer)?;
         }
         Ok(got)
     }

@@ -95,19 +95,25 @@ fn queue_pair_records_round_trip_and_bad_ones_are_refused() {
 
 #[test]
 fn frame_prefixes_catch_a_dropped_frame() {
-    let prefix = |seq: u32, magic: u32| {
-        let mut p = [0u8; PREFIX];
-        p[..4].copy_from_slice(&seq.to_le_bytes());
-        p[4..].copy_from_slice(&magic.to_le_bytes());
-        p
+    let data = Prefix {
+        seq: 5,
+        posted: 40,
+        credit_only: false,
     };
-    check_prefix(1, &prefix(5, FRAME_MAGIC), 5).unwrap();
-    let lost = check_prefix(1, &prefix(6, FRAME_MAGIC), 5).unwrap_err();
+    assert_eq!(Prefix::check(1, &data.encode(), 5).unwrap(), data);
+    let credit = Prefix {
+        credit_only: true,
+        ..data
+    };
+    assert_eq!(Prefix::check(1, &credit.encode(), 5).unwrap(), credit);
+    let lost = Prefix::check(1, &Prefix { seq: 6, ..data }.encode(), 5).unwrap_err();
     assert!(
         lost.to_string().contains("frame 5 from rank 1 was lost"),
         "{lost}"
     );
-    assert!(check_prefix(1, &prefix(5, 0), 5).is_err());
+    let mut garbage = data.encode();
+    garbage[7] ^= 0xff;
+    assert!(Prefix::check(1, &garbage, 5).is_err());
     for (kind, slot) in [
         (KIND_SEND, 0),
         (KIND_RECV, 15),
@@ -282,12 +288,21 @@ use crate::collectives::verbs::{VerbsOptions, VerbsTransport};
 /// Forms an `n`-rank pod over the fake provider's `device` exactly as the
 /// pod runtime does (TCP mesh, queue pairs over it, side channel, barrier).
 fn fake_pod(n: usize, device: &'static str) -> Vec<Result<Box<dyn Collective>, CollectiveError>> {
+    fake_pod_of(n, device, QueuePairs::platform())
+}
+
+/// [`fake_pod`] with queue pairs of `kind`.
+fn fake_pod_of(
+    n: usize,
+    device: &'static str,
+    kind: QueuePairs,
+) -> Vec<Result<Box<dyn Collective>, CollectiveError>> {
     on_every_rank(tcp_groups(n), move |mut g| {
         let rank = g.rank();
         let devices: Vec<Option<String>> = (0..n)
             .map(|p| (p != rank).then(|| device.to_string()))
             .collect();
-        let pending = connect(&mut g, Ok(fake::library()), &devices)?;
+        let pending = connect_with(&mut g, Ok(fake::library()), &devices, kind)?;
         let side = SideChannel::new(g.into_transport().into_streams())?;
         let opts = VerbsOptions {
             timeout: Duration::from_secs(5),
@@ -301,7 +316,19 @@ fn fake_pod(n: usize, device: &'static str) -> Vec<Result<Box<dyn Collective>, C
 
 #[test]
 fn collectives_run_over_the_verbs_binding() {
-    let pod: Vec<_> = fake_pod(3, "fake0")
+    collectives_run_over(QueuePairs::Reliable);
+}
+
+/// Thunderbolt's queue pairs are unreliable: a frame sent before the
+/// receiver re-posted its receive would be dropped. Credit flow control
+/// keeps every frame within the receives the peer has posted.
+#[test]
+fn collectives_run_over_unreliable_queue_pairs() {
+    collectives_run_over(QueuePairs::Unreliable);
+}
+
+fn collectives_run_over(kind: QueuePairs) {
+    let pod: Vec<_> = fake_pod_of(3, "fake0", kind)
         .into_iter()
         .map(Result::unwrap)
         .collect();
@@ -418,4 +445,78 @@ fn a_dropped_frame_is_an_error_not_garbage() {
         errs.iter().any(|e| e.contains("frame 2 from rank")),
         "{errs:?}"
     );
+}
+
+/// A receiver that is busy elsewhere (it consumes nothing for a while)
+/// while its peer streams many frames at it over an unreliable queue pair:
+/// every message arrives whole and in order, none is dropped.
+#[test]
+fn a_slow_receiver_loses_nothing_on_unreliable_queue_pairs() {
+    let pod: Vec<_> = fake_pod_of(2, "fake0", QueuePairs::Unreliable)
+        .into_iter()
+        .map(Result::unwrap)
+        .collect();
+    let got = run(pod, |c| {
+        let msg =
+            |i: usize| -> Vec<u8> { (0..50_000).map(|j| ((i * 7 + j) % 251) as u8).collect() };
+        if c.rank() == 0 {
+            for i in 0..20 {
+                c.send(&msg(i), 1).unwrap();
+            }
+            c.barrier().unwrap();
+            0
+        } else {
+            let mut ok = 0;
+            for i in 0..20 {
+                if i % 5 == 0 {
+                    std::thread::sleep(Duration::from_millis(30));
+                }
+                let mut buf = vec![0u8; 50_000];
+                c.recv(&mut buf, 0).unwrap();
+                assert!(buf == msg(i), "message {i} arrived changed");
+                ok += 1;
+            }
+            c.barrier().unwrap();
+            ok
+        }
+    });
+    assert_eq!(got, [0, 20]);
+}
+
+#[test]
+fn credit_keeps_one_frame_back_for_returning_credit() {
+    let mut c = Credit::new(16);
+    // The transport posts every receive before the first exchange.
+    for _ in 0..16 {
+        c.posted = c.posted.wrapping_add(1);
+    }
+    assert_eq!((c.credits(), c.owed()), (16, 0));
+    for _ in 0..15 {
+        assert!(c.data_may_go());
+        c.stamp();
+    }
+    // One credit left: data waits, a credit-only frame could still go.
+    assert_eq!(c.credits(), 1);
+    assert!(!c.data_may_go());
+    // The peer re-posted 8 receives and said so.
+    c.heard(16 + 8);
+    assert_eq!(c.credits(), 9);
+    // A stale count changes nothing.
+    c.heard(16 + 3);
+    assert_eq!(c.credits(), 9);
+    // Receiving: after re-posting half the receives, credit is owed.
+    for _ in 0..7 {
+        c.posted = c.posted.wrapping_add(1);
+    }
+    assert!(!c.credit_frame_due());
+    c.posted = c.posted.wrapping_add(1);
+    assert!(c.credit_frame_due());
+    c.stamp();
+    assert_eq!(c.owed(), 0);
+    // The counters wrap.
+    let mut w = Credit::new(16);
+    w.posted = u16::MAX - 2;
+    w.advertised = u16::MAX - 2;
+    w.posted = w.posted.wrapping_add(10);
+    assert_eq!(w.owed(), 10);
 }
