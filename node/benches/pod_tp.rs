@@ -27,6 +27,13 @@
 //! Prints the 1-rank step time, decode tokens/s of each, the ratio against
 //! the goal (>= 1.9x), each rank's time waiting in the collectives, the
 //! all-reduce alone, the memory bus and the load average.
+//!
+//! Each round also runs the two shares at the same time with nothing sent
+//! between them ([`Detached`]): the speed this machine gives two ranks
+//! before any synchronisation. A pod steps at its slower rank, so the
+//! 1-rank step over the slower of these is the most 2 ranks can reach here
+//! (the "ceiling"), and the pod's speed-up over it is what the
+//! synchronisation costs.
 
 use std::net::{SocketAddr, TcpListener};
 use std::path::{Path, PathBuf};
@@ -156,6 +163,41 @@ impl<C: Collective> Collective for Timed<C> {
     }
 }
 
+/// A collective that moves nothing: with it each rank runs its share alone,
+/// never waiting, so 2 of them measure the split's compute on the shared
+/// machine without the synchronisation.
+struct Detached {
+    rank: usize,
+    size: usize,
+}
+
+impl Collective for Detached {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+    fn size(&self) -> usize {
+        self.size
+    }
+    fn all_reduce_sum(&mut self, _: &mut [u8], _: DType) -> Result<(), CollectiveError> {
+        Ok(())
+    }
+    fn all_gather(&mut self, _: &[u8], _: &mut [u8]) -> Result<(), CollectiveError> {
+        Ok(())
+    }
+    fn broadcast(&mut self, _: &mut [u8], _: usize) -> Result<(), CollectiveError> {
+        Ok(())
+    }
+    fn send(&mut self, _: &[u8], _: usize) -> Result<(), CollectiveError> {
+        Ok(())
+    }
+    fn recv(&mut self, _: &mut [u8], _: usize) -> Result<(), CollectiveError> {
+        Ok(())
+    }
+    fn barrier(&mut self) -> Result<(), CollectiveError> {
+        Ok(())
+    }
+}
+
 /// One rank: loads its shard, runs prefill + STEPS greedy steps; rank 0
 /// prints the decode time per token and the part spent in collectives.
 fn rank_main(rank: usize, addrs: Vec<SocketAddr>) {
@@ -190,10 +232,18 @@ fn rank_main(rank: usize, addrs: Vec<SocketAddr>) {
     lat.sort();
     let mut tokens = prompt.to_vec();
     let (mut decode, mut waiting) = (Duration::ZERO, Duration::ZERO);
+    let mut detached = std::env::var_os("POD_TP_DETACHED").map(|_| Detached {
+        rank,
+        size: addrs.len(),
+    });
     for step in 0..=STEPS {
         let start = Instant::now();
         let before = comm.spent;
-        let logits = m.forward(&tokens, &mut comm).expect("forward");
+        let logits = match &mut detached {
+            Some(d) => m.forward(&tokens, d),
+            None => m.forward(&tokens, &mut comm),
+        }
+        .expect("forward");
         let mut next = [0u32];
         if let Some(l) = logits {
             next[0] = l
@@ -205,8 +255,12 @@ fn rank_main(rank: usize, addrs: Vec<SocketAddr>) {
                 )
                 .0 as u32;
         }
-        comm.broadcast(bytemuck::cast_slice_mut(&mut next), 0)
-            .expect("broadcast");
+        if detached.is_none() {
+            comm.broadcast(bytemuck::cast_slice_mut(&mut next), 0)
+                .expect("broadcast");
+        } else {
+            next[0] = 1 + step as u32;
+        }
         if step > 0 {
             decode += start.elapsed();
             waiting += comm.spent - before;
@@ -224,6 +278,14 @@ fn rank_main(rank: usize, addrs: Vec<SocketAddr>) {
 /// Per-step decode time (rank 0), each rank's time in collectives per step,
 /// and the median all-reduce of one hidden state (rank 0), in seconds.
 fn run_pod(ranks: usize) -> Result<(f64, Vec<f64>, f64), String> {
+    let (steps, waits, wire) = spawn_ranks(ranks, false)?;
+    Ok((steps[0], waits, wire))
+}
+
+/// Runs `ranks` rank processes; with `detached` they move nothing between
+/// them (see [`Detached`]). Each rank's step time and time in collectives,
+/// and rank 0's all-reduce alone.
+fn spawn_ranks(ranks: usize, detached: bool) -> Result<(Vec<f64>, Vec<f64>, f64), String> {
     let ports: Vec<SocketAddr> = (0..ranks)
         .map(|_| {
             TcpListener::bind("127.0.0.1:0")
@@ -239,8 +301,11 @@ fn run_pod(ranks: usize) -> Result<(f64, Vec<f64>, f64), String> {
     let exe = std::env::current_exe().map_err(|e| e.to_string())?;
     let children: Vec<_> = (0..ranks)
         .map(|r| {
-            Command::new("taskset")
-                .args(["-c", &core_of(r).to_string()])
+            let mut c = Command::new("taskset");
+            if detached {
+                c.env("POD_TP_DETACHED", "1");
+            }
+            c.args(["-c", &core_of(r).to_string()])
                 .arg(&exe)
                 .env("POD_TP_RANK", r.to_string())
                 .env("POD_TP_ADDRS", &list)
@@ -277,7 +342,7 @@ fn run_pod(ranks: usize) -> Result<(f64, Vec<f64>, f64), String> {
         })
         .collect::<Result<Vec<_>, _>>()?;
     Ok((
-        results[0].0,
+        results.iter().map(|r| r.0).collect(),
         results.iter().map(|r| r.1).collect(),
         results[0].2,
     ))
@@ -431,9 +496,17 @@ fn main() {
     let load_before = loadavg();
     // 1 rank and 2 ranks alternate, so drift in the machine's load hits both.
     let mut runs = Vec::with_capacity(rounds);
+    let mut alone = Vec::with_capacity(rounds);
     for _ in 0..rounds {
-        match run_pod(1).and_then(|one| Ok((one, run_pod(2)?))) {
-            Ok(r) => runs.push(r),
+        let round = run_pod(1).and_then(|one| {
+            let two = run_pod(2)?;
+            Ok((one, two, spawn_ranks(2, true)?.0))
+        });
+        match round {
+            Ok((one, two, unsynced)) => {
+                runs.push((one, two));
+                alone.push(unsynced);
+            }
             Err(e) => {
                 println!("failed: {e}");
                 return;
@@ -488,6 +561,29 @@ fn main() {
             .map(|r| format!("{:.2}x", r.0 .0 / r.1 .0))
             .collect::<Vec<_>>()
             .join(" ")
+    );
+    // The same two shares on the same two cores at the same time, each
+    // running alone (nothing sent, nobody waited for): what this machine
+    // gives two ranks before any synchronisation. The pod runs at its
+    // slower rank, so the ceiling is the 1-rank step over the slower one.
+    let slower: Vec<f64> = alone
+        .iter()
+        .map(|r| r.iter().copied().fold(0.0, f64::max))
+        .collect();
+    let ceiling = median(runs.iter().zip(&slower).map(|(r, s)| r.0 .0 / s).collect());
+    // Per round: the slower rank alone against the synchronised pod.
+    let kept = median(runs.iter().zip(&slower).map(|(r, s)| s / r.1 .0).collect());
+    println!(
+        "  2 ranks unsynchronised (each its share alone, at the same time): {} ms/step \
+         (rank 0 / rank 1 per round); this machine's ceiling for 2 ranks {:.2}x; \
+         synchronised, the pod keeps {:.0}% of its slower rank's speed (median of rounds)",
+        alone
+            .iter()
+            .map(|r| ms(r).replace(' ', "/"))
+            .collect::<Vec<_>>()
+            .join(" "),
+        ceiling,
+        kept * 100.0
     );
     match bus {
         Ok((one, two)) => println!(
