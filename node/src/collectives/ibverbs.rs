@@ -367,14 +367,9 @@ impl Credit {
         (self.posted.wrapping_sub(self.advertised) as i16 as i32).max(0)
     }
 
-    /// A data frame may go now (in order, keeping one credit back).
+    /// A data frame may go now (keeping one credit back).
     fn data_may_go(&self) -> bool {
-        self.deferred.is_empty() && self.credits() >= 2
-    }
-
-    /// The next deferred data frame may go.
-    fn deferred_may_go(&self) -> bool {
-        !self.deferred.is_empty() && self.credits() >= 2
+        self.credits() >= 2
     }
 
     /// A credit-only frame should go.
@@ -985,10 +980,11 @@ impl Conn {
     /// Sends what credit now allows: deferred data frames in order, then a
     /// credit-only frame if one is due.
     fn pump(&mut self, peer: usize) -> Result<(), CollectiveError> {
-        while self.credit.deferred_may_go() {
-            if let Some((slot, len)) = self.credit.deferred.pop_front() {
-                self.post_frame(peer, slot, len, false)?;
-            }
+        while self.credit.data_may_go() {
+            let Some((slot, len)) = self.credit.deferred.pop_front() else {
+                break;
+            };
+            self.post_frame(peer, slot, len, false)?;
         }
         if self.credit.credit_frame_due() {
             self.post_frame(peer, self.slots, 0, true)?;
@@ -1160,12 +1156,9 @@ impl Verbs for RdmaVerbs {
             dst[..head.len()].copy_from_slice(head);
             dst[head.len()..].copy_from_slice(body);
         }
-        if c.credit.data_may_go() {
-            c.post_frame(peer, slot, len, false)
-        } else {
-            c.credit.deferred.push_back((slot, len));
-            Ok(())
-        }
+        // Queued behind any frame still waiting for credit, so frames leave in order.
+        c.credit.deferred.push_back((slot, len));
+        c.pump(peer)
     }
 
     fn post_recv(&mut self, peer: usize, slot: usize) -> Result<(), CollectiveError> {
