@@ -23,11 +23,12 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use ed25519_dalek::SigningKey;
 use mlxnet_coordinator::{
+    domain::NewJob,
     scheduler::{
         self, Decision, Fleet, JobShape, Measured, Mode, ModelShape, NodeSpec, PodSpec, Policy,
         Queue, Target,
     },
-    store::{NewJob, Store},
+    store::Store,
 };
 use mlxnet_proto::{
     chips::CHIPS,

@@ -86,7 +86,7 @@ impl Application {
             // Settle what a crash left unsettled and expire overdue holds,
             // before anything is served.
             let ledger = Ledger::new(store.pool().clone(), config.ledger_config());
-            let swept = ledger::sweep(&ledger, crate::store::now_ms(), |job| {
+            let swept = ledger::sweep(&ledger, crate::util::now_ms(), |job| {
                 let store = store.clone();
                 async move { store.cancel(job).await.map(|_| ()) }
             })

@@ -34,7 +34,8 @@ mod driver;
 
 use std::{collections::HashSet, sync::Mutex};
 
-use crate::lock;
+pub use crate::domain::AuditRecord as NodeRecord;
+use crate::util::lock;
 use mlxnet_proto::{ids::NodeId, v1::SignedVerdict};
 use prost::Message;
 use serde::Deserialize;
@@ -82,14 +83,6 @@ impl AuditConfig {
             ..Self::default()
         }
     }
-}
-
-/// A node's audit record.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct NodeRecord {
-    pub clean: u32,
-    pub failed: u32,
-    pub banned: bool,
 }
 
 /// The share of `record`'s node's jobs to audit.

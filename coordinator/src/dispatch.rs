@@ -46,13 +46,15 @@ use tokio::{sync::Notify, task::JoinSet};
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, instrument, warn};
 
-use crate::lock;
 use crate::{
     catalogue::{Catalogue, Model},
     config::CoordinatorConfig,
-    error::error_chain,
-    jobs::{self, EventHub},
-    ledger::{self, settle::JobTerms, Ledger, LedgerError},
+    domain::{
+        job::terminal_event, AttemptEnd, CancelOutcome, Completion, JobRecord, JobTerms, NewJob,
+        Segment, Streamed, StreamedEnd,
+    },
+    jobs::EventHub,
+    ledger::{self, Ledger, LedgerError},
     link::{
         job::{
             check_handoff, check_result, Expected, JobStream, CODE_CANCELLED, CODE_REFUSED,
@@ -62,11 +64,8 @@ use crate::{
     },
     metrics::Metrics,
     scheduler::{self, Queue, Target},
-    store::{
-        now_ms,
-        segments::{Segment, Streamed, StreamedEnd},
-        AttemptEnd, CancelOutcome, Completion, JobRecord, NewJob, Store, StoreError,
-    },
+    store::{Store, StoreError},
+    util::{error_chain, lock, now_ms},
 };
 
 /// How often placement runs even when nothing woke it.
@@ -422,7 +421,7 @@ impl Dispatcher {
             debug!(error = %e, "world map: job of a node it does not show");
         }
         if let Some(done) = self.store.get_job(job.id).await? {
-            if let Some(event) = jobs::terminal_event(&done).and_then(|e| e.event) {
+            if let Some(event) = terminal_event(&done).and_then(|e| e.event) {
                 self.hub.publish(job.id, event);
             }
         }

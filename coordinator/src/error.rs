@@ -7,6 +7,8 @@
 
 use std::{io, net::SocketAddr};
 
+use crate::util::error_chain;
+
 use crate::{
     catalogue::CatalogueError, ledger::LedgerError, link::tls::TlsError, store::StoreError,
 };
@@ -56,6 +58,12 @@ impl From<LedgerError> for ApiError {
             LedgerError::Store(e) => ApiError::Internal(e),
             other => ApiError::Ledger(other),
         }
+    }
+}
+
+impl From<crate::domain::InvalidScopes> for ApiError {
+    fn from(e: crate::domain::InvalidScopes) -> Self {
+        ApiError::InvalidArgument(e.0.to_owned())
     }
 }
 
@@ -117,16 +125,4 @@ pub enum AppError {
     Http(#[source] io::Error),
     #[error("a server task panicked")]
     Panicked(#[from] tokio::task::JoinError),
-}
-
-/// `err` and all its sources, joined by ": ".
-pub fn error_chain(err: &dyn std::error::Error) -> String {
-    let mut out = err.to_string();
-    let mut source = err.source();
-    while let Some(s) = source {
-        out.push_str(": ");
-        out.push_str(&s.to_string());
-        source = s.source();
-    }
-    out
 }

@@ -39,7 +39,7 @@ use tokio::{
 use tracing::debug;
 
 use crate::{
-    config::Limits, dispatch::Dispatcher, error::error_chain, limits::Held, metrics::Gauges,
+    config::Limits, dispatch::Dispatcher, limits::Held, metrics::Gauges, util::error_chain,
 };
 
 /// Largest request head (request line and headers), HTTP/1.1 and HTTP/2.

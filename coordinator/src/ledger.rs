@@ -38,8 +38,11 @@ mod tests;
 use serde::Deserialize;
 use sqlx::{sqlite::SqliteRow, Row, SqlitePool};
 
-pub use settle::{Price, Share};
-pub use transfer::{Applied, NewTransfer, Transfer, TransferKind};
+pub use crate::domain::{
+    Account, AccountKind, Applied, JobTerms, NewTransfer, NodeEarnings, Price, Totals, Transfer,
+    TransferKind,
+};
+pub use settle::Share;
 
 use crate::store::StoreError;
 
@@ -130,65 +133,9 @@ pub enum LedgerError {
     BatchAborted(String),
 }
 
-/// Who an account belongs to.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum AccountKind {
-    Client,
-    Operator,
-    Fee,
-    RewardPool,
-    Escrow,
-    Treasury,
-}
-
-impl AccountKind {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            AccountKind::Client => "client",
-            AccountKind::Operator => "operator",
-            AccountKind::Fee => "fee",
-            AccountKind::RewardPool => "reward_pool",
-            AccountKind::Escrow => "escrow",
-            AccountKind::Treasury => "treasury",
-        }
-    }
-
-    pub fn parse(s: &str) -> Option<Self> {
-        Some(match s {
-            "client" => AccountKind::Client,
-            "operator" => AccountKind::Operator,
-            "fee" => AccountKind::Fee,
-            "reward_pool" => AccountKind::RewardPool,
-            "escrow" => AccountKind::Escrow,
-            "treasury" => AccountKind::Treasury,
-            _ => return None,
-        })
-    }
-}
-
-/// An account with its balances.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Account {
-    pub id: String,
-    pub name: String,
-    pub kind: AccountKind,
-    pub no_overdraft: bool,
-    pub debits_pending: i64,
-    pub debits_posted: i64,
-    pub credits_pending: i64,
-    pub credits_posted: i64,
-    pub created_at_ms: i64,
-}
-
-impl Account {
-    /// Posted balance.
-    pub fn balance(&self) -> i64 {
-        self.credits_posted - self.debits_posted
-    }
-
-    /// What can still be spent or held: the balance less open holds.
-    pub fn available(&self) -> i64 {
-        self.balance() - self.debits_pending
+impl From<crate::domain::InvalidScopes> for LedgerError {
+    fn from(e: crate::domain::InvalidScopes) -> Self {
+        LedgerError::Invalid(e.0)
     }
 }
 
@@ -207,26 +154,6 @@ pub(crate) fn account_from_row(row: &SqliteRow) -> Result<Account, LedgerError> 
         credits_posted: row.try_get("credits_posted")?,
         created_at_ms: row.try_get("created_at_ms")?,
     })
-}
-
-/// Sums over every account (see [`Ledger::totals`]).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct Totals {
-    /// Sum of posted `credits - debits`: always 0.
-    pub posted: i64,
-    /// Sum of pending `credits - debits`: always 0.
-    pub pending: i64,
-    /// Open holds.
-    pub open_holds: i64,
-}
-
-/// One node's earnings over a period.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct NodeEarnings {
-    pub node_id: String,
-    pub micro_mlx: i64,
-    pub jobs: i64,
-    pub tokens: i64,
 }
 
 /// The ledger over the coordinator's database.
@@ -338,7 +265,7 @@ impl Ledger {
             return Err(LedgerError::Invalid("an account name is 1 to 64 bytes"));
         }
         let id = format!("acct_{}", hex::encode(rand::random::<[u8; 8]>()));
-        let now = crate::store::now_ms();
+        let now = crate::util::now_ms();
         sqlx::query(
             "INSERT INTO accounts (id, name, kind, no_overdraft, created_at_ms) VALUES (?, ?, ?, 1, ?)",
         )
@@ -402,7 +329,7 @@ impl Ledger {
                 memo: memo.into(),
                 ..Default::default()
             },
-            crate::store::now_ms(),
+            crate::util::now_ms(),
         )
         .await
     }
@@ -497,7 +424,7 @@ impl Ledger {
             )
             .bind(node_id)
             .bind(account)
-            .bind(crate::store::now_ms())
+            .bind(crate::util::now_ms())
             .execute(&mut *tx)
             .await?;
             account.to_owned()
@@ -608,11 +535,11 @@ impl Ledger {
 /// Settles `job` now, logging (not returning) a failure: the sweep and the
 /// next start-up settle whatever is left open.
 pub async fn settle_logged(ledger: &Ledger, job: mlxnet_proto::ids::JobId) {
-    match ledger.settle_job(job, crate::store::now_ms()).await {
+    match ledger.settle_job(job, crate::util::now_ms()).await {
         Ok(outcome) => tracing::debug!(job_id = %job, ?outcome, "settled"),
         Err(e) => tracing::warn!(
             job_id = %job,
-            error = %crate::error::error_chain(&e),
+            error = %crate::util::error_chain(&e),
             "settlement failed; the sweep retries it"
         ),
     }
@@ -668,18 +595,18 @@ pub async fn sweep_loop(d: std::sync::Arc<crate::dispatch::Dispatcher>) {
             _ = d.shutdown_token().cancelled() => return,
             _ = tokio::time::sleep(every) => {}
         }
-        let result = sweep(&d.ledger, crate::store::now_ms(), |job| {
+        let result = sweep(&d.ledger, crate::util::now_ms(), |job| {
             let d = std::sync::Arc::clone(&d);
             async move { d.cancel(job).await.map(|_| ()) }
         })
         .await;
-        if let Err(e) = d.ledger.pay_rewards(crate::store::now_ms()).await {
-            tracing::warn!(error = %crate::error::error_chain(&e), "paying availability rewards failed");
+        if let Err(e) = d.ledger.pay_rewards(crate::util::now_ms()).await {
+            tracing::warn!(error = %crate::util::error_chain(&e), "paying availability rewards failed");
         }
         match result {
             Ok(s) if s != Swept::default() => tracing::info!(?s, "ledger sweep"),
             Ok(_) => {}
-            Err(e) => tracing::warn!(error = %crate::error::error_chain(&e), "ledger sweep failed"),
+            Err(e) => tracing::warn!(error = %crate::util::error_chain(&e), "ledger sweep failed"),
         }
     }
 }

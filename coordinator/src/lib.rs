@@ -20,6 +20,8 @@
 //! - [`limits`]: abuse limits: global in-flight cap, per-key rate and in-flight caps.
 //! - [`error`]: errors at the edges and their one mapping to gRPC status.
 //! - [`world`]: the World page (map of every node), its JSON API and live stream.
+//! - [`domain`]: the values every layer speaks in (jobs, nodes, money, keys).
+//! - [`util`]: the lock, error-chain and clock helpers.
 #![forbid(unsafe_code)]
 
 pub mod api;
@@ -28,6 +30,7 @@ pub mod audit;
 pub mod catalogue;
 pub mod config;
 pub mod dispatch;
+pub mod domain;
 pub mod error;
 pub mod http;
 pub mod jobs;
@@ -39,13 +42,8 @@ pub mod scheduler;
 pub mod store;
 #[cfg(test)]
 pub(crate) mod test_utils;
+pub mod util;
 pub mod world;
 
 pub use app::Application;
 pub use config::CoordinatorConfig;
-
-/// Locks `m`. A lock poisoned by a holder that panicked is taken as it is,
-/// so one panicked task does not wedge every other user of that state.
-pub(crate) fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
-}

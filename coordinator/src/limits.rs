@@ -38,8 +38,7 @@ use tokio::{
     sync::{OwnedSemaphorePermit, Semaphore},
 };
 
-use crate::lock;
-use crate::{config::Limits, error::ApiError, ledger::keys::Caller};
+use crate::{config::Limits, domain::Caller, error::ApiError, util::lock};
 
 /// Per-key entries kept before idle ones are dropped.
 pub const MAX_TRACKED_KEYS: usize = 100_000;

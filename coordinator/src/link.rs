@@ -34,7 +34,11 @@ use mlxnet_proto::{
 };
 use tracing::{debug, info, instrument, warn};
 
-use crate::{dispatch::Dispatcher, error::error_chain, metrics::Metrics};
+use crate::{
+    dispatch::Dispatcher,
+    metrics::Metrics,
+    util::{error_chain, now_ms},
+};
 
 use self::session::Session;
 
@@ -245,7 +249,7 @@ async fn control_loop(
                             &session.node_id.to_string(),
                             session.memory_bytes,
                             online.as_millis() as u64,
-                            crate::store::now_ms(),
+                            now_ms(),
                         )
                         .await
                     {

@@ -16,12 +16,9 @@ use tonic::{Request, Response, Status};
 use super::auth::caller;
 use crate::{
     dispatch::Dispatcher,
+    domain::{AccountKind, Applied, Caller, Scope, Scopes, TransferKind},
     error::ApiError,
-    ledger::{
-        keys::{Caller, Scope, Scopes},
-        AccountKind, Applied, TransferKind,
-    },
-    store::now_ms,
+    util::now_ms,
 };
 
 const HISTORY_DEFAULT: u32 = 20;

@@ -29,12 +29,11 @@ use futures::future::BoxFuture;
 use tonic::codegen::http;
 
 use crate::{
+    domain::{Caller, Scope},
     error::ApiError,
-    ledger::{
-        keys::{Caller, Scope},
-        Ledger,
-    },
+    ledger::Ledger,
     limits::{Admission, Held},
+    util::now_ms,
 };
 
 /// The health service: cheap, and answered even under overload.
@@ -119,7 +118,7 @@ async fn authenticate(
         .map(str::trim)
         .ok_or(ApiError::Unauthenticated)?;
     let caller = ledger
-        .authenticate(presented, crate::store::now_ms())
+        .authenticate(presented, now_ms())
         .await?
         .ok_or(ApiError::Unauthenticated)?;
     if !caller.scopes.allows(scope) {

@@ -20,13 +20,12 @@ use crate::{
     catalogue::Catalogue,
     config::Limits,
     dispatch::Dispatcher,
-    error::{mlx, ApiError},
-    jobs::{self, JobState},
-    ledger::{
-        keys::{Caller, Scope},
-        settle::{self, JobTerms},
+    domain::{
+        job::{is_terminal_event, terminal_event, to_proto},
+        Caller, CancelOutcome, JobState, JobTerms, NewJob, Scope,
     },
-    store::{CancelOutcome, NewJob},
+    error::{mlx, ApiError},
+    ledger::settle,
 };
 
 /// Chat roles a model template knows.
@@ -269,7 +268,7 @@ impl Jobs for JobsApi {
         }
         let record = self.d.submit(job, &terms).await.map_err(ApiError::from)?;
         self.d.admission.note_queued();
-        Ok(Response::new(jobs::to_proto(&record)))
+        Ok(Response::new(to_proto(&record)))
     }
 
     async fn get(&self, req: Request<GetJobRequest>) -> Result<Response<Job>, Status> {
@@ -283,7 +282,7 @@ impl Jobs for JobsApi {
             .await
             .map_err(ApiError::from)?
             .ok_or_else(|| not_found(id))?;
-        Ok(Response::new(jobs::to_proto(&job)))
+        Ok(Response::new(to_proto(&job)))
     }
 
     type WatchStream = EventStream;
@@ -320,7 +319,7 @@ impl Jobs for JobsApi {
                     event: Some(e),
                 })
             };
-            if let Some(end) = jobs::terminal_event(&job) {
+            if let Some(end) = terminal_event(&job) {
                 drop(sub);
                 d.hub.forget_if_idle(id);
                 let _ = tx.send(Ok(end)).await;
@@ -360,7 +359,7 @@ impl Jobs for JobsApi {
                 };
                 match next {
                     Ok(e) => {
-                        let end = jobs::is_terminal_event(&e);
+                        let end = is_terminal_event(&e);
                         if tx.send(Ok(e)).await.is_err() || end {
                             return;
                         }
@@ -371,7 +370,7 @@ impl Jobs for JobsApi {
                         let now = d.store.get_job(id).await;
                         match now {
                             Ok(Some(job)) if job.state.is_terminal() => {
-                                if let Some(end) = jobs::terminal_event(&job) {
+                                if let Some(end) = terminal_event(&job) {
                                     let _ = tx.send(Ok(end)).await;
                                 }
                             }
@@ -416,7 +415,7 @@ impl Jobs for JobsApi {
             .await
             .map_err(ApiError::from)?
             .ok_or_else(|| not_found(id))?;
-        Ok(Response::new(jobs::to_proto(&job)))
+        Ok(Response::new(to_proto(&job)))
     }
 
     async fn list(
@@ -456,7 +455,7 @@ impl Jobs for JobsApi {
             jobs
         };
         Ok(Response::new(ListJobsResponse {
-            jobs: jobs.iter().map(jobs::to_proto).collect(),
+            jobs: jobs.iter().map(to_proto).collect(),
         }))
     }
 }

@@ -28,13 +28,13 @@ use super::{audit_rate, Ended};
 use crate::{
     catalogue::Model,
     dispatch::{input_bytes, Dispatcher},
-    error::error_chain,
+    domain::JobRecord,
     ledger,
     link::{
         job::{JobStream, CODE_REFUSED},
         session::Session,
     },
-    store::{now_ms, JobRecord},
+    util::{error_chain, now_ms},
 };
 
 /// How often a pending audit looks for a free auditor.

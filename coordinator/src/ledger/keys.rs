@@ -36,95 +36,10 @@ use sha2::{Digest, Sha256};
 use sqlx::Row;
 
 use super::{AccountKind, Ledger, LedgerError};
+pub use crate::domain::{Caller, KeyInfo, KeyLimits, Scope, Scopes};
 
 /// Prefix of every API key.
 pub const KEY_PREFIX: &str = "mlxk_";
-
-/// What a key may do.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum Scope {
-    /// Submit and cancel jobs.
-    Submit,
-    /// Read jobs, balance, history, earnings.
-    Read,
-    /// Create accounts, grant MLX tokens, manage any account's keys.
-    Admin,
-}
-
-impl Scope {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Scope::Submit => "submit",
-            Scope::Read => "read",
-            Scope::Admin => "admin",
-        }
-    }
-
-    pub fn parse(s: &str) -> Option<Self> {
-        Some(match s.trim() {
-            "submit" => Scope::Submit,
-            "read" => Scope::Read,
-            "admin" => Scope::Admin,
-            _ => return None,
-        })
-    }
-}
-
-/// A set of scopes.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct Scopes {
-    pub submit: bool,
-    pub read: bool,
-    pub admin: bool,
-}
-
-impl Scopes {
-    pub const ALL: Scopes = Scopes {
-        submit: true,
-        read: true,
-        admin: true,
-    };
-
-    /// Whether the set allows `scope` (admin allows everything).
-    pub fn allows(&self, scope: Scope) -> bool {
-        self.admin
-            || match scope {
-                Scope::Submit => self.submit,
-                Scope::Read => self.read,
-                Scope::Admin => false,
-            }
-    }
-
-    pub fn from_list<'a>(list: impl IntoIterator<Item = &'a str>) -> Result<Self, LedgerError> {
-        let mut out = Scopes::default();
-        for s in list {
-            match Scope::parse(s) {
-                Some(Scope::Submit) => out.submit = true,
-                Some(Scope::Read) => out.read = true,
-                Some(Scope::Admin) => out.admin = true,
-                None => return Err(LedgerError::Invalid("scopes are submit, read and admin")),
-            }
-        }
-        if out == Scopes::default() {
-            return Err(LedgerError::Invalid("a key needs at least one scope"));
-        }
-        Ok(out)
-    }
-
-    pub fn names(&self) -> Vec<&'static str> {
-        let mut v = Vec::new();
-        if self.submit {
-            v.push("submit");
-        }
-        if self.read {
-            v.push("read");
-        }
-        if self.admin {
-            v.push("admin");
-        }
-        v
-    }
-}
 
 /// A key as created: the only time its secret exists outside the caller.
 pub struct IssuedKey {
@@ -151,24 +66,6 @@ impl fmt::Debug for IssuedKey {
             .field("secret", &"<redacted>")
             .finish()
     }
-}
-
-/// An authenticated caller.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Caller {
-    pub account_id: String,
-    pub key_id: String,
-    pub scopes: Scopes,
-    /// The key's own abuse limits (see [`crate::limits`]).
-    pub limits: KeyLimits,
-}
-
-/// A key's own abuse limits; `None` takes the coordinator's default, 0 is
-/// unlimited.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct KeyLimits {
-    pub requests_per_sec: Option<u32>,
-    pub max_in_flight: Option<u32>,
 }
 
 /// Longest a cached key lookup is trusted.
@@ -229,24 +126,8 @@ fn limit_from_db(v: Option<i64>) -> Option<u32> {
     v.map(|n| u32::try_from(n.max(0)).unwrap_or(u32::MAX))
 }
 
-/// A key as listed (no secret, no hash).
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct KeyInfo {
-    pub id: String,
-    pub account_id: String,
-    pub scopes: Scopes,
-    pub label: String,
-    pub created_at_ms: i64,
-    pub expires_at_ms: Option<i64>,
-    pub revoked_at_ms: Option<i64>,
-}
-
 fn hash(key: &str) -> [u8; 32] {
     Sha256::digest(key.as_bytes()).into()
-}
-
-fn scopes_from_text(text: &str) -> Result<Scopes, LedgerError> {
-    Scopes::from_list(text.split(',').filter(|s| !s.is_empty()))
 }
 
 impl Ledger {
@@ -281,7 +162,7 @@ impl Ledger {
         .bind(hash(&secret).to_vec())
         .bind(scopes.names().join(","))
         .bind(label)
-        .bind(crate::store::now_ms())
+        .bind(crate::util::now_ms())
         .bind(expires_at_ms)
         .execute(self.pool())
         .await?;
@@ -322,7 +203,7 @@ impl Ledger {
         let caller = Caller {
             account_id: r.try_get("account_id")?,
             key_id: r.try_get("id")?,
-            scopes: scopes_from_text(&scopes)?,
+            scopes: Scopes::from_text(&scopes)?,
             limits: KeyLimits {
                 requests_per_sec: limit_from_db(r.try_get("max_requests_per_sec")?),
                 max_in_flight: limit_from_db(r.try_get("max_in_flight")?),
@@ -364,7 +245,7 @@ impl Ledger {
             "UPDATE api_keys SET revoked_at_ms = ?1 WHERE id = ?2 AND revoked_at_ms IS NULL \
              AND (?3 IS NULL OR account_id = ?3)",
         )
-        .bind(crate::store::now_ms())
+        .bind(crate::util::now_ms())
         .bind(key_id)
         .bind(account)
         .execute(self.pool())
@@ -389,7 +270,7 @@ impl Ledger {
                 Ok(KeyInfo {
                     id: r.try_get("id")?,
                     account_id: r.try_get("account_id")?,
-                    scopes: scopes_from_text(&scopes)?,
+                    scopes: Scopes::from_text(&scopes)?,
                     label: r.try_get("label")?,
                     created_at_ms: r.try_get("created_at_ms")?,
                     expires_at_ms: r.try_get("expires_at_ms")?,

@@ -21,22 +21,14 @@
 
 use sqlx::Row;
 
+pub use crate::domain::Availability;
+
 use super::{
-    settle::operator_of,
-    transfer::{self, NewTransfer, TransferKind},
-    Ledger, LedgerError, REWARD_POOL,
+    settle::operator_of, transfer, Ledger, LedgerError, NewTransfer, TransferKind, REWARD_POOL,
 };
 
 const GIB: u128 = 1 << 30;
 const HOUR_MS: u128 = 3_600_000;
-
-/// One node's availability in an epoch.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Availability {
-    pub node_id: String,
-    pub memory_bytes: u64,
-    pub online_ms: u64,
-}
 
 /// Each node's reward for an epoch: memory x time x rate, scaled down
 /// together so the sum stays within `budget`. Nodes owed nothing are left out.

@@ -35,9 +35,9 @@ use prost::Message;
 use sqlx::{Row, SqliteConnection};
 
 use super::{
-    transfer::{self, Applied, NewTransfer, TransferKind},
-    Ledger, LedgerError, ESCROW, FEE,
+    transfer, Applied, JobTerms, Ledger, LedgerError, NewTransfer, Price, TransferKind, ESCROW, FEE,
 };
+pub use crate::domain::hold_id;
 
 /// Settlement steps since the process started (for the test pause knob).
 static STEPS: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
@@ -58,24 +58,6 @@ async fn step(ledger: &Ledger) {
 const TEMPLATE_TOKENS_PER_MESSAGE: u64 = 8;
 /// Prompt tokens a chat template may add once (a default system prompt).
 const TEMPLATE_TOKENS_FIXED: u64 = 64;
-
-/// A model's price, in micro-MLX per million tokens.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct Price {
-    pub input_per_mtok: u64,
-    pub output_per_mtok: u64,
-}
-
-impl Price {
-    /// The price of `input` prompt tokens and `output` generated tokens,
-    /// rounded up to a whole micro-MLX.
-    pub fn of(&self, input: u64, output: u64) -> i64 {
-        let total = u128::from(input) * u128::from(self.input_per_mtok)
-            + u128::from(output) * u128::from(self.output_per_mtok);
-        let micro = total.div_ceil(1_000_000);
-        i64::try_from(micro).unwrap_or(i64::MAX)
-    }
-}
 
 /// An upper bound of the prompt tokens of `input`: a byte-level tokenizer
 /// never makes more tokens than bytes, plus what the chat template adds.
@@ -98,10 +80,6 @@ pub fn max_price(price: &Price, input: &JobInput, max_tokens: u32) -> i64 {
     price.of(prompt_tokens_bound(input), u64::from(max_tokens))
 }
 
-pub fn hold_id(job: &str) -> String {
-    format!("job:{job}:hold")
-}
-
 /// Verified work by one node on a job.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Share {
@@ -109,14 +87,6 @@ pub struct Share {
     pub attempt: u32,
     pub input_tokens: u64,
     pub output_tokens: u64,
-}
-
-/// Who pays for a job, and at what price.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct JobTerms {
-    pub account: String,
-    pub price: Price,
-    pub max_price: i64,
 }
 
 /// What settling a job did.
@@ -498,7 +468,7 @@ pub(crate) async fn operator_of(
     }
     let short: String = node_id.chars().take(16).collect();
     let account = format!("acct_node_{short}");
-    let now = crate::store::now_ms();
+    let now = crate::util::now_ms();
     sqlx::query(
         "INSERT OR IGNORE INTO accounts (id, name, kind, no_overdraft, created_at_ms) \
          VALUES (?, ?, 'operator', 1, ?)",

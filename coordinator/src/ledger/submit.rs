@@ -38,11 +38,11 @@ use std::collections::{HashMap, HashSet};
 
 use sqlx::{Row, SqliteConnection};
 
-use super::{settle::hold_id, settle::JobTerms, Ledger, LedgerError, ESCROW};
-use crate::lock;
-use crate::store::{
-    sqlite::{insert_jobs_on, insert_rows},
-    JobRecord, NewJob,
+use super::{settle::hold_id, JobTerms, Ledger, LedgerError, ESCROW};
+use crate::{
+    domain::{JobRecord, NewJob},
+    store::sqlite::{insert_jobs_on, insert_rows},
+    util::lock,
 };
 
 /// A submit waiting for the next group commit.
@@ -140,7 +140,7 @@ fn answer_all(batch: Vec<QueuedSubmit>, committed: Result<Vec<Verdict>, String>)
         Ok(verdicts) => {
             for (q, v) in batch.into_iter().zip(verdicts) {
                 let r = match v {
-                    Verdict::Accepted => Ok(crate::store::sqlite::queued_record(&q.job, q.now_ms)),
+                    Verdict::Accepted => Ok(JobRecord::queued(&q.job, q.now_ms)),
                     Verdict::Refused(e) => Err(e),
                 };
                 let _ = q.reply.send(r);

@@ -13,10 +13,11 @@ use rand::{rngs::StdRng, Rng, SeedableRng};
 
 use super::{
     keys::Scopes,
-    settle::{max_price, JobTerms, Settlement},
+    settle::{max_price, Settlement},
     *,
 };
-use crate::store::{AttemptEnd, CancelOutcome, Completion, NewJob, Store};
+use crate::domain::{AttemptEnd, CancelOutcome, Completion, NewJob};
+use crate::store::Store;
 
 async fn fresh(config: LedgerConfig) -> (tempfile::TempDir, Store, Ledger) {
     let dir = tempfile::tempdir().unwrap();
@@ -848,7 +849,7 @@ async fn random_job_lives_keep_the_books_balanced() {
             clients,
             operators,
             jobs: Vec::new(),
-            now: crate::store::now_ms(),
+            now: crate::util::now_ms(),
             expect,
             refused: 0,
             expired: 0,
@@ -1057,7 +1058,7 @@ async fn concurrent_submits_commit_in_groups_and_each_gets_its_own_answer() {
 /// output. The client pays no more than the job run whole.
 #[tokio::test]
 async fn a_handed_off_job_pays_each_signed_token_once() {
-    use crate::store::segments::{Segment, StreamedEnd};
+    use crate::domain::{Segment, StreamedEnd};
     let (_dir, store, ledger) = fresh(LedgerConfig::default()).await;
     let client = account(&ledger, "client", AccountKind::Client).await;
     ledger.grant("c", &client.id, 1_000_000, "").await.unwrap();
@@ -1071,7 +1072,7 @@ async fn a_handed_off_job_pays_each_signed_token_once() {
         price: PRICE,
         max_price: 10_000,
     };
-    let now = crate::store::now_ms();
+    let now = crate::util::now_ms();
     ledger.submit_job(&job, &terms, now).await.unwrap();
     let partial = SignedClaim {
         claim: Some(ResultClaim {
@@ -1158,7 +1159,7 @@ async fn a_handed_off_job_pays_each_signed_token_once() {
 async fn one_batch(
     ledger: &Ledger,
     submits: Vec<(NewJob, JobTerms)>,
-) -> Vec<Result<crate::store::JobRecord, LedgerError>> {
+) -> Vec<Result<crate::domain::JobRecord, LedgerError>> {
     let guard = ledger.writer_lock().await;
     let mut tasks = Vec::new();
     for (i, (job, terms)) in submits.into_iter().enumerate() {
@@ -1216,7 +1217,7 @@ async fn a_batch_refuses_only_the_submits_that_cannot_be_held() {
     ];
     let jobs: Vec<JobId> = batch.iter().map(|(j, _)| j.id).collect();
     let answers = one_batch(&ledger, batch).await;
-    let verdict = |r: &Result<crate::store::JobRecord, LedgerError>| match r {
+    let verdict = |r: &Result<crate::domain::JobRecord, LedgerError>| match r {
         Ok(_) => "ok".to_owned(),
         Err(LedgerError::InsufficientFunds {
             needed, available, ..

@@ -20,51 +20,11 @@ use mlxnet_proto::{
 use prost::Message;
 use sqlx::{Row, SqliteConnection};
 
-use super::{now_ms, sqlite::SqliteStore, AttemptEnd, StoreError};
-
-/// The tokens one attempt streamed before it ended without finishing.
-#[derive(Clone, Debug, Default, PartialEq)]
-pub struct Segment {
-    pub attempt: u32,
-    pub node_id: String,
-    /// Index of its first token in the job's stream.
-    pub first_index: u32,
-    pub token_ids: Vec<u32>,
-    pub text: String,
-    /// A drained node's signed partial claim (verified); none when the node
-    /// vanished.
-    pub claim: Option<SignedClaim>,
-}
-
-/// Everything a job's ended attempts streamed, in order.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct Streamed {
-    pub token_ids: Vec<u32>,
-    pub text: String,
-}
-
-impl Streamed {
-    /// Joins `segments` (in stream order).
-    pub fn of(segments: &[Segment]) -> Self {
-        let mut out = Streamed::default();
-        for s in segments {
-            out.token_ids.extend_from_slice(&s.token_ids);
-            out.text.push_str(&s.text);
-        }
-        out
-    }
-}
-
-/// How an attempt that streamed tokens ended.
-#[derive(Clone, Debug)]
-pub struct StreamedEnd<'a> {
-    pub job: JobId,
-    pub attempt: u32,
-    pub node_id: &'a str,
-    pub reason: &'a str,
-    pub retryable: bool,
-    pub max_attempts: u32,
-}
+use super::{sqlite::SqliteStore, StoreError};
+use crate::{
+    domain::{AttemptEnd, Segment, StreamedEnd},
+    util::now_ms,
+};
 
 impl SqliteStore {
     /// [`SqliteStore::fail_attempt`], and in the same transaction records
@@ -205,6 +165,7 @@ fn decode_ids(bytes: &[u8]) -> Option<Vec<u32>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::domain::Streamed;
     use crate::store::sqlite::tests::{completion, fresh, queued};
 
     fn end<'a>(job: JobId, attempt: u32, node: &'a str) -> StreamedEnd<'a> {

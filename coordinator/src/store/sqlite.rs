@@ -23,12 +23,14 @@ use sqlx::{
     Row, SqliteConnection, SqlitePool,
 };
 
-use super::{
-    now_ms,
-    segments::{self, StreamedEnd},
-    AttemptEnd, CancelOutcome, Completion, JobRecord, JobStats, NewJob, NodeRecord, StoreError,
+use super::{segments, StoreError};
+use crate::{
+    domain::{
+        AttemptEnd, CancelOutcome, Completion, JobRecord, JobState, JobStats, NewJob, NodeRecord,
+        StreamedEnd,
+    },
+    util::now_ms,
 };
-use crate::jobs::JobState;
 
 static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("../migrations/sqlite");
 
@@ -267,7 +269,7 @@ impl SqliteStore {
         let now = now_ms();
         let claim = c.result.claim.clone().unwrap_or_default();
         let mut tx = self.pool.begin_with(IMMEDIATE).await?;
-        let before = segments::Streamed::of(&segments::segments_on(&mut tx, c.job_id).await?);
+        let before = crate::domain::Streamed::of(&segments::segments_on(&mut tx, c.job_id).await?);
         let output_text = before.text + &claim.output_text;
         let completion_tokens = before.token_ids.len() as i64 + i64::from(claim.completion_tokens);
         let done = sqlx::query(
@@ -510,7 +512,7 @@ pub(crate) async fn insert_job_on(
     now: i64,
 ) -> Result<JobRecord, StoreError> {
     insert_jobs_on(conn, &[(job, now)]).await?;
-    Ok(queued_record(job, now))
+    Ok(JobRecord::queued(job, now))
 }
 
 /// Inserts queued jobs (attempt 1), each created at its own time, with
@@ -537,26 +539,6 @@ pub(crate) async fn insert_jobs_on(
     )
     .await?;
     Ok(())
-}
-
-/// The record of a job just inserted by [`insert_jobs_on`].
-pub(crate) fn queued_record(job: &NewJob, now: i64) -> JobRecord {
-    JobRecord {
-        id: job.id,
-        model: job.model.clone(),
-        input: job.input.clone(),
-        sampling: job.sampling.clone(),
-        priority: job.priority,
-        state: JobState::Queued,
-        attempt: 1,
-        node_id: None,
-        output_text: String::new(),
-        completion_tokens: 0,
-        result: None,
-        error: None,
-        created_at_ms: now,
-        updated_at_ms: now,
-    }
 }
 
 /// Most rows in one multi-row INSERT of [`insert_rows`].
