@@ -28,7 +28,7 @@ use mlxnet_coordinator::{
         self, Decision, Fleet, JobShape, Measured, Mode, ModelShape, NodeSpec, PodSpec, Policy,
         Queue, Target,
     },
-    store::Store,
+    store::{AnyStore, Store},
 };
 use mlxnet_proto::{
     chips::CHIPS,
@@ -367,7 +367,8 @@ async fn main() -> anyhow::Result<()> {
 
         // Committed to SQLite.
         let dir = tempfile::tempdir()?;
-        let store = Store::connect(&format!("sqlite://{}/bench.db", dir.path().display())).await?;
+        let store =
+            AnyStore::connect(&format!("sqlite://{}/bench.db", dir.path().display())).await?;
         let ids: Vec<JobId> = (0..jobs.len()).map(|_| JobId::new()).collect();
         let t = Instant::now();
         for (i, _) in jobs.iter().enumerate() {

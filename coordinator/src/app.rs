@@ -12,26 +12,63 @@
 //! [`AppError`] for anything that stops start-up; a server that fails while
 //! running stops the others and its error is returned.
 
-use std::{future::Future, net::SocketAddr, sync::Arc, time::Duration};
+use std::{future::Future, io, net::SocketAddr, sync::Arc, time::Duration};
 
 use tokio::net::TcpListener;
 use tracing::{info, warn};
 
 use crate::{
-    api,
-    catalogue::Catalogue,
+    api::{self, limits::Admission},
+    catalogue::{Catalogue, CatalogueError},
     config::CoordinatorConfig,
-    dispatch::Dispatcher,
-    error::AppError,
+    dispatch::{self, Dispatcher},
     http,
-    ledger::{self, Ledger},
-    link::{self, tls::Identity},
-    store::Store,
+    ledger::{self, keys::IssuedKey, Ledger, LedgerError},
+    link::{
+        self,
+        tls::{Identity, TlsError},
+    },
+    store::{AnyStore, Store, StoreError},
 };
+
+/// Why the application could not start or stopped with an error.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum AppError {
+    #[error("invalid configuration: {0}")]
+    Config(String),
+    #[error("creating data directory {path}")]
+    DataDir { path: String, source: io::Error },
+    #[error("opening the database")]
+    Store(#[from] StoreError),
+    #[error("recovering the ledger")]
+    Ledger(#[source] Box<crate::ledger::LedgerError>),
+    #[error(transparent)]
+    Catalogue(#[from] CatalogueError),
+    #[error("node-link certificate")]
+    Tls(#[from] TlsError),
+    #[error("binding {what} on {addr}")]
+    Bind {
+        what: &'static str,
+        addr: SocketAddr,
+        source: io::Error,
+    },
+    #[error(transparent)]
+    Grpc(#[from] api::ServeError),
+    #[error("HTTP server failed")]
+    Http(#[source] io::Error),
+    #[error("a server task panicked")]
+    Panicked(#[from] tokio::task::JoinError),
+}
 
 /// A coordinator with its listeners bound, ready to run.
 pub struct Application {
     dispatcher: Arc<Dispatcher>,
+    /// The one ledger (the dispatcher holds a handle to the same).
+    ledger: Ledger,
+    /// The client API's abuse limits and their live counts.
+    admission: Arc<Admission>,
+    config: CoordinatorConfig,
     endpoint: quinn::Endpoint,
     grpc: TcpListener,
     http: TcpListener,
@@ -55,7 +92,7 @@ impl Application {
         let catalogue = Catalogue::new(&config.catalogue)?;
         let identity = Identity::load_or_create(&config.data_dir)?;
         let server_config = identity.server_config(
-            link::idle_timeout(&config),
+            config.link().idle_timeout(),
             config.limits.max_node_connections,
         )?;
         let grpc = bind_tcp("gRPC", config.grpc_addr).await?;
@@ -73,19 +110,21 @@ impl Application {
             addr: config.quic_addr,
             source,
         })?;
-        let store = match Store::connect(&config.database_url()).await {
+        let store = match AnyStore::connect(&config.database_url()).await {
             Ok(s) => s,
             Err(e) => {
                 endpoint.close(0u32.into(), b"");
                 return Err(e.into());
             }
         };
+        // The one ledger: recovery below and the running coordinator share
+        // it (its writer lock and key cache).
+        let ledger = Ledger::new(store.clone(), config.ledger_config());
         let recovered = async {
             store.mark_all_nodes_offline().await?;
             let requeued = store.requeue_orphans(config.limits.max_attempts).await?;
             // Settle what a crash left unsettled and expire overdue holds,
             // before anything is served.
-            let ledger = Ledger::new(store.pool().clone(), config.ledger_config());
             let swept = ledger::sweep(&ledger, crate::util::now_ms(), |job| {
                 let store = store.clone();
                 async move { store.cancel(job).await.map(|_| ()) }
@@ -95,11 +134,9 @@ impl Application {
             if swept != ledger::Swept::default() {
                 info!(?swept, "ledger recovered at start-up");
             }
-            let audits = crate::audit::Audits::load(store.pool().clone(), config.audit.clone())
+            let audits = crate::audit::Audits::load(store.clone(), config.audit.clone())
                 .await
-                .map_err(|crate::audit::AuditError::Database(e)| {
-                    AppError::from(crate::store::StoreError::Database(e))
-                })?;
+                .map_err(|crate::audit::AuditError::Store(e)| AppError::from(e))?;
             Ok::<_, AppError>((requeued, audits))
         }
         .await;
@@ -122,7 +159,16 @@ impl Application {
         let fingerprint = identity.fingerprint();
         info!(%grpc_addr, %quic_addr, %http_addr, %fingerprint, "coordinator bound");
         Ok(Application {
-            dispatcher: Dispatcher::new(config, store, catalogue, audits),
+            dispatcher: Dispatcher::new(
+                config.dispatch(),
+                store,
+                ledger.clone(),
+                catalogue,
+                audits,
+            ),
+            ledger,
+            admission: Arc::new(Admission::new(&config.limits)),
+            config,
             endpoint,
             grpc,
             http,
@@ -148,12 +194,12 @@ impl Application {
     /// The ledger (accounts, keys): how a harness or the `admin-key` command
     /// creates the first accounts and keys.
     pub fn ledger(&self) -> &Ledger {
-        &self.dispatcher.ledger
+        &self.ledger
     }
 
     /// The client API's abuse limits and their live counts.
-    pub fn admission(&self) -> Arc<crate::limits::Admission> {
-        Arc::clone(&self.dispatcher.admission)
+    pub fn admission(&self) -> Arc<Admission> {
+        Arc::clone(&self.admission)
     }
 
     /// Lowercase hex SHA-256 of the node-link certificate's DER.
@@ -174,6 +220,8 @@ impl Application {
     ) -> Result<(), AppError> {
         let Application {
             dispatcher: d,
+            admission,
+            config,
             endpoint,
             grpc,
             http,
@@ -182,16 +230,23 @@ impl Application {
         } = self;
         let token = d.shutdown_token().clone();
         let placement = tokio::spawn(Arc::clone(&d).placement_loop());
-        d.spawn(ledger::sweep_loop(Arc::clone(&d)));
-        let accept = tokio::spawn(link::accept_loop(endpoint.clone(), Arc::clone(&d)));
+        d.spawn(dispatch::sweep::sweep_loop(Arc::clone(&d)));
+        let accept = tokio::spawn(link::accept_loop(
+            endpoint.clone(),
+            Arc::clone(&d),
+            config.link(),
+        ));
         let mut grpc_task = tokio::spawn(api::serve(
             grpc,
             Arc::clone(&d),
+            config.limits.clone(),
+            admission,
             token.clone().cancelled_owned(),
         ));
         let mut http_task = tokio::spawn(http::serve(
             http,
             Arc::clone(&d),
+            config.http(),
             token.clone().cancelled_owned(),
         ));
 
@@ -236,8 +291,29 @@ impl Application {
     }
 }
 
-fn flatten(r: Result<Result<(), AppError>, tokio::task::JoinError>) -> Result<(), AppError> {
-    r?
+/// Opens the database `config` names (creating and migrating it if needed),
+/// creates an admin account named `name` with an admin key, and closes the
+/// database. This is how the first key of a network is made: run
+/// `mlxnet-coordinator admin-key` on the coordinator's host (whoever can read
+/// the database can already do anything). SQLite allows it while the
+/// coordinator runs.
+pub async fn bootstrap_admin_key(
+    config: &CoordinatorConfig,
+    name: &str,
+) -> Result<IssuedKey, AppError> {
+    std::fs::create_dir_all(&config.data_dir).map_err(|source| AppError::DataDir {
+        path: config.data_dir.display().to_string(),
+        source,
+    })?;
+    let store = AnyStore::connect(&config.database_url()).await?;
+    let ledger = Ledger::new(store.clone(), config.ledger.clone());
+    let key = ledger.bootstrap_admin(name).await;
+    store.close().await;
+    key.map_err(|e: LedgerError| AppError::Ledger(Box::new(e)))
+}
+
+fn flatten(r: Result<Result<(), api::ServeError>, tokio::task::JoinError>) -> Result<(), AppError> {
+    Ok(r??)
 }
 
 fn flatten_http(r: Result<std::io::Result<()>, tokio::task::JoinError>) -> Result<(), AppError> {

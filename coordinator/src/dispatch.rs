@@ -46,9 +46,11 @@ use tokio::{sync::Notify, task::JoinSet};
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, instrument, warn};
 
+mod audit;
+pub mod sweep;
+
 use crate::{
     catalogue::{Catalogue, Model},
-    config::CoordinatorConfig,
     domain::{
         job::terminal_event, AttemptEnd, CancelOutcome, Completion, JobRecord, JobTerms, NewJob,
         Segment, Streamed, StreamedEnd,
@@ -64,7 +66,7 @@ use crate::{
     },
     metrics::Metrics,
     scheduler::{self, Queue, Target},
-    store::{Store, StoreError},
+    store::{AnyStore, Store, StoreError},
     util::{error_chain, lock, now_ms},
 };
 
@@ -73,10 +75,24 @@ const PLACEMENT_TICK: Duration = Duration::from_secs(2);
 /// Queued jobs considered per placement pass.
 const PLACEMENT_BATCH: u32 = 256;
 
+/// The dispatcher's settings (top-level keys of the coordinator's config
+/// file, gathered by `config`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DispatchConfig {
+    /// Attempts per job before it fails for good (`limits.max_attempts`).
+    pub max_attempts: u32,
+    /// Longest a single attempt may run before it is failed and requeued
+    /// (`job_timeout_ms`); also how long an audit may take without a window.
+    pub job_timeout_ms: u64,
+    /// An attempt's lease: the node must show progress at least this often
+    /// (`job_lease_ms`).
+    pub job_lease_ms: u64,
+}
+
 /// Shared state of a running coordinator.
 pub struct Dispatcher {
-    pub config: CoordinatorConfig,
-    pub store: Store,
+    pub config: DispatchConfig,
+    pub store: AnyStore,
     /// Accounts, holds and settlement, in the store's database.
     pub ledger: Ledger,
     pub catalogue: Catalogue,
@@ -85,8 +101,6 @@ pub struct Dispatcher {
     pub metrics: Metrics,
     /// The World page's view of the nodes (see [`crate::world`]).
     pub world: crate::world::World,
-    /// Abuse limits of the client API (see [`crate::limits`]).
-    pub admission: Arc<crate::limits::Admission>,
     /// Audit records and bans (see [`crate::audit`]).
     pub audits: crate::audit::Audits,
     wake: Notify,
@@ -121,14 +135,14 @@ const RESUME_LEVEL: u8 = 1;
 
 impl Dispatcher {
     pub fn new(
-        config: CoordinatorConfig,
-        store: Store,
+        config: DispatchConfig,
+        store: AnyStore,
+        ledger: Ledger,
         catalogue: Catalogue,
         audits: crate::audit::Audits,
     ) -> Arc<Self> {
-        let admission = Arc::new(crate::limits::Admission::new(&config.limits));
         Arc::new(Self {
-            ledger: Ledger::new(store.pool().clone(), config.ledger_config()),
+            ledger,
             audits,
             config,
             store,
@@ -137,7 +151,6 @@ impl Dispatcher {
             sessions: Sessions::default(),
             metrics: Metrics::default(),
             world: crate::world::World::new(),
-            admission,
             wake: Notify::new(),
             running: Mutex::new(HashMap::new()),
             shutdown: CancellationToken::new(),
@@ -442,7 +455,7 @@ impl Dispatcher {
             node_id: node_hex,
             reason,
             retryable,
-            max_attempts: self.config.limits.max_attempts,
+            max_attempts: self.config.max_attempts,
         };
         let end = self.store.end_attempt_streamed(&end, segment).await?;
         match end {

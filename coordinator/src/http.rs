@@ -3,17 +3,17 @@
 //! ([`crate::world::router`]), whose live streams it ends at shutdown.
 //!
 //! # Abuse limits
-//! - At most `limits.max_connections` open connections (more are closed at
-//!   accept); request headers must arrive within `limits.request_timeout_ms`
+//! - At most [`HttpConfig::max_connections`] open connections (more are closed at
+//!   accept); request headers must arrive within `request_timeout_ms`
 //!   (HTTP/1.1; HTTP/2 connections must answer keep-alive pings) and fit in
 //!   [`MAX_HEADER_BYTES`].
-//! - A body larger than `limits.max_http_body_bytes` is refused with 413 on
+//! - A body larger than `max_body_bytes` is refused with 413 on
 //!   its `content-length` before anything is read, and cut off there if it
 //!   comes without one.
-//! - At most `limits.max_http_in_flight` requests in flight (an open World
+//! - At most `max_in_flight` requests in flight (an open World
 //!   stream counts until it ends); more get 429 at once. `/healthz` is
 //!   exempt, so the process can always say it is alive.
-//! - A handler must produce its response within `limits.request_timeout_ms`
+//! - A handler must produce its response within `request_timeout_ms`
 //!   (503 otherwise).
 
 use std::{future::Future, sync::Arc, time::Duration};
@@ -39,8 +39,24 @@ use tokio::{
 use tracing::debug;
 
 use crate::{
-    config::Limits, dispatch::Dispatcher, limits::Held, metrics::Gauges, util::error_chain,
+    dispatch::Dispatcher,
+    metrics::Gauges,
+    store::Store,
+    util::{error_chain, net::Held},
 };
+
+/// The HTTP listener's abuse limits (`[limits]` keys, gathered by `config`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct HttpConfig {
+    /// Open connections at once; more are closed at accept.
+    pub max_connections: usize,
+    /// Request headers must arrive, and a handler answer, within this.
+    pub request_timeout_ms: u64,
+    /// Largest request body.
+    pub max_body_bytes: usize,
+    /// Requests in flight at once; more get 429.
+    pub max_in_flight: usize,
+}
 
 /// Largest request head (request line and headers), HTTP/1.1 and HTTP/2.
 pub const MAX_HEADER_BYTES: usize = 16 * 1024;
@@ -101,12 +117,12 @@ async fn guard(State(g): State<Arc<Guard>>, req: Request, next: Next) -> Respons
     }
 }
 
-/// The routes with the abuse limits of `limits` in front.
-pub fn guarded_router(d: Arc<Dispatcher>, limits: &Limits) -> Router {
+/// The routes with the abuse limits of `config` in front.
+pub fn guarded_router(d: Arc<Dispatcher>, config: &HttpConfig) -> Router {
     let g = Arc::new(Guard {
-        in_flight: Arc::new(Semaphore::new(limits.max_http_in_flight.max(1))),
-        max_body: limits.max_http_body_bytes,
-        timeout: Duration::from_millis(limits.request_timeout_ms),
+        in_flight: Arc::new(Semaphore::new(config.max_in_flight.max(1))),
+        max_body: config.max_body_bytes,
+        timeout: Duration::from_millis(config.request_timeout_ms),
     });
     router(d).layer(middleware::from_fn_with_state(g, guard))
 }
@@ -115,9 +131,9 @@ pub fn guarded_router(d: Arc<Dispatcher>, limits: &Limits) -> Router {
 pub async fn serve(
     listener: TcpListener,
     d: Arc<Dispatcher>,
+    limits: HttpConfig,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    let limits = d.config.limits.clone();
     let world = d.world.clone();
     let app = guarded_router(d, &limits);
     let timeout = Duration::from_millis(limits.request_timeout_ms);

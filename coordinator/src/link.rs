@@ -37,6 +37,7 @@ use tracing::{debug, info, instrument, warn};
 use crate::{
     dispatch::Dispatcher,
     metrics::Metrics,
+    store::Store,
     util::{error_chain, now_ms},
 };
 
@@ -53,17 +54,38 @@ pub const CLOSE_PROTOCOL: u32 = 4;
 /// Connection close code: the coordinator is shutting down.
 pub const CLOSE_SHUTDOWN: u32 = 5;
 
-/// How long a node connection may stay silent before QUIC closes it: twice
-/// the heartbeat timeout (a live node heartbeats far more often).
-pub fn idle_timeout(config: &crate::config::CoordinatorConfig) -> Duration {
-    Duration::from_millis(config.heartbeat_timeout_ms.saturating_mul(2))
+/// The node link's settings (top-level keys of the coordinator's config
+/// file, and `limits.max_node_connections`; gathered by `config`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LinkConfig {
+    /// How often nodes are told to heartbeat.
+    pub heartbeat_interval_ms: u64,
+    /// A node silent for longer is offline and its jobs are requeued.
+    pub heartbeat_timeout_ms: u64,
+    /// How long a node has to answer the challenge with its Hello.
+    pub handshake_timeout_ms: u64,
+    /// Node connections (handshakes included) at once.
+    pub max_node_connections: usize,
+}
+
+impl LinkConfig {
+    /// How long a node connection may stay silent before QUIC closes it:
+    /// twice the heartbeat timeout (a live node heartbeats far more often).
+    pub fn idle_timeout(&self) -> Duration {
+        Duration::from_millis(self.heartbeat_timeout_ms.saturating_mul(2))
+    }
 }
 
 /// Accepts node connections until the endpoint closes or shutdown; at most
-/// `limits.max_node_connections` at once (more are refused at once).
-pub async fn accept_loop(endpoint: quinn::Endpoint, dispatcher: Arc<Dispatcher>) {
+/// `config.max_node_connections` at once (more are refused at once).
+pub async fn accept_loop(
+    endpoint: quinn::Endpoint,
+    dispatcher: Arc<Dispatcher>,
+    config: LinkConfig,
+) {
+    let config = Arc::new(config);
     let slots = Arc::new(tokio::sync::Semaphore::new(
-        dispatcher.config.limits.max_node_connections.max(1),
+        config.max_node_connections.max(1),
     ));
     loop {
         let incoming = tokio::select! {
@@ -77,10 +99,11 @@ pub async fn accept_loop(endpoint: quinn::Endpoint, dispatcher: Arc<Dispatcher>)
             continue;
         };
         let d = Arc::clone(&dispatcher);
+        let config = Arc::clone(&config);
         dispatcher.spawn(async move {
             let remote = incoming.remote_address();
             match incoming.await {
-                Ok(conn) => serve_connection(conn, d).await,
+                Ok(conn) => serve_connection(conn, d, &config).await,
                 Err(e) => {
                     debug!(%remote, error = %e, "node connection failed before TLS completed")
                 }
@@ -91,8 +114,8 @@ pub async fn accept_loop(endpoint: quinn::Endpoint, dispatcher: Arc<Dispatcher>)
 }
 
 #[instrument(skip_all, fields(remote = %conn.remote_address()))]
-async fn serve_connection(conn: quinn::Connection, d: Arc<Dispatcher>) {
-    let timeout = Duration::from_millis(d.config.handshake_timeout_ms);
+async fn serve_connection(conn: quinn::Connection, d: Arc<Dispatcher>, config: &LinkConfig) {
+    let timeout = Duration::from_millis(config.handshake_timeout_ms);
     let admitted = tokio::select! {
         _ = d.shutdown_token().cancelled() => return,
         r = tokio::time::timeout(timeout, handshake::accept(&conn, &d.catalogue)) => r,
@@ -163,13 +186,13 @@ async fn serve_connection(conn: quinn::Connection, d: Arc<Dispatcher>) {
     let welcome = CoordinatorControl {
         msg: Some(coordinator_control::Msg::Welcome(Welcome {
             node_id: session.node_id.to_string(),
-            heartbeat_interval_ms: d.config.heartbeat_interval_ms.min(u64::from(u32::MAX)) as u32,
+            heartbeat_interval_ms: config.heartbeat_interval_ms.min(u64::from(u32::MAX)) as u32,
         })),
     };
     if write_frame(&mut send, &welcome).await.is_ok() {
         d.wake();
         let dedicated = registration.dedicated;
-        control_loop(&d, &session, dedicated, &mut send, &mut recv).await;
+        control_loop(&d, config, &session, dedicated, &mut send, &mut recv).await;
     }
     if d.sessions
         .remove_if_current(session.node_id, session.serial)
@@ -188,13 +211,14 @@ async fn serve_connection(conn: quinn::Connection, d: Arc<Dispatcher>) {
 /// Serves heartbeats until the node goes silent, leaves, or shutdown.
 async fn control_loop(
     d: &Dispatcher,
+    config: &LinkConfig,
     session: &Session,
     dedicated: bool,
     send: &mut quinn::SendStream,
     recv: &mut quinn::RecvStream,
 ) {
     let conn = &session.connection;
-    let silence = Duration::from_millis(d.config.heartbeat_timeout_ms);
+    let silence = Duration::from_millis(config.heartbeat_timeout_ms);
     let mut last_beat = std::time::Instant::now();
     loop {
         let frame = tokio::select! {

@@ -20,7 +20,11 @@ use rustls::{
 };
 use tokio::{sync::oneshot, task::JoinHandle};
 
-use crate::{app::Application, config::CoordinatorConfig, error::AppError, link::tls::fingerprint};
+use crate::{
+    app::{AppError, Application},
+    config::CoordinatorConfig,
+    link::tls::fingerprint,
+};
 
 /// Sends `authorization: Bearer <key>` on every call.
 #[derive(Clone)]
@@ -73,7 +77,7 @@ pub struct TestApp {
     pub http_addr: SocketAddr,
     pub fingerprint: String,
     /// The client API's abuse limits and their live counts.
-    pub admission: Arc<crate::limits::Admission>,
+    pub admission: Arc<crate::api::limits::Admission>,
     stop: Option<oneshot::Sender<()>>,
     task: Option<JoinHandle<Result<(), AppError>>>,
     _dir: tempfile::TempDir,

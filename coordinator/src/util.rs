@@ -5,6 +5,8 @@
 //! # Invariants
 //! - Nothing here imports another module of the crate.
 
+pub mod net;
+
 use std::sync::{Mutex, MutexGuard};
 
 use tokio::task::JoinSet;

@@ -15,9 +15,9 @@ use tonic::{Request, Response, Status};
 
 use super::auth::caller;
 use crate::{
+    api::error::ApiError,
     dispatch::Dispatcher,
     domain::{AccountKind, Applied, Caller, Scope, Scopes, TransferKind},
-    error::ApiError,
     util::now_ms,
 };
 

@@ -4,6 +4,7 @@
 use std::{pin::Pin, sync::Arc};
 
 use futures::Stream;
+use mlxnet_proto::money::mlx;
 use mlxnet_proto::{
     ids::JobId,
     v1::{
@@ -15,17 +16,20 @@ use tokio::sync::{broadcast::error::RecvError, mpsc};
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status};
 
-use super::auth::caller;
+use super::{
+    auth::caller,
+    limits::{Admission, Limits},
+};
 use crate::{
+    api::error::ApiError,
     catalogue::Catalogue,
-    config::Limits,
     dispatch::Dispatcher,
     domain::{
         job::{is_terminal_event, terminal_event, to_proto},
         Caller, CancelOutcome, JobState, JobTerms, NewJob, Scope,
     },
-    error::{mlx, ApiError},
     ledger::settle,
+    store::Store,
 };
 
 /// Chat roles a model template knows.
@@ -37,11 +41,17 @@ const LIST_MAX: u32 = 200;
 
 pub struct JobsApi {
     d: Arc<Dispatcher>,
+    limits: Limits,
+    admission: Arc<Admission>,
 }
 
 impl JobsApi {
-    pub fn new(d: Arc<Dispatcher>) -> Self {
-        Self { d }
+    pub fn new(d: Arc<Dispatcher>, limits: Limits, admission: Arc<Admission>) -> Self {
+        Self {
+            d,
+            limits,
+            admission,
+        }
     }
 }
 
@@ -241,12 +251,7 @@ impl Jobs for JobsApi {
         let me = caller(&req)?;
         let request = req.into_inner();
         let price_limit = request.max_price_micro_mlx;
-        let job = validate_submit(
-            request,
-            &self.d.catalogue,
-            &self.d.config.limits,
-            rand::random,
-        )?;
+        let job = validate_submit(request, &self.d.catalogue, &self.limits, rand::random)?;
         if let Some(why) = self.d.never_fits(&job) {
             return Err(ApiError::FailedPrecondition(format!(
                 "no online node or pod could ever hold this job: {why}"
@@ -255,19 +260,18 @@ impl Jobs for JobsApi {
         }
         let terms = job_terms(&self.d.catalogue, &job, me.account_id, price_limit)?;
         let queued = self
-            .d
             .admission
             .queued(|| self.d.store.count_queued())
             .await
             .map_err(ApiError::from)?;
-        if queued >= self.d.config.limits.max_queued_jobs {
+        if queued >= self.limits.max_queued_jobs {
             return Err(ApiError::ResourceExhausted(format!(
                 "the queue is full ({queued} jobs waiting); try again later"
             ))
             .into());
         }
         let record = self.d.submit(job, &terms).await.map_err(ApiError::from)?;
-        self.d.admission.note_queued();
+        self.admission.note_queued();
         Ok(Response::new(to_proto(&record)))
     }
 

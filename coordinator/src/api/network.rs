@@ -5,7 +5,7 @@ use std::sync::Arc;
 use mlxnet_proto::v1::{network_server::Network, NetworkStats, NetworkStatsRequest};
 use tonic::{Request, Response, Status};
 
-use crate::{dispatch::Dispatcher, error::ApiError};
+use crate::{api::error::ApiError, dispatch::Dispatcher, store::Store};
 
 pub struct NetworkApi {
     d: Arc<Dispatcher>,

@@ -33,10 +33,13 @@ use std::{
 };
 
 use sha2::{Digest, Sha256};
-use sqlx::Row;
 
 use super::{AccountKind, Ledger, LedgerError};
 pub use crate::domain::{Caller, KeyInfo, KeyLimits, Scope, Scopes};
+use crate::{
+    store::{NewKey, Store},
+    util::now_ms,
+};
 
 /// Prefix of every API key.
 pub const KEY_PREFIX: &str = "mlxk_";
@@ -122,10 +125,6 @@ impl KeyCache {
     }
 }
 
-fn limit_from_db(v: Option<i64>) -> Option<u32> {
-    v.map(|n| u32::try_from(n.max(0)).unwrap_or(u32::MAX))
-}
-
 fn hash(key: &str) -> [u8; 32] {
     Sha256::digest(key.as_bytes()).into()
 }
@@ -153,19 +152,17 @@ impl Ledger {
         rand::RngCore::fill_bytes(&mut rand::rngs::OsRng, &mut secret_bytes);
         let secret = format!("{KEY_PREFIX}{}", hex::encode(secret_bytes));
         let id = format!("key_{}", hex::encode(rand::random::<[u8; 6]>()));
-        sqlx::query(
-            "INSERT INTO api_keys (id, account_id, hash, scopes, label, created_at_ms, expires_at_ms) \
-             VALUES (?, ?, ?, ?, ?, ?, ?)",
-        )
-        .bind(&id)
-        .bind(account)
-        .bind(hash(&secret).to_vec())
-        .bind(scopes.names().join(","))
-        .bind(label)
-        .bind(crate::util::now_ms())
-        .bind(expires_at_ms)
-        .execute(self.pool())
-        .await?;
+        self.store()
+            .insert_key(&NewKey {
+                id: id.clone(),
+                account_id: account.to_owned(),
+                hash: hash(&secret),
+                scopes,
+                label: label.to_owned(),
+                created_at_ms: now_ms(),
+                expires_at_ms,
+            })
+            .await?;
         Ok(IssuedKey {
             id,
             account_id: account.to_owned(),
@@ -189,29 +186,12 @@ impl Ledger {
         if let Some(caller) = self.key_cache().get(&digest, now_ms) {
             return Ok(Some(caller));
         }
-        let row = sqlx::query(
-            "SELECT id, account_id, scopes, expires_at_ms, max_requests_per_sec, max_in_flight \
-             FROM api_keys WHERE hash = ? AND revoked_at_ms IS NULL \
-             AND (expires_at_ms IS NULL OR expires_at_ms > ?)",
-        )
-        .bind(digest.to_vec())
-        .bind(now_ms)
-        .fetch_optional(self.pool())
-        .await?;
-        let Some(r) = row else { return Ok(None) };
-        let scopes: String = r.try_get("scopes")?;
-        let caller = Caller {
-            account_id: r.try_get("account_id")?,
-            key_id: r.try_get("id")?,
-            scopes: Scopes::from_text(&scopes)?,
-            limits: KeyLimits {
-                requests_per_sec: limit_from_db(r.try_get("max_requests_per_sec")?),
-                max_in_flight: limit_from_db(r.try_get("max_in_flight")?),
-            },
+        let Some(found) = self.store().key_by_hash(&digest, now_ms).await? else {
+            return Ok(None);
         };
         self.key_cache()
-            .put(digest, caller.clone(), r.try_get("expires_at_ms")?);
-        Ok(Some(caller))
+            .put(digest, found.caller.clone(), found.expires_at_ms);
+        Ok(Some(found.caller))
     }
 
     /// Sets key `key_id`'s own abuse limits (`None`: the coordinator's
@@ -221,17 +201,9 @@ impl Ledger {
         key_id: &str,
         limits: KeyLimits,
     ) -> Result<bool, LedgerError> {
-        let n = sqlx::query(
-            "UPDATE api_keys SET max_requests_per_sec = ?, max_in_flight = ? WHERE id = ?",
-        )
-        .bind(limits.requests_per_sec.map(i64::from))
-        .bind(limits.max_in_flight.map(i64::from))
-        .bind(key_id)
-        .execute(self.pool())
-        .await?
-        .rows_affected();
+        let found = self.store().set_key_limits(key_id, limits).await?;
         self.key_cache().forget(key_id);
-        Ok(n == 1)
+        Ok(found)
     }
 
     /// Revokes key `key_id` of `account` (any account's when `account` is
@@ -241,43 +213,14 @@ impl Ledger {
         key_id: &str,
         account: Option<&str>,
     ) -> Result<bool, LedgerError> {
-        let n = sqlx::query(
-            "UPDATE api_keys SET revoked_at_ms = ?1 WHERE id = ?2 AND revoked_at_ms IS NULL \
-             AND (?3 IS NULL OR account_id = ?3)",
-        )
-        .bind(crate::util::now_ms())
-        .bind(key_id)
-        .bind(account)
-        .execute(self.pool())
-        .await?
-        .rows_affected();
+        let revoked = self.store().revoke_key(key_id, account, now_ms()).await?;
         self.key_cache().forget(key_id);
-        Ok(n == 1)
+        Ok(revoked)
     }
 
     /// Keys of `account`, newest first.
     pub async fn list_keys(&self, account: &str) -> Result<Vec<KeyInfo>, LedgerError> {
-        let rows = sqlx::query(
-            "SELECT id, account_id, scopes, label, created_at_ms, expires_at_ms, revoked_at_ms \
-             FROM api_keys WHERE account_id = ? ORDER BY created_at_ms DESC, id",
-        )
-        .bind(account)
-        .fetch_all(self.pool())
-        .await?;
-        rows.iter()
-            .map(|r| {
-                let scopes: String = r.try_get("scopes")?;
-                Ok(KeyInfo {
-                    id: r.try_get("id")?,
-                    account_id: r.try_get("account_id")?,
-                    scopes: Scopes::from_text(&scopes)?,
-                    label: r.try_get("label")?,
-                    created_at_ms: r.try_get("created_at_ms")?,
-                    expires_at_ms: r.try_get("expires_at_ms")?,
-                    revoked_at_ms: r.try_get("revoked_at_ms")?,
-                })
-            })
-            .collect()
+        Ok(self.store().list_keys(account).await?)
     }
 
     /// Creates an admin account with an admin key: how the first key comes
@@ -287,23 +230,4 @@ impl Ledger {
         self.create_key(&account.id, Scopes::ALL, "bootstrap admin", None)
             .await
     }
-}
-
-/// Opens the database `config` names (creating and migrating it if needed),
-/// creates an admin account named `name` with an admin key, and closes the
-/// database. This is how the first key of a network is made: run
-/// `mlxnet-coordinator admin-key` on the coordinator's host (whoever can read
-/// the database can already do anything). SQLite allows it while the
-/// coordinator runs.
-pub async fn bootstrap_admin_key(
-    config: &crate::config::CoordinatorConfig,
-    name: &str,
-) -> Result<IssuedKey, LedgerError> {
-    std::fs::create_dir_all(&config.data_dir)
-        .map_err(|_| LedgerError::Invalid("cannot create the data directory"))?;
-    let store = crate::store::Store::connect(&config.database_url()).await?;
-    let ledger = Ledger::new(store.pool().clone(), config.ledger.clone());
-    let key = ledger.bootstrap_admin(name).await;
-    store.close().await;
-    key
 }

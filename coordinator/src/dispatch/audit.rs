@@ -24,10 +24,10 @@ use mlxnet_proto::{
 };
 use tracing::{debug, info, warn};
 
-use super::{audit_rate, Ended};
+use super::{input_bytes, Dispatcher};
 use crate::{
+    audit::{audit_rate, Ended},
     catalogue::Model,
-    dispatch::{input_bytes, Dispatcher},
     domain::JobRecord,
     ledger,
     link::{
