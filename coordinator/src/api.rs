@@ -34,8 +34,13 @@ use mlxnet_proto::v1::{
 };
 use tokio::net::TcpListener;
 
+use tokio_util::sync::CancellationToken;
+
 use self::limits::{Admission, Limits};
-use crate::{dispatch::Dispatcher, util::net::capped_incoming};
+use crate::{
+    catalogue::Catalogue, dispatch::Dispatcher, jobs::EventHub, ledger::Ledger,
+    link::session::Sessions, store::AnyStore, util::net::capped_incoming,
+};
 
 pub use jobs::validate_submit;
 
@@ -47,6 +52,27 @@ const KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(10);
 const MAX_HEADER_LIST_BYTES: u32 = 16 * 1024;
 /// Concurrent streams per HTTP/2 connection (calls beyond it wait client-side).
 const MAX_STREAMS_PER_CONNECTION: u32 = 256;
+
+/// What the client API needs from the rest of the coordinator: its limits
+/// and the handles it shares (built once, by `app`).
+pub struct ApiContext {
+    /// Submits, cancels, and the could-it-ever-fit check.
+    pub dispatcher: Arc<Dispatcher>,
+    /// Jobs, nodes and stats, read.
+    pub store: AnyStore,
+    /// Accounts, keys, history and earnings.
+    pub ledger: Ledger,
+    pub catalogue: Arc<Catalogue>,
+    /// The live events behind Watch.
+    pub hub: EventHub,
+    /// The online nodes (models served, network totals).
+    pub sessions: Sessions,
+    pub limits: Limits,
+    /// The abuse limits' live counts.
+    pub admission: Arc<Admission>,
+    /// Cancelled when the application stops (open Watch streams end).
+    pub shutdown: CancellationToken,
+}
 
 /// Why the gRPC server could not start or stopped.
 #[derive(Debug, thiserror::Error)]
@@ -62,11 +88,11 @@ pub enum ServeError {
 /// `limits` (counted by `admission`).
 pub async fn serve(
     listener: TcpListener,
-    dispatcher: Arc<Dispatcher>,
-    limits: Limits,
-    admission: Arc<Admission>,
+    ctx: ApiContext,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), ServeError> {
+    let ctx = Arc::new(ctx);
+    let limits = ctx.limits.clone();
     let max = limits.max_request_bytes;
     let (health, health_service) = tonic_health::server::health_reporter();
     health.set_serving::<JobsServer<jobs::JobsApi>>().await;
@@ -94,29 +120,24 @@ pub async fn serve(
         .max_concurrent_streams(MAX_STREAMS_PER_CONNECTION)
         .http2_max_pending_accept_reset_streams(Some(64))
         .layer(auth::AuthLayer::new(
-            dispatcher.ledger.clone(),
-            Arc::clone(&admission),
+            ctx.ledger.clone(),
+            Arc::clone(&ctx.admission),
         ))
         .add_service(health_service)
         .add_service(reflection)
         .add_service(
-            JobsServer::new(jobs::JobsApi::new(
-                Arc::clone(&dispatcher),
-                limits.clone(),
-                admission,
-            ))
-            .max_decoding_message_size(max),
+            JobsServer::new(jobs::JobsApi::new(Arc::clone(&ctx))).max_decoding_message_size(max),
         )
         .add_service(
-            ModelsServer::new(models::ModelsApi::new(Arc::clone(&dispatcher)))
+            ModelsServer::new(models::ModelsApi::new(Arc::clone(&ctx)))
                 .max_decoding_message_size(max),
         )
         .add_service(
-            NetworkServer::new(network::NetworkApi::new(Arc::clone(&dispatcher)))
+            NetworkServer::new(network::NetworkApi::new(Arc::clone(&ctx)))
                 .max_decoding_message_size(max),
         )
         .add_service(
-            AccountsServer::new(accounts::AccountsApi::new(Arc::clone(&dispatcher)))
+            AccountsServer::new(accounts::AccountsApi::new(Arc::clone(&ctx)))
                 .max_decoding_message_size(max),
         )
         .serve_with_incoming_shutdown(capped_incoming(listener, limits.max_connections), shutdown)

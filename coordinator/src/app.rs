@@ -17,18 +17,28 @@ use std::{future::Future, io, net::SocketAddr, sync::Arc, time::Duration};
 use tokio::net::TcpListener;
 use tracing::{info, warn};
 
+use tokio::sync::Notify;
+use tokio_util::sync::CancellationToken;
+
 use crate::{
-    api::{self, limits::Admission},
+    api::{self, limits::Admission, ApiContext},
     catalogue::{Catalogue, CatalogueError},
     config::CoordinatorConfig,
     dispatch::{self, Dispatcher},
     http,
+    http::{HttpConfig, HttpContext},
+    jobs::EventHub,
     ledger::{self, keys::IssuedKey, Ledger, LedgerError},
     link::{
         self,
+        session::Sessions,
         tls::{Identity, TlsError},
+        LinkContext,
     },
+    metrics::Metrics,
     store::{AnyStore, Store, StoreError},
+    util::Tasks,
+    world::World,
 };
 
 /// Why the application could not start or stopped with an error.
@@ -64,11 +74,14 @@ pub enum AppError {
 /// A coordinator with its listeners bound, ready to run.
 pub struct Application {
     dispatcher: Arc<Dispatcher>,
-    /// The one ledger (the dispatcher holds a handle to the same).
-    ledger: Ledger,
-    /// The client API's abuse limits and their live counts.
-    admission: Arc<Admission>,
-    config: CoordinatorConfig,
+    /// What the node link, the client API and the HTTP routes each get.
+    link: LinkContext,
+    api: ApiContext,
+    http_ctx: HttpContext,
+    http_config: HttpConfig,
+    store: AnyStore,
+    tasks: Arc<Tasks>,
+    shutdown: CancellationToken,
     endpoint: quinn::Endpoint,
     grpc: TcpListener,
     http: TcpListener,
@@ -89,7 +102,7 @@ impl Application {
             path: config.data_dir.display().to_string(),
             source,
         })?;
-        let catalogue = Catalogue::new(&config.catalogue)?;
+        let catalogue = Arc::new(Catalogue::new(&config.catalogue)?);
         let identity = Identity::load_or_create(&config.data_dir)?;
         let server_config = identity.server_config(
             config.link().idle_timeout(),
@@ -158,17 +171,66 @@ impl Application {
         let http_addr = local_addr("HTTP", &http, config.http_addr)?;
         let fingerprint = identity.fingerprint();
         info!(%grpc_addr, %quic_addr, %http_addr, %fingerprint, "coordinator bound");
-        Ok(Application {
-            dispatcher: Dispatcher::new(
-                config.dispatch(),
-                store,
-                ledger.clone(),
-                catalogue,
-                audits,
-            ),
+        // The handles the layers share, each made once.
+        let hub = EventHub::default();
+        let sessions = Sessions::default();
+        let metrics = Arc::new(Metrics::default());
+        let world = World::new();
+        let wake = Arc::new(Notify::new());
+        let tasks = Arc::new(Tasks::default());
+        let shutdown = CancellationToken::new();
+        let dispatcher = Dispatcher::new(dispatch::Parts {
+            config: config.dispatch(),
+            store: store.clone(),
+            ledger: ledger.clone(),
+            catalogue: Arc::clone(&catalogue),
+            audits: Arc::new(audits),
+            hub: hub.clone(),
+            sessions: sessions.clone(),
+            metrics: Arc::clone(&metrics),
+            world: world.clone(),
+            wake: Arc::clone(&wake),
+            tasks: Arc::clone(&tasks),
+            shutdown: shutdown.clone(),
+        });
+        let link = LinkContext {
+            config: config.link(),
+            store: store.clone(),
+            ledger: ledger.clone(),
+            catalogue: Arc::clone(&catalogue),
+            sessions: sessions.clone(),
+            metrics: Arc::clone(&metrics),
+            world: world.clone(),
+            placement: wake,
+            tasks: Arc::clone(&tasks),
+            shutdown: shutdown.clone(),
+        };
+        let api = ApiContext {
+            dispatcher: Arc::clone(&dispatcher),
+            store: store.clone(),
             ledger,
+            catalogue,
+            hub,
+            sessions: sessions.clone(),
+            limits: config.limits.clone(),
             admission: Arc::new(Admission::new(&config.limits)),
-            config,
+            shutdown: shutdown.clone(),
+        };
+        let http_ctx = HttpContext {
+            store: store.clone(),
+            metrics,
+            sessions,
+            world,
+        };
+        Ok(Application {
+            dispatcher,
+            link,
+            api,
+            http_ctx,
+            http_config: config.http(),
+            store,
+            tasks,
+            shutdown,
             endpoint,
             grpc,
             http,
@@ -194,12 +256,12 @@ impl Application {
     /// The ledger (accounts, keys): how a harness or the `admin-key` command
     /// creates the first accounts and keys.
     pub fn ledger(&self) -> &Ledger {
-        &self.ledger
+        &self.api.ledger
     }
 
     /// The client API's abuse limits and their live counts.
     pub fn admission(&self) -> Arc<Admission> {
-        Arc::clone(&self.admission)
+        Arc::clone(&self.api.admission)
     }
 
     /// Lowercase hex SHA-256 of the node-link certificate's DER.
@@ -220,33 +282,27 @@ impl Application {
     ) -> Result<(), AppError> {
         let Application {
             dispatcher: d,
-            admission,
-            config,
+            link,
+            api,
+            http_ctx,
+            http_config,
+            store,
+            tasks,
+            shutdown: token,
             endpoint,
             grpc,
             http,
             quic_addr,
             ..
         } = self;
-        let token = d.shutdown_token().clone();
         let placement = tokio::spawn(Arc::clone(&d).placement_loop());
         d.spawn(dispatch::sweep::sweep_loop(Arc::clone(&d)));
-        let accept = tokio::spawn(link::accept_loop(
-            endpoint.clone(),
-            Arc::clone(&d),
-            config.link(),
-        ));
-        let mut grpc_task = tokio::spawn(api::serve(
-            grpc,
-            Arc::clone(&d),
-            config.limits.clone(),
-            admission,
-            token.clone().cancelled_owned(),
-        ));
+        let accept = tokio::spawn(link::accept_loop(endpoint.clone(), link));
+        let mut grpc_task = tokio::spawn(api::serve(grpc, api, token.clone().cancelled_owned()));
         let mut http_task = tokio::spawn(http::serve(
             http,
-            Arc::clone(&d),
-            config.http(),
+            http_ctx,
+            http_config,
             token.clone().cancelled_owned(),
         ));
 
@@ -280,10 +336,10 @@ impl Application {
         }
         let _ = placement.await;
         let _ = accept.await;
-        d.join_tasks().await;
+        tasks.join_all().await;
         endpoint.wait_idle().await;
         drop(endpoint);
-        d.store.close().await;
+        store.close().await;
         drop(d);
         wait_udp_released(quic_addr).await;
         info!("stopped");

@@ -42,7 +42,7 @@ use mlxnet_proto::{
     ids::JobId,
     v1::{job_event, job_input, job_update, Assignment, JobInput, Resume, SignedClaim},
 };
-use tokio::{sync::Notify, task::JoinSet};
+use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, instrument, warn};
 
@@ -50,6 +50,7 @@ mod audit;
 pub mod sweep;
 
 use crate::{
+    audit::Audits,
     catalogue::{Catalogue, Model},
     domain::{
         job::terminal_event, AttemptEnd, CancelOutcome, Completion, JobRecord, JobTerms, NewJob,
@@ -67,7 +68,8 @@ use crate::{
     metrics::Metrics,
     scheduler::{self, Queue, Target},
     store::{AnyStore, Store, StoreError},
-    util::{error_chain, lock, now_ms},
+    util::{error_chain, lock, now_ms, Tasks},
+    world::World,
 };
 
 /// How often placement runs even when nothing woke it.
@@ -89,24 +91,45 @@ pub struct DispatchConfig {
     pub job_lease_ms: u64,
 }
 
-/// Shared state of a running coordinator.
-pub struct Dispatcher {
+/// What the dispatcher is built from: its settings and the handles it
+/// shares with the node link and the API (built once, by `app`).
+pub struct Parts {
     pub config: DispatchConfig,
     pub store: AnyStore,
     /// Accounts, holds and settlement, in the store's database.
     pub ledger: Ledger,
-    pub catalogue: Catalogue,
+    pub catalogue: Arc<Catalogue>,
+    /// Audit records and bans (see [`crate::audit`]).
+    pub audits: Arc<Audits>,
     pub hub: EventHub,
     pub sessions: Sessions,
-    pub metrics: Metrics,
+    pub metrics: Arc<Metrics>,
     /// The World page's view of the nodes (see [`crate::world`]).
-    pub world: crate::world::World,
-    /// Audit records and bans (see [`crate::audit`]).
-    pub audits: crate::audit::Audits,
-    wake: Notify,
+    pub world: World,
+    /// Wakes the placement loop (a node joined, beat or left; a job ended).
+    pub wake: Arc<Notify>,
+    /// Tasks the application waits for on shutdown.
+    pub tasks: Arc<Tasks>,
+    /// Cancelled when the application stops.
+    pub shutdown: CancellationToken,
+}
+
+/// The dispatcher of a running coordinator: places jobs and drives their
+/// attempts. Its state is its own; callers use its methods.
+pub struct Dispatcher {
+    config: DispatchConfig,
+    store: AnyStore,
+    ledger: Ledger,
+    catalogue: Arc<Catalogue>,
+    hub: EventHub,
+    sessions: Sessions,
+    metrics: Arc<Metrics>,
+    world: World,
+    audits: Arc<Audits>,
+    wake: Arc<Notify>,
     running: Mutex<HashMap<JobId, CancellationToken>>,
     shutdown: CancellationToken,
-    tasks: Mutex<JoinSet<()>>,
+    tasks: Arc<Tasks>,
 }
 
 /// Retries of recording an attempt's end after a store error, and the
@@ -134,27 +157,35 @@ enum Outcome {
 const RESUME_LEVEL: u8 = 1;
 
 impl Dispatcher {
-    pub fn new(
-        config: DispatchConfig,
-        store: AnyStore,
-        ledger: Ledger,
-        catalogue: Catalogue,
-        audits: crate::audit::Audits,
-    ) -> Arc<Self> {
-        Arc::new(Self {
-            ledger,
-            audits,
+    pub fn new(parts: Parts) -> Arc<Self> {
+        let Parts {
             config,
             store,
+            ledger,
             catalogue,
-            hub: EventHub::default(),
-            sessions: Sessions::default(),
-            metrics: Metrics::default(),
-            world: crate::world::World::new(),
-            wake: Notify::new(),
+            audits,
+            hub,
+            sessions,
+            metrics,
+            world,
+            wake,
+            tasks,
+            shutdown,
+        } = parts;
+        Arc::new(Self {
+            config,
+            store,
+            ledger,
+            catalogue,
+            hub,
+            sessions,
+            metrics,
+            world,
+            audits,
+            wake,
             running: Mutex::new(HashMap::new()),
-            shutdown: CancellationToken::new(),
-            tasks: Mutex::new(JoinSet::new()),
+            shutdown,
+            tasks,
         })
     }
 
@@ -170,15 +201,7 @@ impl Dispatcher {
 
     /// Spawns a task that the application waits for on shutdown.
     pub fn spawn(&self, fut: impl std::future::Future<Output = ()> + Send + 'static) {
-        let mut tasks = lock(&self.tasks);
-        while tasks.try_join_next().is_some() {}
-        tasks.spawn(fut);
-    }
-
-    /// Waits for every task spawned with [`Dispatcher::spawn`] (after shutdown).
-    pub async fn join_tasks(&self) {
-        let mut tasks = std::mem::take(&mut *lock(&self.tasks));
-        while tasks.join_next().await.is_some() {}
+        self.tasks.spawn(fut);
     }
 
     /// Queues a validated job, with its hold placed in the same transaction.

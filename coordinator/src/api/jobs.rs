@@ -16,14 +16,10 @@ use tokio::sync::{broadcast::error::RecvError, mpsc};
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status};
 
-use super::{
-    auth::caller,
-    limits::{Admission, Limits},
-};
+use super::{auth::caller, limits::Limits, ApiContext};
 use crate::{
     api::error::ApiError,
     catalogue::Catalogue,
-    dispatch::Dispatcher,
     domain::{
         job::{is_terminal_event, terminal_event, to_proto},
         Caller, CancelOutcome, JobState, JobTerms, NewJob, Scope,
@@ -40,18 +36,12 @@ const LIST_DEFAULT: u32 = 20;
 const LIST_MAX: u32 = 200;
 
 pub struct JobsApi {
-    d: Arc<Dispatcher>,
-    limits: Limits,
-    admission: Arc<Admission>,
+    d: Arc<ApiContext>,
 }
 
 impl JobsApi {
-    pub fn new(d: Arc<Dispatcher>, limits: Limits, admission: Arc<Admission>) -> Self {
-        Self {
-            d,
-            limits,
-            admission,
-        }
+    pub fn new(d: Arc<ApiContext>) -> Self {
+        Self { d }
     }
 }
 
@@ -251,8 +241,8 @@ impl Jobs for JobsApi {
         let me = caller(&req)?;
         let request = req.into_inner();
         let price_limit = request.max_price_micro_mlx;
-        let job = validate_submit(request, &self.d.catalogue, &self.limits, rand::random)?;
-        if let Some(why) = self.d.never_fits(&job) {
+        let job = validate_submit(request, &self.d.catalogue, &self.d.limits, rand::random)?;
+        if let Some(why) = self.d.dispatcher.never_fits(&job) {
             return Err(ApiError::FailedPrecondition(format!(
                 "no online node or pod could ever hold this job: {why}"
             ))
@@ -260,18 +250,24 @@ impl Jobs for JobsApi {
         }
         let terms = job_terms(&self.d.catalogue, &job, me.account_id, price_limit)?;
         let queued = self
+            .d
             .admission
             .queued(|| self.d.store.count_queued())
             .await
             .map_err(ApiError::from)?;
-        if queued >= self.limits.max_queued_jobs {
+        if queued >= self.d.limits.max_queued_jobs {
             return Err(ApiError::ResourceExhausted(format!(
                 "the queue is full ({queued} jobs waiting); try again later"
             ))
             .into());
         }
-        let record = self.d.submit(job, &terms).await.map_err(ApiError::from)?;
-        self.admission.note_queued();
+        let record = self
+            .d
+            .dispatcher
+            .submit(job, &terms)
+            .await
+            .map_err(ApiError::from)?;
+        self.d.admission.note_queued();
         Ok(Response::new(to_proto(&record)))
     }
 
@@ -354,7 +350,7 @@ impl Jobs for JobsApi {
             let mut rx = sub.rx;
             loop {
                 let next = tokio::select! {
-                    _ = d.shutdown_token().cancelled() => {
+                    _ = d.shutdown.cancelled() => {
                         let _ = tx.send(Err(Status::unavailable("the coordinator is shutting down"))).await;
                         return;
                     }
@@ -403,7 +399,7 @@ impl Jobs for JobsApi {
         let me = caller(&req)?;
         let id = parse_id(&req.into_inner().job_id)?;
         self.check_owner(&me, id).await?;
-        match self.d.cancel(id).await.map_err(ApiError::from)? {
+        match self.d.dispatcher.cancel(id).await.map_err(ApiError::from)? {
             CancelOutcome::NotFound => return Err(not_found(id).into()),
             CancelOutcome::AlreadyFinished(state) if state != JobState::Cancelled => {
                 return Err(
