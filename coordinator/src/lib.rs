@@ -41,8 +41,8 @@ pub mod link;
 pub mod metrics;
 pub mod scheduler;
 pub mod store;
-#[cfg(test)]
-pub(crate) mod test_utils;
+#[cfg(any(test, feature = "test-utils"))]
+pub mod test_utils;
 pub mod util;
 pub mod world;
 

@@ -1,5 +1,10 @@
-//! Test harness: a real coordinator on `127.0.0.1:0` with a fresh data
-//! directory, and a QUIC client config that pins its certificate.
+//! Test harness (the crate's tests, and other crates' with the
+//! `test-utils` feature): a real coordinator on `127.0.0.1:0` with a fresh
+//! data directory, a QUIC client config that pins its certificate, nodes
+//! made by hand that speak the wire protocol frame by frame, and a
+//! WebDriver client for the World page ([`webdriver`]).
+
+pub mod webdriver;
 
 use std::{net::SocketAddr, sync::Arc};
 
@@ -26,22 +31,7 @@ use crate::{
     link::tls::fingerprint,
 };
 
-/// Sends `authorization: Bearer <key>` on every call.
-#[derive(Clone)]
-pub struct Bearer(pub Option<tonic::metadata::AsciiMetadataValue>);
-
-impl tonic::service::Interceptor for Bearer {
-    fn call(&mut self, mut req: tonic::Request<()>) -> Result<tonic::Request<()>, tonic::Status> {
-        if let Some(v) = &self.0 {
-            req.metadata_mut().insert("authorization", v.clone());
-        }
-        Ok(req)
-    }
-}
-
-/// A channel whose calls carry an API key.
-pub type Authed =
-    tonic::service::interceptor::InterceptedService<tonic::transport::Channel, Bearer>;
+pub use mlxnet_proto::bearer::{Authed, Bearer};
 
 /// The catalogue's test model.
 pub const MODEL: &str = "smollm2-135m-instruct";
