@@ -35,6 +35,11 @@
 //! (the "ceiling"), and the pod's speed-up over it is what the
 //! synchronisation costs.
 
+#![allow(
+    clippy::expect_used,
+    reason = "a bench binary: a failed step ends the run"
+)]
+
 use std::net::{SocketAddr, TcpListener};
 use std::path::{Path, PathBuf};
 use std::process::Command;

@@ -39,6 +39,10 @@ use half::{bf16, f16};
 
 pub mod fabric;
 mod group;
+#[allow(
+    unsafe_code,
+    reason = "the RDMA binding: FFI to libibverbs, loaded at run time"
+)]
 pub mod ibverbs;
 pub mod tcp;
 pub mod verbs;

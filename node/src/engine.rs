@@ -60,6 +60,10 @@ mod weights;
 #[cfg(test)]
 mod tests;
 #[cfg(any(test, feature = "test-utils"))]
+#[allow(
+    clippy::unwrap_used,
+    reason = "test harness: a failed unwrap is a failed test"
+)]
 pub(crate) mod testutil;
 
 use model::Model;

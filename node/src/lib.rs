@@ -30,4 +30,8 @@ pub mod link;
 pub mod models;
 pub mod pod;
 #[cfg(any(test, feature = "test-utils"))]
+#[allow(
+    clippy::unwrap_used,
+    reason = "test harness: a failed unwrap is a failed test"
+)]
 pub mod test_utils;

@@ -126,6 +126,8 @@ pub enum RdmaError {
     Exchange { peer: usize, reason: String },
     #[error("rank {rank} could not set up rdma: {reason}")]
     PeerFailed { rank: usize, reason: String },
+    #[error("{slots} rdma slots need more frame memory than can be allocated")]
+    TooManySlots { slots: usize },
 }
 
 fn list(v: &[String]) -> String {
@@ -234,13 +236,14 @@ impl QpInfo {
         if word(0) != Self::MAGIC {
             return Err(bad("no queue-pair record magic".into()));
         }
-        let info = QpInfo {
+        let mut info = QpInfo {
             qp_num: word(4),
             psn: word(8),
             lid: u16::from_le_bytes([b[12], b[13]]),
             mtu: b[14],
-            gid: b[16..32].try_into().expect("16 bytes"),
+            gid: [0; 16],
         };
+        info.gid.copy_from_slice(&b[16..32]);
         if info.psn > 0xff_ffff || info.qp_num > 0xff_ffff {
             return Err(bad(format!(
                 "queue pair {} / psn {} exceed 24 bits",
@@ -534,14 +537,15 @@ struct Frames {
 }
 
 impl Frames {
-    fn new(bytes: usize) -> Frames {
-        let layout = std::alloc::Layout::from_size_align(bytes, 4096).expect("frame layout");
+    /// `None` when `bytes` (rounded to pages) does not fit the address space.
+    fn new(bytes: usize) -> Option<Frames> {
+        let layout = std::alloc::Layout::from_size_align(bytes, 4096).ok()?;
         // SAFETY: non-zero size.
         let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
         if ptr.is_null() {
             std::alloc::handle_alloc_error(layout);
         }
-        Frames { ptr, layout }
+        Some(Frames { ptr, layout })
     }
 }
 
@@ -640,6 +644,12 @@ impl Conn {
             call,
             errno: errno(),
         };
+        let frames = slots
+            .checked_mul(2)
+            .and_then(|n| n.checked_add(1))
+            .and_then(|n| n.checked_mul(FRAME))
+            .and_then(Frames::new)
+            .ok_or(RdmaError::TooManySlots { slots })?;
         // SAFETY: the device list is used and freed here; every pointer
         // comes from the library and is checked before use.
         let ctx = unsafe {
@@ -683,7 +693,7 @@ impl Conn {
             cq: std::ptr::null_mut(),
             qp: std::ptr::null_mut(),
             mr: std::ptr::null_mut(),
-            frames: Frames::new((2 * slots + 1) * FRAME),
+            frames,
             slots,
             kind,
             credit: Credit::new(slots),

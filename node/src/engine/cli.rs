@@ -92,6 +92,10 @@ pub struct BenchArgs {
 }
 
 /// Sets candle's CPU thread count. Must run before candle computes anything.
+#[allow(
+    clippy::disallowed_methods,
+    reason = "candle and rayon read their thread count only from the environment"
+)]
 pub fn set_threads(threads: Option<usize>) -> anyhow::Result<()> {
     let Some(n) = threads else { return Ok(()) };
     anyhow::ensure!(n > 0, "--threads must be at least 1");

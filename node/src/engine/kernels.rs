@@ -52,13 +52,16 @@ use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{DType, Device, Storage, Tensor};
 
 #[cfg(target_arch = "aarch64")]
+#[allow(unsafe_code, reason = "SIMD intrinsics (see # Unsafe above)")]
 mod neon;
 #[cfg(target_arch = "x86_64")]
+#[allow(unsafe_code, reason = "SIMD intrinsics (see # Unsafe above)")]
 mod packed;
 mod scalar;
 #[cfg(test)]
 mod tests;
 #[cfg(target_arch = "x86_64")]
+#[allow(unsafe_code, reason = "SIMD intrinsics (see # Unsafe above)")]
 mod x86;
 
 /// Values per quantization block, for every format here.

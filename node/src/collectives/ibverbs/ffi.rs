@@ -402,7 +402,10 @@ impl Library {
             });
         }
         let sym = |name: &'static str| -> Result<*mut c_void, RdmaError> {
-            let cname = CString::new(name).expect("symbol names have no NUL");
+            let cname = CString::new(name).map_err(|_| RdmaError::SymbolMissing {
+                library: path.into(),
+                symbol: name,
+            })?;
             // SAFETY: valid handle and C string.
             let p = unsafe { libc::dlsym(handle, cname.as_ptr()) };
             if p.is_null() {
