@@ -3,11 +3,14 @@
 //! `mlx-node earnings`, the test harnesses and the benches.
 //!
 //! # Failure
-//! A key that is not printable ASCII cannot be a header value:
-//! [`Bearer::for_key`] refuses it with `InvalidMetadataValue`.
+//! A key must be printable ASCII without inner whitespace (what the
+//! coordinator issues): [`Bearer::for_key`] refuses anything else with
+//! [`BadKey`] before a call is made. (A header value alone would let
+//! bytes above 0x7f through, and the coordinator would then refuse the
+//! key with a less telling message.)
 
 use tonic::{
-    metadata::{errors::InvalidMetadataValue, AsciiMetadataValue},
+    metadata::AsciiMetadataValue,
     service::{interceptor::InterceptedService, Interceptor},
     transport::Channel,
 };
@@ -19,13 +22,23 @@ pub struct Bearer(pub Option<AsciiMetadataValue>);
 impl Bearer {
     /// The interceptor for `key` (surrounding whitespace trimmed), or one
     /// that sends nothing.
-    pub fn for_key(key: Option<&str>) -> Result<Self, InvalidMetadataValue> {
-        Ok(Self(
-            key.map(|k| format!("Bearer {}", k.trim()).parse())
-                .transpose()?,
-        ))
+    pub fn for_key(key: Option<&str>) -> Result<Self, BadKey> {
+        let Some(key) = key.map(str::trim) else {
+            return Ok(Self(None));
+        };
+        if key.is_empty() || !key.bytes().all(|b| b.is_ascii_graphic()) {
+            return Err(BadKey);
+        }
+        let value = format!("Bearer {key}").parse().map_err(|_| BadKey)?;
+        Ok(Self(Some(value)))
     }
 }
+
+/// An API key that cannot travel as a header (empty, not ASCII, or with
+/// whitespace or control characters inside).
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+#[error("an API key is printable ASCII without spaces")]
+pub struct BadKey;
 
 impl Interceptor for Bearer {
     fn call(&mut self, mut req: tonic::Request<()>) -> Result<tonic::Request<()>, tonic::Status> {
@@ -59,6 +72,8 @@ mod tests {
         let mut without = Bearer::for_key(None).unwrap();
         let req = without.call(tonic::Request::new(())).unwrap();
         assert!(req.metadata().get("authorization").is_none());
-        assert!(Bearer::for_key(Some("caf\u{e9}")).is_err());
+        for bad in ["caf\u{e9}", "a b", "a\tb", "", "  "] {
+            assert_eq!(Bearer::for_key(Some(bad)).unwrap_err(), BadKey, "{bad:?}");
+        }
     }
 }
