@@ -40,6 +40,7 @@ use half::{bf16, f16};
 pub mod fabric;
 mod group;
 pub mod ibverbs;
+pub mod stripe;
 pub mod tcp;
 pub mod verbs;
 
@@ -99,6 +100,10 @@ pub enum CollectiveError {
     Rdma(#[from] ibverbs::RdmaError),
     #[error("rdma work request failed: {0}")]
     Verbs(String),
+    /// One queue pair to `peer` failed (a failed work completion, a lost
+    /// frame); a striped link carries on over its other lanes.
+    #[error("the rdma link to pod member {peer} failed: {reason}")]
+    Link { peer: usize, reason: String },
 }
 
 /// The operations every pod member runs in lockstep.
