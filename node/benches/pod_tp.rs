@@ -595,7 +595,8 @@ fn prefill_regime() {
     );
     for (i, r) in runs.iter().enumerate() {
         println!(
-            "    round {i}: stage 0 / stage 1 busy until {:.2} / {:.2} s; rank 0 in collectives {:.2} s",
+            "    round {i}: prefill done after {:.2} s on stage 0 (logits back), {:.2} s on stage 1 \
+             (logits sent); stage 0 in collectives {:.2} s",
             r.1[0][0], r.1[1][0], r.1[0][1]
         );
     }
