@@ -461,10 +461,10 @@ impl<V: Verbs> Verbs for Striped<V> {
     }
 
     fn poll(&mut self, out: &mut [Completion]) -> Result<usize, CollectiveError> {
+        // Failed lanes too: frames the peer's device delivered (and saw
+        // completed) before the failure are still to be taken, and only
+        // their sequence numbers say whether they are copies.
         for lane in 0..self.lanes.len() {
-            if !self.peers.iter().any(|p| p.live[lane]) {
-                continue;
-            }
             let polled = {
                 let (lanes, scratch) = (&mut self.lanes, &mut self.scratch);
                 lanes[lane].poll(scratch)

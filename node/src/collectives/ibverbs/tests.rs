@@ -565,6 +565,9 @@ fn all_reduce_64_mib(pod: Vec<StripedGroup>) -> Vec<(Vec<u64>, Vec<String>)> {
                 let rank = g.rank();
                 let mut v: Vec<f32> = (0..LEN).map(|i| (i % 1000) as f32 + rank as f32).collect();
                 crate::collectives::all_reduce(&mut g, &mut v).unwrap();
+                // Nobody leaves (closing the side channel) while the other
+                // still takes its last frames.
+                g.barrier().unwrap();
                 let wrong = v
                     .iter()
                     .enumerate()
@@ -579,8 +582,9 @@ fn all_reduce_64_mib(pod: Vec<StripedGroup>) -> Vec<(Vec<u64>, Vec<String>)> {
 }
 
 /// Two ranks: the ring sends each peer one 32 MiB reduce-scatter message
-/// and one 32 MiB all-gather message (each with its 16-byte header).
-const SENT_PER_RANK: u64 = 2 * ((32 << 20) + 16);
+/// and one 32 MiB all-gather message (each with its 16-byte header), then
+/// the barrier's header.
+const SENT_PER_RANK: u64 = 2 * ((32 << 20) + 16) + 16;
 
 #[test]
 fn a_64_mib_all_reduce_over_two_cables_moves_half_the_bytes_on_each() {
