@@ -25,6 +25,13 @@
 //! - A transport send slot is in flight on at most one lane at a time, and
 //!   each lane's send slot `s` is only ever used by transport slot `s`, so a
 //!   frame can always move to another lane.
+//! - Send completions reach the transport in the order the frames were
+//!   posted, as one queue pair gives them ([`super::verbs::VerbsTransport`]
+//!   reuses its send slots in turn, so it relies on that): lanes complete
+//!   out of order (and a frame sent again after a failure completes after
+//!   newer ones), so a completion is held until every older frame to that
+//!   peer has completed too. A slot posted again before its completion was
+//!   handed out is refused.
 //! - Frames reach the transport exactly once and in sequence order.
 //!
 //! # Failure
@@ -67,6 +74,11 @@ struct Peer {
     next_send: u32,
     next_recv: u32,
     in_flight: Vec<Option<InFlight>>,
+    /// Send slots posted and not yet handed back to the transport, oldest
+    /// first.
+    order: VecDeque<usize>,
+    /// Per send slot: its frame completed, waiting for older ones.
+    completed: Vec<bool>,
     /// Frames that came ahead of `next_recv`: sequence → (receive id, len).
     ahead: BTreeMap<u32, (usize, usize)>,
     /// Failed lanes the peer has yet to be told of.
@@ -149,6 +161,8 @@ impl<V: Verbs> Striped<V> {
                 next_send: 0,
                 next_recv: 0,
                 in_flight: vec![None; slots - 1],
+                order: VecDeque::with_capacity(slots - 1),
+                completed: vec![false; slots - 1],
                 ahead: BTreeMap::new(),
                 notices: VecDeque::new(),
             })
@@ -341,7 +355,13 @@ impl<V: Verbs> Striped<V> {
                         .is_some_and(|f| f.lane == lane)
                     {
                         p.in_flight[c.slot] = None;
-                        self.ready.push_back(c);
+                        p.completed[c.slot] = true;
+                        // Handed back in posting order.
+                        while let Some(&s) = p.order.front().filter(|&&s| p.completed[s]) {
+                            p.order.pop_front();
+                            p.completed[s] = false;
+                            self.ready.push_back(Completion { slot: s, ..c });
+                        }
                     }
                 }
                 CompletionKind::Recv => {
@@ -433,13 +453,20 @@ impl<V: Verbs> Verbs for Striped<V> {
                 head.len()
             )));
         }
+        if self.peers[peer].in_flight[slot].is_some() || self.peers[peer].completed[slot] {
+            return Err(CollectiveError::Verbs(format!(
+                "send slot {slot} to rank {peer} posted again before its completion"
+            )));
+        }
         let seq = self.peers[peer].next_send;
         self.peers[peer].next_send = seq.wrapping_add(1) & SEQ_MASK;
         let mut frame = [0u8; SEQ + MAX_HEAD];
         frame[..SEQ].copy_from_slice(&seq.to_le_bytes());
         frame[SEQ..SEQ + head.len()].copy_from_slice(head);
         // The lane copies the two pieces into its registered frame.
-        self.post_frame(peer, slot, seq, &frame[..SEQ + head.len()], body)
+        self.post_frame(peer, slot, seq, &frame[..SEQ + head.len()], body)?;
+        self.peers[peer].order.push_back(slot);
+        Ok(())
     }
 
     fn post_recv(&mut self, peer: usize, slot: usize) -> Result<(), CollectiveError> {
