@@ -64,15 +64,7 @@ use mlx_node::engine::profile::{self, Breakdown, Part};
 use mlx_node::engine::sharded::{Compute, PodModel, PodPlan};
 use mlx_node::engine::{PromptInput, TextSide};
 
-#[path = "support/util.rs"]
-mod util;
-
-#[allow(dead_code)]
-#[path = "../src/engine/testutil.rs"]
-mod testutil;
-
-use testutil::{GgufTweaks, TinySpec};
-use util::setting;
+use mlx_node::test_utils::{self as testutil, setting, GgufTweaks, TinySpec};
 
 const STEPS: usize = 24;
 const GOAL: f64 = 1.9;
@@ -118,7 +110,7 @@ fn model_path() -> PathBuf {
     let s = spec();
     let dir = std::env::var_os("CARGO_TARGET_DIR")
         .map(PathBuf::from)
-        .unwrap_or_else(|| util::workspace().join("target"));
+        .unwrap_or_else(|| testutil::workspace().join("target"));
     dir.join(format!(
         "pod_tp-random-h{}-l{}-kv{}-ff{}-{:?}.gguf",
         s.hidden,
