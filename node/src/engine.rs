@@ -51,6 +51,7 @@ pub mod kernels;
 mod linear;
 mod model;
 mod ops;
+pub mod profile;
 mod sampler;
 pub mod sharded;
 mod template;
@@ -73,7 +74,7 @@ use tokenizer::{Detokenizer, Tokenizer};
 
 /// Prompt tokens processed per forward pass during prefill (bounds the
 /// memory of one pass on long prompts).
-const PREFILL_CHUNK: usize = 256;
+pub const PREFILL_CHUNK: usize = 256;
 
 /// A loaded model, ready to generate. `Send`, so it can be moved into a
 /// blocking task; not `Sync` (one generation at a time).
@@ -110,6 +111,12 @@ pub trait Forward {
     fn reset(&mut self, capacity: usize) -> Result<(), Self::Error>;
     /// Runs `tokens` at the next positions; the logits of the last one.
     fn forward(&mut self, tokens: &[u32]) -> Result<Vec<f32>, Self::Error>;
+    /// Most prompt tokens to pass to one [`Forward::forward`] call during
+    /// prefill (a pipeline-parallel pod takes the whole prompt at once and
+    /// splits it into micro-batches that flow through its stages).
+    fn prefill_chunk(&self) -> usize {
+        PREFILL_CHUNK
+    }
 }
 
 impl Forward for Model {
@@ -555,7 +562,7 @@ impl TextSide {
         }
         model.reset(prompt.len() + max_new)?;
         let mut logits = Vec::new();
-        for chunk in prompt.chunks(PREFILL_CHUNK) {
+        for chunk in prompt.chunks(model.prefill_chunk().max(1)) {
             logits = model.forward(chunk)?;
         }
         let mut sampler = Sampler::new(s);

@@ -398,7 +398,10 @@ fn device_problems_fail_every_rank_with_a_typed_error() {
         match e {
             CollectiveError::Rdma(RdmaError::NoSuchDevice { device, available }) => {
                 assert_eq!(device, "no_such_dev");
-                assert_eq!(available, ["fake0", "fake_down", "fake_lossy"]);
+                assert_eq!(
+                    available,
+                    ["fake0", "fake_down", "fake_lossy", "fake1", "fake_flaky"]
+                );
             }
             e => panic!("{e}"),
         }
@@ -519,4 +522,148 @@ fn credit_keeps_one_frame_back_for_returning_credit() {
     w.advertised = u16::MAX - 2;
     w.posted = w.posted.wrapping_add(10);
     assert_eq!(w.owed(), 10);
+}
+
+// ---- two cables per pair: striping and fall-back ----
+
+use crate::collectives::stripe::Striped;
+
+type StripedGroup = Group<VerbsTransport<Striped<RdmaVerbs>>>;
+
+/// A 2-rank pod with two cables: lane 0 over `fake0`, lane 1 over `second`.
+fn two_cable_pod(second: &'static str) -> Vec<StripedGroup> {
+    on_every_rank(tcp_groups(2), move |mut g| {
+        let rank = g.rank();
+        let on = |d: &str| -> Vec<Option<String>> {
+            (0..2).map(|p| (p != rank).then(|| d.to_string())).collect()
+        };
+        let kind = QueuePairs::Reliable;
+        let lane0 = connect_with(&mut g, Ok(fake::library()), &on("fake0"), kind).unwrap();
+        let lane1 = connect_with(&mut g, Ok(fake::library()), &on(second), kind).unwrap();
+        let side = SideChannel::new(g.into_transport().into_streams()).unwrap();
+        let lanes = vec![lane0.finish(side.try_clone().unwrap()), lane1.finish(side)];
+        let opts = VerbsOptions {
+            timeout: Duration::from_secs(20),
+            ..VerbsOptions::default()
+        };
+        let mut t = VerbsTransport::new(Striped::new(lanes).unwrap(), opts).unwrap();
+        t.verbs_mut().lanes_mut()[0]
+            .barrier(Duration::from_secs(10))
+            .unwrap();
+        Group::new(t, GroupOptions::default())
+    })
+}
+
+/// 64 MiB of f32 summed over two ranks: exact, and `(lanes, failovers)`
+/// of each rank.
+fn all_reduce_64_mib(pod: Vec<StripedGroup>) -> Vec<(Vec<u64>, Vec<String>)> {
+    const LEN: usize = 16 << 20;
+    let handles: Vec<_> = pod
+        .into_iter()
+        .map(|mut g| {
+            std::thread::spawn(move || {
+                let rank = g.rank();
+                let mut v: Vec<f32> = (0..LEN).map(|i| (i % 1000) as f32 + rank as f32).collect();
+                crate::collectives::all_reduce(&mut g, &mut v).unwrap();
+                // Nobody leaves (closing the side channel) while the other
+                // still takes its last frames.
+                g.barrier().unwrap();
+                let wrong = v
+                    .iter()
+                    .enumerate()
+                    .find(|(i, &x)| x != 2.0 * (i % 1000) as f32 + 1.0);
+                assert_eq!(wrong, None, "rank {rank}: first wrong element");
+                let s = g.transport().verbs();
+                (s.lane_bytes().to_vec(), s.failovers().to_vec())
+            })
+        })
+        .collect();
+    handles.into_iter().map(|h| h.join().unwrap()).collect()
+}
+
+/// Two ranks: the ring sends each peer one 32 MiB reduce-scatter message
+/// and one 32 MiB all-gather message (each with its 16-byte header), then
+/// the barrier's header.
+const SENT_PER_RANK: u64 = 2 * ((32 << 20) + 16) + 16;
+
+#[test]
+fn a_64_mib_all_reduce_over_two_cables_moves_half_the_bytes_on_each() {
+    for (rank, (lanes, failovers)) in all_reduce_64_mib(two_cable_pod("fake1"))
+        .into_iter()
+        .enumerate()
+    {
+        assert!(failovers.is_empty(), "rank {rank}: {failovers:?}");
+        assert_eq!(lanes.iter().sum::<u64>(), SENT_PER_RANK, "rank {rank}");
+        // Frames alternate between the cables: the halves differ by at
+        // most one frame.
+        assert!(
+            lanes[0].abs_diff(lanes[1]) <= FRAME as u64,
+            "rank {rank}: {lanes:?}"
+        );
+        eprintln!("rank {rank}: bytes per cable {lanes:?}");
+    }
+}
+
+/// The second cable is pulled a few thousand frames into the transfer:
+/// both ranks drop it with a logged reason naming the device and the
+/// failed completion, send what was in flight on it again over the first,
+/// and the sum is still exact (no frame lost, none counted twice).
+#[test]
+fn a_cable_failing_mid_transfer_falls_back_and_loses_no_frame() {
+    let pod = two_cable_pod("fake_flaky");
+    fake::break_flaky_after(3000);
+    let mut named = 0;
+    for (rank, (lanes, failovers)) in all_reduce_64_mib(pod).into_iter().enumerate() {
+        assert_eq!(failovers.len(), 1, "rank {rank}: {failovers:?}");
+        let why = &failovers[0];
+        // Its own failed send names the device and the completion; or the
+        // peer's notice came first.
+        let own = why.contains("fake_flaky: work completion status 12");
+        named += usize::from(own);
+        assert!(
+            why.contains("lane 1 to rank") && (own || why.contains("reports its lane 1 failed")),
+            "rank {rank}: {why}"
+        );
+        // Lane 1 carried some frames before it failed; lane 0 the rest,
+        // the frames sent again included.
+        assert!(
+            lanes[1] > 0 && lanes[0] > lanes[1],
+            "rank {rank}: {lanes:?}"
+        );
+        assert!(lanes.iter().sum::<u64>() >= SENT_PER_RANK, "rank {rank}");
+        eprintln!("rank {rank}: bytes per cable {lanes:?}; {why}");
+    }
+    assert!(named >= 1, "no rank saw the failed completion itself");
+}
+
+/// A receiver that waits longer than its spin sleeps on the completion
+/// channel (its queue is armed, the fd wakes it), not in a sleep-and-poll
+/// loop, and the message arrives whole.
+#[test]
+fn a_long_wait_blocks_on_the_completion_channel() {
+    let pod: Vec<_> = fake_pod_of(2, "fake0", QueuePairs::Reliable)
+        .into_iter()
+        .map(Result::unwrap)
+        .collect();
+    let armed = fake::armed();
+    let got = run(pod, |c| {
+        let msg: Vec<u8> = (0..10_000).map(|i| (i % 253) as u8).collect();
+        if c.rank() == 0 {
+            // Long enough that the receiver's spin is over.
+            std::thread::sleep(Duration::from_millis(100));
+            c.send(&msg, 1).unwrap();
+            true
+        } else {
+            let mut buf = vec![0u8; msg.len()];
+            c.recv(&mut buf, 0).unwrap();
+            buf == msg
+        }
+    });
+    assert_eq!(got, [true, true]);
+    assert!(fake::armed() > armed, "the receiver never armed its queue");
+    eprintln!(
+        "queues armed {}, channel events {}",
+        fake::armed() - armed,
+        fake::channel_events()
+    );
 }

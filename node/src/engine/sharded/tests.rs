@@ -321,3 +321,114 @@ fn a_stage_refuses_layers_over_its_memory_budget() {
     );
     assert!(matches!(longer, Err(PodModelError::OverBudget { .. })));
 }
+
+/// A collective that counts the messages each rank sends and their sizes.
+struct Counting<'a> {
+    inner: &'a mut dyn Collective,
+    sends: Vec<(usize, usize)>,
+}
+
+impl Collective for Counting<'_> {
+    fn rank(&self) -> usize {
+        self.inner.rank()
+    }
+    fn size(&self) -> usize {
+        self.inner.size()
+    }
+    fn all_reduce_sum(
+        &mut self,
+        data: &mut [u8],
+        dtype: crate::collectives::DType,
+    ) -> Result<(), CollectiveError> {
+        self.inner.all_reduce_sum(data, dtype)
+    }
+    fn all_gather(&mut self, input: &[u8], output: &mut [u8]) -> Result<(), CollectiveError> {
+        self.inner.all_gather(input, output)
+    }
+    fn broadcast(&mut self, data: &mut [u8], root: usize) -> Result<(), CollectiveError> {
+        self.inner.broadcast(data, root)
+    }
+    fn send(&mut self, data: &[u8], to: usize) -> Result<(), CollectiveError> {
+        self.sends.push((to, data.len()));
+        self.inner.send(data, to)
+    }
+    fn recv(&mut self, data: &mut [u8], from: usize) -> Result<(), CollectiveError> {
+        self.inner.recv(data, from)
+    }
+    fn barrier(&mut self) -> Result<(), CollectiveError> {
+        self.inner.barrier()
+    }
+}
+
+/// A long prompt goes through a pipeline in micro-batches (stage 0 sends
+/// one message per chunk to stage 1), and chunked prefill computes what the
+/// whole model computes in one pass over the prompt: the same logits, bit
+/// for bit, and the same greedy tokens, for 2 and 3 stages and a last chunk
+/// shorter than the others.
+#[test]
+fn pipeline_prefill_in_micro_batches_matches_one_pass() {
+    let dir = tempfile::tempdir().unwrap();
+    let prompt: Vec<u32> = (0..61).map(|i| 3 + (i * 37 % 250) as u32).collect();
+    for dtype in [GgmlDType::F32, GgmlDType::Q4_1] {
+        let path = random_model(dir.path(), dtype);
+        let want = reference(&path, &prompt, 4);
+        let (cfg, _) = PodModel::ffn_unit(&path).unwrap();
+        for stages in [2usize, 3] {
+            let plan = PodPlan::pipeline(&cfg, &vec![1.0; stages]).unwrap();
+            let comms = tcp_pod(stages, TcpOptions::default(), GroupOptions::default());
+            let handles: Vec<_> = comms
+                .into_iter()
+                .enumerate()
+                .map(|(rank, mut comm)| {
+                    let (path, plan) = (path.clone(), plan.clone());
+                    let prompt = if rank == 0 {
+                        prompt.clone()
+                    } else {
+                        Vec::new()
+                    };
+                    std::thread::spawn(move || {
+                        let mut m =
+                            PodModel::load_gguf(&path, plan, rank, Compute::Native).unwrap();
+                        m.set_micro_batch(Some(16));
+                        let mut c = Counting {
+                            inner: comm.as_mut(),
+                            sends: Vec::new(),
+                        };
+                        let out = generate_greedy(&mut m, &mut c, &prompt, 4).unwrap();
+                        (out, c.sends)
+                    })
+                })
+                .collect();
+            let mut results: Vec<_> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+            let h = cfg.hidden_size * 4;
+            // 61 tokens in chunks of 16: 16, 16, 16 and 13 tokens; then one
+            // token per decode step.
+            let prefill: Vec<(usize, usize)> =
+                [16, 16, 16, 13].iter().map(|t| (1, t * h)).collect();
+            assert_eq!(results[0].1[..4], prefill[..], "{dtype:?} x{stages}");
+            let got = results.swap_remove(0).0;
+            assert_eq!(got, want, "{dtype:?} pipeline x{stages} in micro-batches");
+        }
+    }
+}
+
+#[test]
+fn micro_batches_are_sized_from_the_prompt_and_stages() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = random_model(dir.path(), GgmlDType::F32);
+    let (cfg, _) = PodModel::ffn_unit(&path).unwrap();
+    let plan = PodPlan::pipeline(&cfg, &[1.0, 1.0]).unwrap();
+    let mut m = PodModel::load_gguf(&path, plan, 0, Compute::Native).unwrap();
+    // 2048 tokens over 2 stages: 16 chunks of 128; over 4: 32 of 64.
+    assert_eq!(m.micro_batch(2048, 2), 128);
+    assert_eq!(m.micro_batch(2048, 4), MIN_MICRO_BATCH);
+    // Never below the minimum, never above the engine's prefill chunk,
+    // always whole groups of 8 rows.
+    assert_eq!(m.micro_batch(1, 2), MIN_MICRO_BATCH);
+    assert_eq!(m.micro_batch(100_000, 2), MAX_MICRO_BATCH);
+    assert_eq!(m.micro_batch(3000, 2), 192);
+    m.set_micro_batch(Some(20));
+    assert_eq!(m.micro_batch(2048, 2), 24);
+    m.set_micro_batch(Some(0));
+    assert_eq!(m.micro_batch(2048, 2), 128, "zero means chosen per pass");
+}
