@@ -46,6 +46,7 @@ use std::time::{Duration, Instant};
 pub mod audit;
 pub mod cli;
 mod config;
+pub mod device;
 mod gguf;
 pub mod kernels;
 mod linear;
@@ -80,7 +81,7 @@ pub const PREFILL_CHUNK: usize = 256;
 /// blocking task; not `Sync` (one generation at a time).
 pub struct Engine {
     info: ModelInfo,
-    model: Model,
+    model: device::EngineModel,
     text: TextSide,
 }
 
@@ -344,6 +345,12 @@ impl Engine {
     /// `config.json`, `tokenizer.json` and `*.safetensors`, or one
     /// `.safetensors` file next to them).
     pub fn load(path: &Path) -> Result<Engine, EngineError> {
+        Self::load_on(path, &device::Backend::Native)
+    }
+
+    /// [`Engine::load`] onto `backend` (the fast CPU path, or a candle
+    /// device: see [`device`]).
+    pub fn load_on(path: &Path, backend: &device::Backend) -> Result<Engine, EngineError> {
         let meta = std::fs::metadata(path).map_err(|source| EngineError::Io {
             path: path.to_path_buf(),
             source,
@@ -351,19 +358,19 @@ impl Engine {
         let is_safetensors =
             meta.is_dir() || path.extension().and_then(|e| e.to_str()) == Some("safetensors");
         let (model, tokenizer, template_source) = if is_safetensors {
-            load_safetensors(path)?
+            load_safetensors(path, backend)?
         } else {
-            load_gguf(path)?
+            load_gguf(path, backend)?
         };
-        if tokenizer.vocab_size() > model.cfg.vocab_size {
+        if tokenizer.vocab_size() > model.cfg().vocab_size {
             return Err(EngineError::Tokenizer(format!(
                 "the tokenizer has {} tokens, the model's embedding only {}",
                 tokenizer.vocab_size(),
-                model.cfg.vocab_size
+                model.cfg().vocab_size
             )));
         }
         let template = compile_template(template_source);
-        let cfg = &model.cfg;
+        let cfg = model.cfg();
         let info = ModelInfo {
             architecture: cfg.architecture_name.clone(),
             parameters: model.parameters(),
@@ -385,6 +392,12 @@ impl Engine {
 
     pub fn info(&self) -> &ModelInfo {
         &self.info
+    }
+
+    /// Where it computes: "cpu" (the fast CPU path), "metal", "cuda", or
+    /// "candle-cpu" (the device path on the CPU).
+    pub fn backend(&self) -> &'static str {
+        self.model.backend_name()
     }
 
     /// The prompt's token ids as [`Engine::generate`] would feed them
@@ -674,7 +687,7 @@ impl Engine {
         let s = &req.sampling;
         sampler::validate(s)?;
         let prompt = self.prompt_tokens(&req.input)?;
-        let vocab = self.model.cfg.vocab_size;
+        let vocab = self.model.cfg().vocab_size;
         let output = &req.output_token_ids;
         if let Some((i, &t)) = output
             .iter()
@@ -683,7 +696,7 @@ impl Engine {
         {
             return Ok(audit::judge_unscorable(i, t));
         }
-        let ctx = self.model.cfg.context_length;
+        let ctx = self.model.cfg().context_length;
         let total = prompt.len() + output.len();
         if total > ctx || prompt.len() >= ctx {
             return Err(EngineError::PromptTooLong {
@@ -741,9 +754,9 @@ pub struct AuditRequest {
     pub facts: audit::ClaimFacts,
 }
 
-type Loaded = (Model, Tokenizer, Option<String>);
+type Loaded = (device::EngineModel, Tokenizer, Option<String>);
 
-fn load_gguf(path: &Path) -> Result<Loaded, EngineError> {
+fn load_gguf(path: &Path, backend: &device::Backend) -> Result<Loaded, EngineError> {
     let file = gguf::GgufFile::open(path)?;
     let tokenizer = Tokenizer::from_gguf(&file.metadata)?;
     // Without `<arch>.vocab_size`, the embedding's rows are the vocabulary.
@@ -753,7 +766,7 @@ fn load_gguf(path: &Path) -> Result<Loaded, EngineError> {
         .and_then(|e| e.shape.first().copied())
         .unwrap_or(tokenizer.vocab_size());
     let cfg = config::ModelConfig::from_gguf(&file.metadata, Some(vocab))?;
-    let model = Model::load(cfg, &weights::WeightSource::Gguf(&file))?;
+    let model = device::EngineModel::load(cfg, &weights::WeightSource::Gguf(&file), backend)?;
     let template = file
         .get("tokenizer.chat_template")
         .and_then(gguf::MetaValue::as_str)
@@ -784,7 +797,7 @@ fn eos_ids(v: &serde_json::Value) -> Vec<u32> {
     }
 }
 
-fn load_safetensors(path: &Path) -> Result<Loaded, EngineError> {
+fn load_safetensors(path: &Path, backend: &device::Backend) -> Result<Loaded, EngineError> {
     let (dir, files) = if path.is_dir() {
         let mut files = Vec::new();
         let entries = std::fs::read_dir(path).map_err(|source| EngineError::Io {
@@ -862,6 +875,7 @@ fn load_safetensors(path: &Path) -> Result<Loaded, EngineError> {
                 .map_err(|e| EngineError::Safetensors(format!("{}: {e}", file.display())))?,
         );
     }
-    let model = Model::load(cfg, &weights::WeightSource::Safetensors(views))?;
+    let model =
+        device::EngineModel::load(cfg, &weights::WeightSource::Safetensors(views), backend)?;
     Ok((model, tokenizer, template))
 }

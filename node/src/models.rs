@@ -31,7 +31,7 @@ use sha2::{Digest, Sha256};
 
 use crate::{
     config::ModelEntry,
-    engine::{Engine, EngineError, ModelInfo},
+    engine::{device::Backend, Engine, EngineError, ModelInfo},
 };
 
 /// Why the configured models could not be made ready.
@@ -140,6 +140,8 @@ pub fn digest_file(path: &Path) -> std::io::Result<([u8; 32], u64)> {
 pub struct LoadedModel {
     pub held: HeldModel,
     pub info: ModelInfo,
+    /// Where its engine computes ("cpu", "metal", "cuda", "candle-cpu").
+    pub backend: &'static str,
     /// The engine; lock it on a blocking thread only.
     pub engine: Arc<Mutex<Engine>>,
 }
@@ -155,24 +157,32 @@ impl ModelSet {
     /// whole files). All files are hashed before any is loaded, so a missing
     /// file is reported at once.
     pub fn load(entries: &[ModelEntry]) -> Result<Self, ModelError> {
+        Self::load_on(entries, &Backend::Native)
+    }
+
+    /// [`ModelSet::load`] with every engine on `backend`.
+    pub fn load_on(entries: &[ModelEntry], backend: &Backend) -> Result<Self, ModelError> {
         let held = entries
             .iter()
             .map(HeldModel::hash)
             .collect::<Result<Vec<_>, _>>()?;
         let mut by_id = BTreeMap::new();
         for held in held {
-            tracing::info!(model = %held.id, path = %held.path.display(), sha256 = %hex::encode(held.sha256), "loading model");
-            let engine = Engine::load(&held.path).map_err(|source| ModelError::Load {
-                id: held.id.clone(),
-                path: held.path.clone(),
-                source: Box::new(source),
-            })?;
+            tracing::info!(model = %held.id, path = %held.path.display(), sha256 = %hex::encode(held.sha256), backend = backend.name(), "loading model");
+            let engine =
+                Engine::load_on(&held.path, backend).map_err(|source| ModelError::Load {
+                    id: held.id.clone(),
+                    path: held.path.clone(),
+                    source: Box::new(source),
+                })?;
             let info = engine.info().clone();
+            let backend = engine.backend();
             by_id.insert(
                 held.id.clone(),
                 Arc::new(LoadedModel {
                     held,
                     info,
+                    backend,
                     engine: Arc::new(Mutex::new(engine)),
                 }),
             );
@@ -193,6 +203,11 @@ impl ModelSet {
             .ok_or_else(|| Refusal::NotHeld(model.to_owned()))?;
         loaded.held.check_digest(sha256)?;
         Ok(loaded.clone())
+    }
+
+    /// Every model, by catalogue id.
+    pub fn iter(&self) -> impl Iterator<Item = &Arc<LoadedModel>> {
+        self.by_id.values()
     }
 
     pub fn len(&self) -> usize {

@@ -357,8 +357,20 @@ impl Drop for TestNode {
 
 /// Builds and starts a node from `config`.
 pub async fn spawn_node(config: NodeConfig) -> anyhow::Result<TestNode> {
+    spawn_node_with(config, None).await
+}
+
+/// [`spawn_node`] with the lending signals read from `signals` (an owner
+/// the test makes come and go) instead of the operating system.
+pub async fn spawn_node_with(
+    config: NodeConfig,
+    signals: Option<Box<dyn mlx_node::policy::SignalSource>>,
+) -> anyhow::Result<TestNode> {
     init_tracing();
-    let node = Node::build(config).await.context("building the node")?;
+    let mut node = Node::build(config).await.context("building the node")?;
+    if let Some(s) = signals {
+        node = node.with_signals(s);
+    }
     let id = node.node_id();
     let status = node.link_status();
     let (stop, stopped) = oneshot::channel::<()>();

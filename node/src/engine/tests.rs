@@ -592,7 +592,7 @@ fn chat_template_renders_and_rejects() {
 
 // ---------------------------------------------------------------- the real model
 
-const MODEL_PATH: &str = concat!(
+pub(super) const MODEL_PATH: &str = concat!(
     env!("CARGO_MANIFEST_DIR"),
     "/../models/SmolLM2-135M-Instruct.Q4_1.gguf"
 );
@@ -601,7 +601,7 @@ const REFERENCE: &str = concat!(
     "/src/engine/testdata/llama_cpp_reference.json"
 );
 
-fn smollm() -> std::sync::MutexGuard<'static, Engine> {
+pub(super) fn smollm() -> std::sync::MutexGuard<'static, Engine> {
     static ENGINE: OnceLock<Mutex<Engine>> = OnceLock::new();
     ENGINE
         .get_or_init(|| {
@@ -616,7 +616,7 @@ fn smollm() -> std::sync::MutexGuard<'static, Engine> {
         .unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
-fn reference() -> serde_json::Value {
+pub(super) fn reference() -> serde_json::Value {
     let text = std::fs::read_to_string(REFERENCE).unwrap_or_else(|e| {
         panic!("{REFERENCE}: {e} (regenerate with scripts/llama_cpp_reference.py)")
     });
@@ -641,7 +641,7 @@ fn ids(v: &serde_json::Value) -> Vec<u32> {
 /// sum each block's integer dot exactly before scaling where ggml scales 8
 /// partial sums) leaves it at the fibonacci prompt's step 12, margin 0.12, the
 /// same step as llama.cpp's flash attention.
-const NEAR_TIE: f32 = 0.35;
+pub(super) const NEAR_TIE: f32 = 0.35;
 
 #[test]
 fn smollm_greedy_matches_llama_cpp() {
@@ -734,12 +734,12 @@ fn smollm_chat_prompt_matches_llama_cpp_template_rendering() {
     );
 }
 
-#[test]
-fn smollm_knows_the_capital_of_france() {
-    let mut engine = smollm();
+/// The chat job "What is the capital of France?" with a plain system
+/// prompt, greedy, 64 tokens.
+pub(super) fn capital_of_france() -> GenerateRequest {
     // With the template's default system prompt this small model rambles
     // (llama.cpp too, greedy); a plain system prompt gets a straight answer.
-    let request = GenerateRequest {
+    GenerateRequest {
         input: PromptInput::Chat(vec![
             ChatTurn {
                 role: "system".into(),
@@ -752,7 +752,13 @@ fn smollm_knows_the_capital_of_france() {
         ]),
         sampling: greedy(64),
         resume: Resume::default(),
-    };
+    }
+}
+
+#[test]
+fn smollm_knows_the_capital_of_france() {
+    let mut engine = smollm();
+    let request = capital_of_france();
     let (g, chunks) = run(&mut engine, &request);
     assert!(g.text.contains("Paris"), "answer: {:?}", g.text);
     assert_eq!(g.finish, FinishReason::Eos, "{g:?}");

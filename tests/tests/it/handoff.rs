@@ -29,7 +29,7 @@ use mlxnet_tests::{
 };
 
 /// A coordinator that notices a silent node within about a second.
-fn quick_config(dir: &std::path::Path) -> CoordinatorConfig {
+pub(crate) fn quick_config(dir: &std::path::Path) -> CoordinatorConfig {
     let mut config = coordinator_config(dir);
     config.heartbeat_interval_ms = 200;
     config.heartbeat_timeout_ms = 1_200;
@@ -37,7 +37,7 @@ fn quick_config(dir: &std::path::Path) -> CoordinatorConfig {
 }
 
 /// A long greedy job: the test model keeps writing for its whole budget.
-fn long_job() -> SubmitJobRequest {
+pub(crate) fn long_job() -> SubmitJobRequest {
     prompt_job("Once upon a time, in a small village by the sea,", 160)
 }
 
@@ -96,7 +96,11 @@ fn spawn_node_process(
 }
 
 /// Waits until `job` has streamed at least `n` tokens (from a watch of its own).
-async fn streamed_at_least(client: &mut Client, job: &str, n: usize) -> anyhow::Result<()> {
+pub(crate) async fn streamed_at_least(
+    client: &mut Client,
+    job: &str,
+    n: usize,
+) -> anyhow::Result<()> {
     let mut events = client
         .jobs
         .watch(WatchJobRequest {
@@ -141,7 +145,7 @@ fn price((input, output): (u64, u64), in_tokens: u64, out_tokens: u64) -> i64 {
 }
 
 /// The finished job's (last) signed claim.
-fn claim_of(run: &JobRun) -> anyhow::Result<ResultClaim> {
+pub(crate) fn claim_of(run: &JobRun) -> anyhow::Result<ResultClaim> {
     run.job
         .result
         .clone()
@@ -161,7 +165,7 @@ fn paid_for(p: (u64, u64), run: &JobRun) -> anyhow::Result<(i64, u64)> {
 
 /// The nodes a job was assigned to, in order (a watch that starts while
 /// the job is being assigned may see one assignment twice).
-fn nodes(run: &JobRun) -> Vec<&str> {
+pub(crate) fn nodes(run: &JobRun) -> Vec<&str> {
     let mut out: Vec<&str> = run.assigned_to.iter().map(String::as_str).collect();
     out.dedup();
     out
@@ -171,7 +175,7 @@ fn nodes(run: &JobRun) -> Vec<&str> {
 /// finishing claim is the second node's and covers only what it computed,
 /// bound to the input plus the tokens it resumed after. Returns how many
 /// tokens the first node streamed.
-fn check_one_stream(
+pub(crate) fn check_one_stream(
     run: &JobRun,
     request: &SubmitJobRequest,
     first: &str,
@@ -202,12 +206,21 @@ fn check_one_stream(
     Ok(cut)
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_killed_nodes_job_finishes_on_another_node_in_one_stream() -> anyhow::Result<()> {
-    test_model();
-    let dir = tempfile::tempdir()?;
-    let coord = spawn_coordinator(quick_config(&dir.path().join("coord"))).await?;
-    let (mut doomed, doomed_id) = spawn_node_process(&coord, &dir.path().join("doomed"))?;
+/// A long job streaming on the one node registered with a coordinator, a
+/// watch following it to its end, and a second node ready to take it over.
+pub(crate) struct Underway {
+    pub client: Client,
+    pub request: SubmitJobRequest,
+    pub followed: tokio::task::JoinHandle<anyhow::Result<JobRun>>,
+    pub survivor: mlxnet_tests::TestNode,
+}
+
+/// Submits [`long_job`] to `coord`, waits until 8 tokens streamed, then
+/// starts the survivor (data in `dir/survivor`).
+pub(crate) async fn long_job_with_survivor(
+    coord: &TestCoordinator,
+    dir: &std::path::Path,
+) -> anyhow::Result<Underway> {
     let mut client = coord.client().await?;
     let request = long_job();
     let job = client.jobs.submit(request.clone()).await?.into_inner();
@@ -217,10 +230,28 @@ async fn a_killed_nodes_job_finishes_on_another_node_in_one_stream() -> anyhow::
         async move { follower.follow(id).await }
     });
     streamed_at_least(&mut client, &job.id, 8).await?;
-
-    let mut survivor =
-        spawn_node(coord.node_config(&dir.path().join("survivor"), "survivor")).await?;
+    let mut survivor = spawn_node(coord.node_config(&dir.join("survivor"), "survivor")).await?;
     survivor.registered().await?;
+    Ok(Underway {
+        client,
+        request,
+        followed,
+        survivor,
+    })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_nodes_job_finishes_on_another_node_in_one_stream() -> anyhow::Result<()> {
+    test_model();
+    let dir = tempfile::tempdir()?;
+    let coord = spawn_coordinator(quick_config(&dir.path().join("coord"))).await?;
+    let (mut doomed, doomed_id) = spawn_node_process(&coord, &dir.path().join("doomed"))?;
+    let Underway {
+        mut client,
+        request,
+        followed,
+        survivor,
+    } = long_job_with_survivor(&coord, dir.path()).await?;
     doomed.kill()?; // SIGKILL: no goodbye reaches the coordinator
     let _ = doomed.wait();
 
@@ -273,19 +304,12 @@ async fn a_draining_nodes_job_finishes_on_another_node_and_it_takes_no_new_job(
     draining.registered().await?;
     let draining_id = draining.id.to_string();
 
-    let mut client = coord.client().await?;
-    let request = long_job();
-    let job = client.jobs.submit(request.clone()).await?.into_inner();
-    let mut follower = client.clone();
-    let followed = tokio::spawn({
-        let id = job.id.clone();
-        async move { follower.follow(id).await }
-    });
-    streamed_at_least(&mut client, &job.id, 8).await?;
-
-    let mut survivor =
-        spawn_node(coord.node_config(&dir.path().join("survivor"), "survivor")).await?;
-    survivor.registered().await?;
+    let Underway {
+        mut client,
+        request,
+        followed,
+        survivor,
+    } = long_job_with_survivor(&coord, dir.path()).await?;
     let survivor_id = survivor.id.to_string();
     // The owner returns: the node drains (as on SIGTERM) and leaves.
     let stopped = tokio::spawn(draining.stop());
