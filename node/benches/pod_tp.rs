@@ -436,13 +436,13 @@ const PREFILL_GOAL: f64 = 1.6;
 /// The real test model (SmolLM2-135M, 30 layers), fetched by
 /// `scripts/fetch-test-model.sh`.
 fn smollm() -> PathBuf {
-    util::workspace().join("models/SmolLM2-135M-Instruct.Q4_1.gguf")
+    testutil::workspace().join("models/SmolLM2-135M-Instruct.Q4_1.gguf")
 }
 
 /// A 2,048-token prompt: the bench's 128-token text, tokenized by the
 /// model's own tokenizer, repeated.
 fn prefill_prompt(path: &Path) -> Vec<u32> {
-    let text = std::fs::read_to_string(util::workspace().join("node/benches/prompt-128.txt"))
+    let text = std::fs::read_to_string(testutil::workspace().join("node/benches/prompt-128.txt"))
         .expect("prompt-128.txt");
     let base = TextSide::load_gguf(path)
         .expect("tokenizer")

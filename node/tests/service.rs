@@ -2,6 +2,9 @@
 //! installs passes `systemd-analyze verify`, and the launchd agent it
 //! writes parses as a plist naming this binary and the config.
 
+// A test crate: its helpers panic on a broken fixture, as its tests do.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
