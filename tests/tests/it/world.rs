@@ -635,7 +635,7 @@ async fn screenshot_checked(b: &Browser, what: &str) -> anyhow::Result<Vec<u8>> 
             (x, y)
         };
         let Some(i) = (x * dpr >= 0.0 && y * dpr >= 0.0)
-            .then(|| ((x * dpr) as usize, (y * dpr) as usize))
+            .then_some(((x * dpr) as usize, (y * dpr) as usize))
             .filter(|&(x, y)| x < img.width && y < img.height)
         else {
             continue;
