@@ -32,9 +32,7 @@ use anyhow::{bail, Context};
 use mlx_node::engine::{Engine, GenerateRequest, PromptInput, Resume, Sampling};
 use serde_json::{json, Value};
 
-#[path = "support/util.rs"]
-mod util;
-use util::{setting, workspace};
+use mlx_node::test_utils::{setting, workspace};
 
 const GEN_TOKENS: usize = 128;
 const PROMPT: &str = include_str!("prompt-128.txt");

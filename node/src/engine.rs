@@ -59,8 +59,8 @@ mod weights;
 
 #[cfg(test)]
 mod tests;
-#[cfg(test)]
-mod testutil;
+#[cfg(any(test, feature = "test-utils"))]
+pub(crate) mod testutil;
 
 use model::Model;
 use sampler::{Sampler, StopBuffer, StopCheck};

@@ -18,16 +18,14 @@
 //! is: the bounds ([`UPDATE_WITHIN`]) are wide margins that only keep a
 //! broken page from hanging the suite.
 
-mod webdriver;
-
 use std::{net::SocketAddr, path::PathBuf, time::Duration};
 
 use anyhow::{ensure, Context};
 use mlx_node::config::Location;
+use mlxnet_coordinator::test_utils::webdriver::{http_get, Browser};
 use mlxnet_coordinator::world::{self, grid, NodeView, Status, World};
 use mlxnet_tests::{coordinator_config, repo_root, spawn_coordinator, spawn_node, test_model};
 use serde_json::{json, Value};
-use webdriver::{http_get, Browser};
 
 /// Longest a test waits for the page to show a change it was sent (a wide
 /// margin: on an idle machine it takes milliseconds).
