@@ -7,6 +7,11 @@
 //! coordinator learns of it only from silence (heartbeat timeout), as it
 //! would from a Mac that lost power. The draining node runs in process and
 //! is stopped the way SIGTERM stops `mlx-node run`.
+//!
+//! Ordering is by events, not by racing the clock: the first node is killed
+//! (or drained) as soon as the job has streamed 8 tokens, and the second
+//! node starts only after that; the job waits in the queue for it however
+//! long its start-up takes.
 
 use std::{
     io::{BufRead, BufReader},
@@ -14,7 +19,7 @@ use std::{
     time::Duration,
 };
 
-use anyhow::{bail, Context};
+use anyhow::{bail, ensure, Context};
 use mlxnet_coordinator::config::CoordinatorConfig;
 use mlxnet_proto::{
     claim,
@@ -24,8 +29,9 @@ use mlxnet_proto::{
     },
 };
 use mlxnet_tests::{
-    coordinator_config, node_config_for, prompt_job, spawn_coordinator, spawn_node, state,
-    test_model, within, Client, JobRun, TestCoordinator, CLIENT_GRANT,
+    coordinator_config, mlx_node_binary, node_config_for, prompt_job, spawn_coordinator,
+    spawn_node, state, test_model, within, Client, JobRun, TestCoordinator, CLIENT_GRANT,
+    TEST_MODEL_ID,
 };
 
 /// A coordinator that notices a silent node within about a second.
@@ -42,9 +48,15 @@ pub(crate) fn long_job() -> SubmitJobRequest {
 }
 
 /// The node process of [`a_killed_nodes_job_finishes_on_another_node_in_one_stream`].
+/// Run any other way (`--include-ignored`) it has no coordinator to dial and
+/// returns at once.
 #[test]
 #[ignore = "run as a child process by a_killed_nodes_job_finishes_on_another_node_in_one_stream"]
 fn node_child() -> anyhow::Result<()> {
+    if std::env::var_os("HANDOFF_QUIC").is_none() {
+        eprintln!("not started by a_killed_nodes_job_finishes_on_another_node_in_one_stream: nothing to do");
+        return Ok(());
+    }
     let var = |k: &str| std::env::var(k).with_context(|| format!("{k} is not set"));
     let config = node_config_for(
         std::path::Path::new(&var("HANDOFF_NODE_DIR")?),
@@ -246,14 +258,24 @@ async fn a_killed_nodes_job_finishes_on_another_node_in_one_stream() -> anyhow::
     let dir = tempfile::tempdir()?;
     let coord = spawn_coordinator(quick_config(&dir.path().join("coord"))).await?;
     let (mut doomed, doomed_id) = spawn_node_process(&coord, &dir.path().join("doomed"))?;
-    let Underway {
-        mut client,
-        request,
-        followed,
-        survivor,
-    } = long_job_with_survivor(&coord, dir.path()).await?;
+    let mut client = coord.client().await?;
+    let request = long_job();
+    let job = client.jobs.submit(request.clone()).await?.into_inner();
+    let mut follower = client.clone();
+    let followed = tokio::spawn({
+        let id = job.id.clone();
+        async move { follower.follow(id).await }
+    });
+    streamed_at_least(&mut client, &job.id, 8).await?;
+    // Killed on the event (8 tokens streamed), with the rest of the job
+    // still to write; the job waits in the queue for the second node,
+    // which starts only now: no race between its start-up and the job.
     doomed.kill()?; // SIGKILL: no goodbye reaches the coordinator
     let _ = doomed.wait();
+
+    let mut survivor =
+        spawn_node(coord.node_config(&dir.path().join("survivor"), "survivor")).await?;
+    survivor.registered().await?;
 
     let run = within("the resumed job", followed).await???;
     let cut = check_one_stream(&run, &request, &doomed_id, &survivor.id.to_string())?;
@@ -304,28 +326,43 @@ async fn a_draining_nodes_job_finishes_on_another_node_and_it_takes_no_new_job(
     draining.registered().await?;
     let draining_id = draining.id.to_string();
 
-    let Underway {
-        mut client,
-        request,
-        followed,
-        survivor,
-    } = long_job_with_survivor(&coord, dir.path()).await?;
-    let survivor_id = survivor.id.to_string();
-    // The owner returns: the node drains (as on SIGTERM) and leaves.
+    let mut client = coord.client().await?;
+    let request = long_job();
+    let job = client.jobs.submit(request.clone()).await?.into_inner();
+    let mut follower = client.clone();
+    let followed = tokio::spawn({
+        let id = job.id.clone();
+        async move { follower.follow(id).await }
+    });
+    streamed_at_least(&mut client, &job.id, 8).await?;
+
+    // The owner returns: the node drains (as on SIGTERM) and leaves. On
+    // the event (8 tokens streamed), with the rest of the job to write.
     let stopped = tokio::spawn(draining.stop());
     within("the coordinator to see the drain", async {
         loop {
             let models = client.models.list(ListModelsRequest {}).await?.into_inner();
-            if models.models.first().is_some_and(|m| m.nodes_serving == 1) {
+            if models.models.first().is_some_and(|m| m.nodes_serving == 0) {
                 return anyhow::Ok(());
             }
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
     })
     .await??;
-    let newcomer = client
-        .run_job(prompt_job("The capital of France is", 8))
-        .await?;
+    // Submitted while the draining node is the only one: it must wait for
+    // another. (Nothing here needs the draining node to still be there.)
+    let newcomer_job = client
+        .jobs
+        .submit(prompt_job("The capital of France is", 8))
+        .await?
+        .into_inner();
+    // The second node starts only now: the handed-off job and the
+    // newcomer wait in the queue for it, however long it takes to start.
+    let mut survivor =
+        spawn_node(coord.node_config(&dir.path().join("survivor"), "survivor")).await?;
+    survivor.registered().await?;
+    let survivor_id = survivor.id.to_string();
+    let newcomer = client.follow(newcomer_job.id).await?;
     assert_eq!(state(&newcomer.job), JobState::Completed);
     assert_eq!(
         (nodes(&newcomer), newcomer.job.attempt),
@@ -374,6 +411,124 @@ async fn a_draining_nodes_job_finishes_on_another_node_and_it_takes_no_new_job(
     assert_eq!(
         balance.balance_micro_mlx,
         CLIENT_GRANT - job_price - newcomer_price
+    );
+    Ok(())
+}
+
+/// The real `mlx-node` binary, stopped as launchd and systemd stop it
+/// (SIGTERM) in the middle of a job: it drains (the coordinator places
+/// nothing more on it), hands the job off at the end of its grace period,
+/// and exits with status 0; the job finishes on another node in one stream,
+/// and the drained node is paid for the tokens it streamed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_drains_a_real_mlx_node_process_which_hands_off_and_exits_0() -> anyhow::Result<()>
+{
+    let model = test_model();
+    let bin = mlx_node_binary()?;
+    let dir = tempfile::tempdir()?;
+    let coord = spawn_coordinator(quick_config(&dir.path().join("coord"))).await?;
+    let mut child = Command::new(&bin)
+        .args([
+            "run",
+            "--threads",
+            "1",
+            "--name",
+            "sigterm",
+            "--coordinator",
+        ])
+        .arg(coord.quic_addr.to_string())
+        .arg("--fingerprint")
+        .arg(&coord.fingerprint)
+        .arg("--model")
+        .arg(format!("{TEST_MODEL_ID}={}", model.display()))
+        .arg("--data-dir")
+        .arg(dir.path().join("sigterm"))
+        .env(
+            "MLX_NODE__OPERATOR_ACCOUNT",
+            &coord.accounts.operator_account,
+        )
+        .env("MLX_NODE__DRAIN_GRACE_MS", "300")
+        .env("RUST_LOG", "warn")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .with_context(|| format!("starting {}", bin.display()))?;
+    let stdout = child.stdout.take().context("no stdout")?;
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+            if let Some(id) = line.strip_prefix("node ") {
+                let _ = tx.send(id.to_owned());
+            }
+        }
+    });
+    let node_id = within("the node's id", async {
+        tokio::task::block_in_place(|| rx.recv())
+    })
+    .await??;
+    let mut client = coord.client().await?;
+    let watcher = client.clone();
+    let serving = |n: u32| {
+        let mut client = watcher.clone();
+        async move {
+            within("the coordinator's view of the node", async {
+                loop {
+                    let models = client.models.list(ListModelsRequest {}).await?.into_inner();
+                    if models.models.first().is_some_and(|m| m.nodes_serving == n) {
+                        return anyhow::Ok(());
+                    }
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+            })
+            .await?
+        }
+    };
+    serving(1).await?;
+
+    let request = long_job();
+    let job = client.jobs.submit(request.clone()).await?.into_inner();
+    let mut follower = client.clone();
+    let followed = tokio::spawn({
+        let id = job.id.clone();
+        async move { follower.follow(id).await }
+    });
+    streamed_at_least(&mut client, &job.id, 8).await?;
+    let pid = child.id().to_string();
+    let term = Command::new("sh")
+        .args(["-c", "kill -TERM \"$0\"", &pid])
+        .status()?;
+    ensure!(term.success(), "kill -TERM {pid}: {term}");
+    // Draining: the coordinator places nothing more on it.
+    serving(0).await?;
+    let status = within("the drained process to exit", async {
+        tokio::task::block_in_place(|| child.wait())
+    })
+    .await??;
+    assert_eq!(
+        status.code(),
+        Some(0),
+        "mlx-node exits cleanly after a drain"
+    );
+
+    let survivor = spawn_node(coord.node_config(&dir.path().join("survivor"), "survivor")).await?;
+    let run = within("the handed-off job", followed).await???;
+    let cut = check_one_stream(&run, &request, &node_id, &survivor.id.to_string())?;
+    let earned = coord
+        .client_with(Some(&coord.accounts.operator_key))
+        .await?
+        .accounts
+        .earnings(EarningsRequest {})
+        .await?
+        .into_inner();
+    let tokens = earned
+        .nodes
+        .iter()
+        .find(|n| n.node_id == node_id)
+        .and_then(|n| n.all_time)
+        .map_or(0, |p| p.tokens);
+    assert_eq!(
+        tokens, cut as u64,
+        "the drained node is paid what it streamed"
     );
     Ok(())
 }

@@ -266,24 +266,36 @@ fn the_side_channel_reports_a_lost_peer() {
     assert!(s0.alive(1) && s0.alive(2) && s1.alive(0) && s1.alive(2));
     assert!(!s0.alive(0), "no link to itself");
     drop(s2);
-    let until = Instant::now() + Duration::from_secs(2);
-    while s0.alive(2) && Instant::now() < until {
-        std::thread::sleep(Duration::from_millis(5));
-    }
-    assert!(!s0.alive(2), "rank 2 dropped its side channel 2 s ago");
-    assert!(s0.alive(1));
+    assert!(gone_soon(&s0, 2), "rank 2 dropped its side channel");
+    assert!(s0.alive(1), "rank 1 is still there");
     s1.shutdown();
-    while s0.alive(1) && Instant::now() < until + Duration::from_secs(2) {
-        std::thread::sleep(Duration::from_millis(5));
-    }
-    assert!(!s0.alive(1));
+    assert!(gone_soon(&s0, 1), "rank 1 shut its side channel down");
     s0.shutdown();
+}
+
+/// Whether `side` reports `peer` gone within a wide margin (the close
+/// reaches a loopback socket in microseconds; the margin only bounds the
+/// test, it is no speed requirement).
+fn gone_soon(side: &SideChannel, peer: usize) -> bool {
+    let until = Instant::now() + LOST_PEER_TIMEOUT;
+    while side.alive(peer) {
+        if Instant::now() > until {
+            return false;
+        }
+        std::thread::yield_now();
+    }
+    true
 }
 
 // ---- the whole binding over the in-process fake provider ----
 
 use super::fake;
 use crate::collectives::verbs::{VerbsOptions, VerbsTransport};
+
+/// The verbs transport's timeout in these pods: long against how fast a
+/// lost peer shows on the side channel, so a failure that comes from the
+/// timeout and not from noticing the loss is told apart.
+const LOST_PEER_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// Forms an `n`-rank pod over the fake provider's `device` exactly as the
 /// pod runtime does (TCP mesh, queue pairs over it, side channel, barrier).
@@ -305,7 +317,7 @@ fn fake_pod_of(
         let pending = connect_with(&mut g, Ok(fake::library()), &devices, kind)?;
         let side = SideChannel::new(g.into_transport().into_streams())?;
         let opts = VerbsOptions {
-            timeout: Duration::from_secs(5),
+            timeout: LOST_PEER_TIMEOUT,
             ..VerbsOptions::default()
         };
         let mut t = VerbsTransport::new(pending.finish(side), opts)?;
@@ -364,27 +376,30 @@ fn collectives_run_over(kind: QueuePairs) {
     }
 }
 
+/// A lost member is noticed from its loss (the side channel), not from the
+/// timeout: `PeerLost`, well inside the configured timeout counted from the
+/// event (the start of the operation: the member was already gone).
 #[test]
-fn a_lost_member_fails_the_others_within_two_seconds() {
+fn a_lost_member_fails_the_others_from_its_loss_not_the_timeout() {
     let mut pod: Vec<_> = fake_pod(3, "fake0")
         .into_iter()
         .map(Result::unwrap)
         .collect();
     drop(pod.pop()); // rank 2 goes away: queue pairs destroyed, side channel closed
-    let started = Instant::now();
     let errs = run(pod, |c| {
         let mut v = vec![1.0f32; 100_000];
-        crate::collectives::all_reduce(c, &mut v).unwrap_err()
+        let start = Instant::now();
+        let e = crate::collectives::all_reduce(c, &mut v).unwrap_err();
+        (e, start.elapsed())
     });
-    assert!(
-        started.elapsed() < Duration::from_secs(2),
-        "{:?}",
-        started.elapsed()
-    );
-    for e in errs {
+    for (rank, (e, after)) in errs.into_iter().enumerate() {
         assert!(
             matches!(e, CollectiveError::PeerLost { .. }),
-            "expected a lost peer, got {e}"
+            "rank {rank}: expected a lost peer, got {e}"
+        );
+        assert!(
+            after < LOST_PEER_TIMEOUT / 2,
+            "rank {rank} failed {after:?} into the operation, against a timeout of {LOST_PEER_TIMEOUT:?}"
         );
     }
 }
