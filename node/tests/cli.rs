@@ -6,6 +6,9 @@
 //! from `main`, printed as `Error: ...` with its causes); 2 for flags clap
 //! refuses.
 
+// A test crate: its helpers panic on a broken fixture, as its tests do.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
