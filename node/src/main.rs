@@ -222,20 +222,27 @@ enum ServiceCommand {
     },
 }
 
-/// The service spec for this binary and config: the config file is
-/// `--config`, else `<data dir>/node.toml`, and must exist.
-fn service_spec(args: &ConfigArgs) -> anyhow::Result<(service::ServiceSpec, service::Paths)> {
-    let config = load_config(args, ConfigLayer::default())?;
-    let file = args
-        .config
-        .clone()
-        .unwrap_or_else(|| config.data_dir.join("node.toml"));
-    let file = std::fs::canonicalize(&file).with_context(|| {
+/// `file` made absolute, or the error that says the service needs it.
+fn existing_config(file: &std::path::Path) -> anyhow::Result<PathBuf> {
+    std::fs::canonicalize(file).with_context(|| {
         format!(
             "the service runs `mlx-node run --config {}`: write that config first (or pass --config)",
             file.display()
         )
-    })?;
+    })
+}
+
+/// The service spec for this binary and config: the config file is
+/// `--config`, else `<data dir>/node.toml`, and must exist.
+fn service_spec(args: &ConfigArgs) -> anyhow::Result<(service::ServiceSpec, service::Paths)> {
+    // An explicit --config that is missing is named as such, before
+    // loading it reports a bare read error.
+    let explicit = args.config.as_deref().map(existing_config).transpose()?;
+    let config = load_config(args, ConfigLayer::default())?;
+    let file = match explicit {
+        Some(file) => file,
+        None => existing_config(&config.data_dir.join("node.toml"))?,
+    };
     std::fs::create_dir_all(&config.data_dir)
         .with_context(|| format!("creating {}", config.data_dir.display()))?;
     let data_dir = std::fs::canonicalize(&config.data_dir)?;
