@@ -35,6 +35,7 @@ use crate::{
     config::ModelEntry,
     engine::{
         batch::{BatchConfig, BatchStats, BatchThread},
+        device::Backend,
         Engine, EngineError, ModelInfo,
     },
 };
@@ -145,6 +146,8 @@ pub fn digest_file(path: &Path) -> std::io::Result<([u8; 32], u64)> {
 pub struct LoadedModel {
     pub held: HeldModel,
     pub info: ModelInfo,
+    /// Where its engine computes ("cpu", "metal", "cuda", "candle-cpu").
+    pub backend: &'static str,
     /// The engine, batching every job and audit of this model.
     pub batch: BatchThread,
     /// Positions its KV pool holds (the longest job it can run, and what
@@ -172,6 +175,15 @@ impl ModelSet {
     /// whole files). All files are hashed before any is loaded, so a missing
     /// file is reported at once.
     pub fn load(entries: &[ModelEntry], batch: BatchSettings) -> Result<Self, ModelError> {
+        Self::load_on(entries, batch, &Backend::Native)
+    }
+
+    /// [`ModelSet::load`] with every engine on `backend`.
+    pub fn load_on(
+        entries: &[ModelEntry],
+        batch: BatchSettings,
+        backend: &Backend,
+    ) -> Result<Self, ModelError> {
         let held = entries
             .iter()
             .map(HeldModel::hash)
@@ -179,23 +191,25 @@ impl ModelSet {
         let kv_bytes = batch.kv_cache_bytes / held.len().max(1) as u64;
         let mut by_id = BTreeMap::new();
         for held in held {
-            tracing::info!(model = %held.id, path = %held.path.display(), sha256 = %hex::encode(held.sha256), "loading model");
+            tracing::info!(model = %held.id, path = %held.path.display(), sha256 = %hex::encode(held.sha256), backend = backend.name(), "loading model");
             let failed = |source: EngineError| ModelError::Load {
                 id: held.id.clone(),
                 path: held.path.clone(),
                 source: Box::new(source),
             };
-            let engine = Engine::load(&held.path).map_err(failed)?;
+            let engine = Engine::load_on(&held.path, backend).map_err(failed)?;
             let info = engine.info().clone();
+            let backend = engine.backend();
             let cfg = BatchConfig::new(batch.slots, engine.kv_shape(), kv_bytes);
             let kv_positions = cfg.kv_pages * crate::engine::kv::PAGE;
-            tracing::info!(model = %held.id, slots = cfg.slots, kv_positions, "batch ready");
             let batch = BatchThread::for_engine(engine, cfg).map_err(failed)?;
+            tracing::info!(model = %held.id, slots = batch.stats().slots, kv_positions, "batch ready");
             by_id.insert(
                 held.id.clone(),
                 Arc::new(LoadedModel {
                     held,
                     info,
+                    backend,
                     batch,
                     kv_positions,
                 }),
@@ -210,6 +224,12 @@ impl ModelSet {
             .iter()
             .map(|(id, m)| (id.clone(), m.batch.stats()))
             .collect()
+    }
+
+    /// The most sequences any model's batch runs at once (`None` without
+    /// models).
+    pub fn slots(&self) -> Option<usize> {
+        self.by_id.values().map(|m| m.batch.stats().slots).max()
     }
 
     /// The fewest KV positions any model's pool holds (0 without models).
@@ -234,6 +254,11 @@ impl ModelSet {
             .ok_or_else(|| Refusal::NotHeld(model.to_owned()))?;
         loaded.held.check_digest(sha256)?;
         Ok(loaded.clone())
+    }
+
+    /// Every model, by catalogue id.
+    pub fn iter(&self) -> impl Iterator<Item = &Arc<LoadedModel>> {
+        self.by_id.values()
     }
 
     pub fn len(&self) -> usize {

@@ -54,6 +54,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Instant;
 
 use super::audit::{AuditPass, Verdict};
+use super::device::EngineModel;
 use super::kv::{KvPool, KvShape, PageId, RowRun, Rows, PAGE};
 use super::model::Model;
 use super::prefix::PrefixCache;
@@ -79,6 +80,9 @@ pub struct SeqChunk<'a> {
     pub pos: usize,
     pub pages: &'a [PageId],
     pub logits: Logits,
+    /// Most positions the sequence will ever hold (what a model keeping
+    /// its own cache allocates when the sequence starts at position 0).
+    pub capacity: usize,
 }
 
 /// A forward pass over several sequences, one pool of pages. Implemented
@@ -98,6 +102,14 @@ pub trait BatchModel {
         pool: &mut KvPool,
         chunks: &[SeqChunk<'_>],
     ) -> Result<Vec<f32>, EngineError>;
+    /// Most sequences one pass may hold: `None` for a model whose keys and
+    /// values live in the pool's pages; `Some(1)` for one that keeps a
+    /// single sequence's cache itself (the device path), which the
+    /// scheduler then runs one sequence at a time, without the prefix cache
+    /// (its pages hold nothing for such a model).
+    fn max_sequences(&self) -> Option<usize> {
+        None
+    }
 }
 
 impl BatchModel for Model {
@@ -116,6 +128,47 @@ impl BatchModel for Model {
         chunks: &[SeqChunk<'_>],
     ) -> Result<Vec<f32>, EngineError> {
         Model::forward_batch(self, pool, chunks)
+    }
+}
+
+/// The fast CPU path batches through the pool; the device path runs one
+/// sequence at a time in its own device cache.
+impl BatchModel for EngineModel {
+    fn kv_shape(&self) -> KvShape {
+        let cfg = self.cfg();
+        KvShape {
+            layers: cfg.layers,
+            kv_heads: cfg.kv_heads,
+            head_dim: cfg.head_dim,
+        }
+    }
+    fn context_length(&self) -> usize {
+        self.cfg().context_length
+    }
+    fn vocab_size(&self) -> usize {
+        self.cfg().vocab_size
+    }
+    fn forward_batch(
+        &mut self,
+        pool: &mut KvPool,
+        chunks: &[SeqChunk<'_>],
+    ) -> Result<Vec<f32>, EngineError> {
+        match self {
+            EngineModel::Native(m) => m.forward_batch(pool, chunks),
+            EngineModel::Device(m) => match chunks {
+                [chunk] => m.forward_chunk(chunk),
+                _ => Err(EngineError::Batch(format!(
+                    "the device path runs one sequence per pass, not {}",
+                    chunks.len()
+                ))),
+            },
+        }
+    }
+    fn max_sequences(&self) -> Option<usize> {
+        match self {
+            EngineModel::Native(_) => None,
+            EngineModel::Device(_) => Some(1),
+        }
     }
 }
 
@@ -375,11 +428,16 @@ impl Batcher {
     ) -> Result<Batcher, EngineError> {
         let pool = KvPool::new(model.kv_shape(), cfg.kv_pages)
             .map_err(|e| EngineError::Config(format!("kv cache: {e}")))?;
+        let (slots, prefix_cache) = match model.max_sequences() {
+            Some(most) => (cfg.slots.clamp(1, most.max(1)), false),
+            None => (cfg.slots.max(1), cfg.prefix_cache),
+        };
         Ok(Batcher {
             text,
             cfg: BatchConfig {
-                slots: cfg.slots.max(1),
+                slots,
                 step_tokens: cfg.step_tokens.max(1),
+                prefix_cache,
                 ..cfg
             },
             pool,
@@ -685,6 +743,7 @@ impl Batcher {
                         pos: e.computed,
                         pages: &e.pages,
                         logits,
+                        capacity: e.work.max_positions(),
                     }
                 })
                 .collect();

@@ -56,14 +56,19 @@ use std::sync::{Arc, Mutex, OnceLock};
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{DType, Device, Storage, Tensor};
 
+use super::profile::Part;
+
 #[cfg(target_arch = "aarch64")]
+#[allow(unsafe_code, reason = "SIMD intrinsics (see # Unsafe above)")]
 mod neon;
 #[cfg(target_arch = "x86_64")]
+#[allow(unsafe_code, reason = "SIMD intrinsics (see # Unsafe above)")]
 mod packed;
 mod scalar;
 #[cfg(test)]
 mod tests;
 #[cfg(target_arch = "x86_64")]
+#[allow(unsafe_code, reason = "SIMD intrinsics (see # Unsafe above)")]
 mod x86;
 
 /// Values per quantization block, for every format here.
@@ -729,12 +734,53 @@ impl QuantLinear {
         out: &mut [f32],
         scratch: &mut Scratch,
     ) -> Result<(), KernelError> {
-        scratch.quantize(x, rows, self.k)?;
+        super::profile::time(Part::Quantize, || scratch.quantize(x, rows, self.k))?;
+        self.forward_quantized(scratch, out)
+    }
+
+    /// `out = x Wᵀ` for the activations `x` last quantized into `scratch`
+    /// (`scratch.rows()` rows of `k`).
+    pub fn forward_quantized(
+        &self,
+        scratch: &mut Scratch,
+        out: &mut [f32],
+    ) -> Result<(), KernelError> {
         match &self.weights {
             #[cfg(target_arch = "x86_64")]
             WeightBytes::Packed(p) => matmul_packed(p, scratch, out, self.isa),
             _ => self.with_matrix(|w| matmul(w, scratch, out, self.isa)),
         }
+    }
+
+    /// `outs[i] = x Wᵢᵀ` for several matrices of the same `k` (q, k and v of
+    /// one input, say), with this thread's scratch: the activations are
+    /// quantized once for all of them.
+    pub fn forward_shared(
+        ls: &[&QuantLinear],
+        x: &[f32],
+        rows: usize,
+        outs: &mut [&mut [f32]],
+    ) -> Result<(), KernelError> {
+        let Some(k) = ls.first().map(|l| l.k) else {
+            return Ok(());
+        };
+        if let Some(l) = ls.iter().find(|l| l.k != k) {
+            return Err(KernelError::Shape {
+                rows,
+                k,
+                n: l.n,
+                wk: l.k,
+                out: 0,
+            });
+        }
+        SCRATCH.with(|scratch| {
+            let scratch = &mut scratch.borrow_mut();
+            super::profile::time(Part::Quantize, || scratch.quantize(x, rows, k))?;
+            for (l, out) in ls.iter().zip(outs.iter_mut()) {
+                l.forward_quantized(scratch, out)?;
+            }
+            Ok(())
+        })
     }
 
     /// [`QuantLinear::forward_slice`] with this thread's reusable scratch.

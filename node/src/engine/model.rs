@@ -30,6 +30,7 @@ use super::config::{ModelConfig, RopeScaling};
 use super::kv::{self, Attend, KvLayer, KvPool, KvShape, Rows};
 use super::linear::Linear;
 use super::ops::{self, AttnShape, LayerCache, Rope};
+use super::profile::{self, Part};
 use super::weights::{Embedding, WeightSource};
 use super::EngineError;
 
@@ -115,42 +116,49 @@ impl Block {
     ) -> Result<(), E> {
         let (s, shape, eps) = (rows.len(), step.shape, step.eps);
         let hd = shape.head_dim;
-        let mut hn = x.to_vec();
-        ops::rms_norm(&mut hn, &self.attn_norm, eps);
-        let mut q = self.q.forward_slice(&hn, s)?;
-        let mut k = self.k.forward_slice(&hn, s)?;
-        let v = self.v.forward_slice(&hn, s)?;
-        if let Some(w) = &self.q_norm {
-            ops::rms_norm(&mut q, w, eps);
-        }
-        if let Some(w) = &self.k_norm {
-            ops::rms_norm(&mut k, w, eps);
-        }
-        for t in 0..s {
-            step.rope.cos_sin(rows.position(t), step.cs);
-            for head in q[t * shape.heads * hd..(t + 1) * shape.heads * hd].chunks_exact_mut(hd) {
-                step.rope.apply(head, step.cs);
+        let norm = |x: &[f32], w: &[f32]| {
+            profile::time(Part::Norm, || {
+                let mut hn = x.to_vec();
+                ops::rms_norm(&mut hn, w, eps);
+                hn
+            })
+        };
+        let hn = norm(x, &self.attn_norm);
+        let [mut q, mut k, v] = Linear::forward_shared([&self.q, &self.k, &self.v], &hn, s)?;
+        profile::time(Part::Norm, || {
+            if let Some(w) = &self.q_norm {
+                ops::rms_norm(&mut q, w, eps);
             }
-            for head in
-                k[t * shape.kv_heads * hd..(t + 1) * shape.kv_heads * hd].chunks_exact_mut(hd)
-            {
-                step.rope.apply(head, step.cs);
+            if let Some(w) = &self.k_norm {
+                ops::rms_norm(&mut k, w, eps);
             }
-        }
-        kv::store(kv, rows, &k, &v);
-        let att = kv::attention(&q, kv, rows, Attend::causal(shape.heads, hd));
+            for t in 0..s {
+                step.rope.cos_sin(rows.position(t), step.cs);
+                for head in q[t * shape.heads * hd..(t + 1) * shape.heads * hd].chunks_exact_mut(hd)
+                {
+                    step.rope.apply(head, step.cs);
+                }
+                for head in
+                    k[t * shape.kv_heads * hd..(t + 1) * shape.kv_heads * hd].chunks_exact_mut(hd)
+                {
+                    step.rope.apply(head, step.cs);
+                }
+            }
+        });
+        let att = profile::time(Part::Attention, || {
+            kv::store(kv, rows, &k, &v);
+            kv::attention(&q, kv, rows, Attend::causal(shape.heads, hd))
+        });
         let mut o = self.o.forward_slice(&att, s)?;
-        reduce(&mut o)?;
-        ops::add_assign(x, &o);
+        profile::time(Part::Collective, || reduce(&mut o))?;
+        profile::time(Part::Norm, || ops::add_assign(x, &o));
 
-        let mut hn = x.to_vec();
-        ops::rms_norm(&mut hn, &self.ffn_norm, eps);
-        let mut g = self.gate.forward_slice(&hn, s)?;
-        let u = self.up.forward_slice(&hn, s)?;
-        ops::swiglu(&mut g, &u);
+        let hn = norm(x, &self.ffn_norm);
+        let [mut g, u] = Linear::forward_shared([&self.gate, &self.up], &hn, s)?;
+        profile::time(Part::Norm, || ops::swiglu(&mut g, &u));
         let mut d = self.down.forward_slice(&g, s)?;
-        reduce(&mut d)?;
-        ops::add_assign(x, &d);
+        profile::time(Part::Collective, || reduce(&mut d))?;
+        profile::time(Part::Norm, || ops::add_assign(x, &d));
         Ok(())
     }
 }

@@ -89,7 +89,12 @@ impl JobSink for Recorder {
 }
 
 /// The engine's model, and a batch over it with the prefix cache on.
-fn batcher(engine: Engine, slots: usize, kv_pages: usize, step_tokens: usize) -> (Model, Batcher) {
+fn batcher(
+    engine: Engine,
+    slots: usize,
+    kv_pages: usize,
+    step_tokens: usize,
+) -> (EngineModel, Batcher) {
     let Engine { model, text, .. } = engine;
     let cfg = BatchConfig {
         slots,
@@ -200,7 +205,7 @@ fn assert_same(key: usize, seen: &Seen, want: &(Generation, Vec<TokenChunk>)) {
 /// until every one is answered.
 fn drive(
     b: &mut Batcher,
-    model: &mut Model,
+    model: &mut dyn BatchModel,
     requests: &[GenerateRequest],
     join: &[usize],
     sinks: &mut dyn FnMut(usize, &Board) -> Recorder,
@@ -585,4 +590,33 @@ fn the_batch_thread_answers_every_job_from_any_thread() {
         assert_eq!(g.output_token_ids.len().min(6), g.output_token_ids.len());
     }
     assert_eq!(thread.stats().slots, 4);
+}
+
+#[test]
+fn the_device_path_runs_one_sequence_at_a_time_with_the_outputs_of_its_own_generate() {
+    use crate::engine::device::Backend;
+    let mut rng = ChaCha8Rng::seed_from_u64(18);
+    let mut engine =
+        Engine::load_on(Path::new(MODEL), &Backend::Device(candle_core::Device::Cpu)).unwrap();
+    let requests: Vec<GenerateRequest> = mixed_requests(&mut rng).into_iter().take(4).collect();
+    let want: Vec<_> = requests.iter().map(|r| run(&mut engine, r)).collect();
+    // Asked for four slots and the prefix cache, the device model gets one
+    // slot and none (its keys live on the device, not in the pool).
+    let (mut model, mut b) = batcher(engine, 4, 64, 16);
+    assert_eq!(b.stats().slots, 1);
+    let board = drive(
+        &mut b,
+        &mut model,
+        &requests,
+        &[0, 0, 1, 2],
+        &mut |i, board| Recorder::new(i, board),
+    );
+    let board = board.lock().unwrap();
+    for (i, w) in want.iter().enumerate() {
+        assert_same(i, &board[&i], w);
+    }
+    let stats = b.stats();
+    assert_eq!(stats.prefix_hit_tokens, 0, "{stats:?}");
+    assert_eq!(stats.prefix_pages, 0, "{stats:?}");
+    assert_pages_accounted(&b);
 }
