@@ -59,7 +59,10 @@ use super::kv::{KvPool, KvShape, PageId, RowRun, Rows, PAGE};
 use super::model::Model;
 use super::prefix::PrefixCache;
 use super::sequence::{Begin, Sequence};
-use super::{AuditRequest, Engine, EngineError, GenerateRequest, Generation, TextSide, TokenChunk};
+use super::{
+    AuditRequest, Engine, EngineError, GenerateRequest, Generation, TextSide, TokenChunk,
+    PREFILL_CHUNK,
+};
 
 /// Which rows of a chunk the pass returns logits for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -428,15 +431,19 @@ impl Batcher {
     ) -> Result<Batcher, EngineError> {
         let pool = KvPool::new(model.kv_shape(), cfg.kv_pages)
             .map_err(|e| EngineError::Config(format!("kv cache: {e}")))?;
-        let (slots, prefix_cache) = match model.max_sequences() {
-            Some(most) => (cfg.slots.clamp(1, most.max(1)), false),
-            None => (cfg.slots.max(1), cfg.prefix_cache),
+        // A model that keeps its own cache runs its prompts in the chunks
+        // `Engine::generate` uses: its arithmetic (unlike the pool's) may
+        // depend on how a prompt is cut, and its outputs are then those of
+        // `generate`.
+        let (slots, step_tokens, prefix_cache) = match model.max_sequences() {
+            Some(most) => (cfg.slots.clamp(1, most.max(1)), PREFILL_CHUNK, false),
+            None => (cfg.slots.max(1), cfg.step_tokens.max(1), cfg.prefix_cache),
         };
         Ok(Batcher {
             text,
             cfg: BatchConfig {
                 slots,
-                step_tokens: cfg.step_tokens.max(1),
+                step_tokens,
                 prefix_cache,
                 ..cfg
             },

@@ -598,17 +598,26 @@ fn the_device_path_runs_one_sequence_at_a_time_with_the_outputs_of_its_own_gener
     let mut rng = ChaCha8Rng::seed_from_u64(18);
     let mut engine =
         Engine::load_on(Path::new(MODEL), &Backend::Device(candle_core::Device::Cpu)).unwrap();
-    let requests: Vec<GenerateRequest> = mixed_requests(&mut rng).into_iter().take(4).collect();
+    // Greedy with a system prompt, sampled, with a repetition penalty.
+    let requests: Vec<GenerateRequest> = mixed_requests(&mut rng)
+        .into_iter()
+        .take(3)
+        .map(|mut r| {
+            r.sampling.max_tokens = r.sampling.max_tokens.min(8);
+            r
+        })
+        .collect();
     let want: Vec<_> = requests.iter().map(|r| run(&mut engine, r)).collect();
-    // Asked for four slots and the prefix cache, the device model gets one
-    // slot and none (its keys live on the device, not in the pool).
+    // Asked for four slots, 16-token steps and the prefix cache, the device
+    // model gets one slot, `generate`'s prefill chunks and no cache (its
+    // keys live on the device, not in the pool).
     let (mut model, mut b) = batcher(engine, 4, 64, 16);
     assert_eq!(b.stats().slots, 1);
     let board = drive(
         &mut b,
         &mut model,
         &requests,
-        &[0, 0, 1, 2],
+        &[0, 0, 1],
         &mut |i, board| Recorder::new(i, board),
     );
     let board = board.lock().unwrap();
