@@ -324,6 +324,8 @@ pub enum EngineError {
     Candle(#[from] candle_core::Error),
     #[error("resume text is not a prefix of the resumed tokens' text")]
     ResumeMismatch,
+    #[error("resumed token id {id} is outside the model's vocabulary of {vocab}")]
+    ResumeToken { id: u32, vocab: usize },
 }
 
 impl EngineError {
@@ -336,6 +338,7 @@ impl EngineError {
                 | EngineError::Template(_)
                 | EngineError::InvalidSampling(_)
                 | EngineError::ResumeMismatch
+                | EngineError::ResumeToken { .. }
         )
     }
 }
@@ -534,6 +537,12 @@ impl TextSide {
         let s = &request.sampling;
         sampler::validate(s)?;
         let resume = &request.resume;
+        // Resumed ids come from another node through the coordinator: one
+        // outside the vocabulary is refused here, not fed to the model.
+        let vocab = self.tokenizer.vocab_len();
+        if let Some(&id) = resume.token_ids.iter().find(|&&t| t as usize >= vocab) {
+            return Err(EngineError::ResumeToken { id, vocab }.into());
+        }
         let mut prompt = self.prompt_tokens(&request.input)?;
         prompt.extend_from_slice(&resume.token_ids);
         let ctx = model.context_length();
