@@ -14,7 +14,12 @@
 //! so the watcher sees one stream with no gap and no repeat. A drained
 //! node's partial claim (`finish_reason` "handoff") must cover exactly the
 //! tokens it streamed; it is kept with its segment and pays that node (see
-//! `ledger::settle`). Requeued jobs go ahead of new ones (queue level 1),
+//! `ledger::settle`). A hand-off claim from a node that never sent `Drain`
+//! is refused. Unsigned tokens are kept only from a node whose connection
+//! was lost (it could not hand off); a node still connected that fails, is
+//! refused or stalls leaves nothing, and the stream rewinds to the last
+//! kept segment. An attempt that streams more than its `max_tokens` allow
+//! is refused as it streams. Requeued jobs go ahead of new ones (queue level 1),
 //! so an interrupted stream resumes first.
 //!
 //! # Invariants
@@ -46,6 +51,8 @@ use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, instrument, warn};
 
+#[cfg(test)]
+mod adversary_tests;
 mod audit;
 pub mod sweep;
 
@@ -60,17 +67,26 @@ use crate::{
     ledger::{self, Ledger, LedgerError},
     link::{
         job::{
-            check_handoff, check_result, Expected, JobStream, CODE_CANCELLED, CODE_REFUSED,
+            check_result, check_streamed, Expected, JobStream, CODE_CANCELLED, CODE_REFUSED,
             CODE_TIMEOUT,
         },
-        session::{Reservation, Session, Sessions},
+        session::{Reservation, Session, Sessions, MAX_REASON_CHARS},
     },
     metrics::Metrics,
     scheduler::{self, Queue, Target},
     store::{AnyStore, Store, StoreError},
-    util::{error_chain, lock, now_ms, Tasks},
+    util::{clip, error_chain, lock, now_ms, Tasks},
     world::World,
 };
+
+/// How long a hand-off claim waits for its node's `Drain` (which travels
+/// on the control stream, so it may arrive just after the claim).
+const DRAIN_WAIT: Duration = Duration::from_secs(2);
+/// Bytes of text an attempt may stream per token it may stream, and once
+/// more for the resumed tokens' held-back text: a token's text is a few
+/// bytes, so a node streaming more is refused before it is buffered.
+const MAX_TEXT_BYTES_PER_TOKEN: usize = 256;
+const TEXT_SLACK_BYTES: usize = 4096;
 
 /// How often placement runs even when nothing woke it.
 const PLACEMENT_TICK: Duration = Duration::from_secs(2);
@@ -155,6 +171,9 @@ enum Outcome {
     Failed {
         reason: String,
         retryable: bool,
+        /// The node's connection was gone when the attempt failed: it could
+        /// not hand off, so its streamed tokens are resumed after.
+        vanished: bool,
     },
     /// The node drained and handed the job back with this verified partial
     /// claim of the tokens it streamed.
@@ -428,11 +447,26 @@ impl Dispatcher {
         loop {
             let result = match outcome.clone() {
                 Outcome::Completed(signed) => self.record_completion(&job, &node_hex, signed).await,
-                Outcome::Failed { reason, retryable } => {
+                Outcome::Failed {
+                    reason,
+                    retryable,
+                    vanished,
+                } => {
                     // A pod leader's failure takes its pod out of placement
                     // until its next heartbeat says it is whole again.
                     if retryable && session.pod.as_ref().is_some_and(|p| p.rank == 0) {
                         session.report_pod_degraded(&reason);
+                    }
+                    // Tokens are resumed after only when the node vanished
+                    // (a lost connection: it cannot hand off). A node that is
+                    // still there and failed, stalled or was refused keeps no
+                    // unsigned tokens in the job: the next attempt starts
+                    // after the last kept segment, and the live stream
+                    // rewinds to it.
+                    if !vanished && !segment.token_ids.is_empty() {
+                        segment.token_ids.clear();
+                        segment.text.clear();
+                        self.hub.rewind(job.id, segment.first_index);
                     }
                     self.record_failure(&job, &node_hex, &reason, retryable, &segment)
                         .await
@@ -575,6 +609,7 @@ impl Dispatcher {
             Err(e) => {
                 let reason = format!("reading the job's streamed tokens: {}", error_chain(&e));
                 let failed = Outcome::Failed {
+                    vanished: false,
                     reason,
                     retryable: true,
                 };
@@ -613,6 +648,11 @@ impl Dispatcher {
             model_sha256: model.sha256,
             input_sha256: claim::resumed_input_digest(&input, &resumed.token_ids),
             max_tokens: job.sampling.max_tokens,
+            max_prompt_tokens: u32::try_from(
+                ledger::settle::prompt_tokens_bound(&input)
+                    .saturating_add(resumed.token_ids.len() as u64),
+            )
+            .unwrap_or(u32::MAX),
         };
         let assignment = Assignment {
             job_id: job.id.to_string(),
@@ -635,6 +675,7 @@ impl Dispatcher {
             Ok(s) => s,
             Err(e) => {
                 return Outcome::Failed {
+                    vanished: session.connection.close_reason().is_some(),
                     reason: format!("could not reach the node: {e}"),
                     retryable: true,
                 }
@@ -653,6 +694,7 @@ impl Dispatcher {
             Some(Err(_elapsed)) => {
                 stream.reset(CODE_TIMEOUT);
                 Outcome::Failed {
+                    vanished: session.connection.close_reason().is_some(),
                     reason: format!("the node did not finish within {deadline:?}"),
                     retryable: true,
                 }
@@ -697,11 +739,20 @@ impl Dispatcher {
         let node_hex = session.node_id.to_string();
         // The lease: renewed by every update from the node.
         let lease = Duration::from_millis(self.config.job_lease_ms);
+        // What this attempt may stream: the tokens left of `max_tokens`
+        // (and the end-of-sequence id), each with a few bytes of text.
+        let most_tokens = (job.sampling.max_tokens as usize)
+            .saturating_sub(segment.first_index as usize)
+            .saturating_add(1);
+        let most_bytes = most_tokens
+            .saturating_mul(MAX_TEXT_BYTES_PER_TOKEN)
+            .saturating_add(TEXT_SLACK_BYTES);
         loop {
             let next = match tokio::time::timeout(lease, stream.next()).await {
                 Ok(next) => next,
                 Err(_) => {
                     return Err(Outcome::Failed {
+                        vanished: session.connection.close_reason().is_some(),
                         reason: format!("lease expired: no progress from the node for {lease:?}"),
                         retryable: true,
                     })
@@ -711,12 +762,14 @@ impl Dispatcher {
                 Ok(u) => u,
                 Err(FrameError::Closed) => {
                     return Err(Outcome::Failed {
+                        vanished: false,
                         reason: "the node ended the job stream without a result".into(),
                         retryable: true,
                     })
                 }
                 Err(e) => {
                     return Err(Outcome::Failed {
+                        vanished: session.connection.close_reason().is_some(),
                         reason: format!("lost the node's job stream: {e}"),
                         retryable: true,
                     })
@@ -736,9 +789,23 @@ impl Dispatcher {
                     let next = segment.first_index as usize + segment.token_ids.len();
                     if t.index as usize != next {
                         return Err(Outcome::Failed {
+                            vanished: false,
                             reason: format!(
                                 "the node sent token {} where token {next} was due",
                                 t.index
+                            ),
+                            retryable: true,
+                        });
+                    }
+                    if segment.token_ids.len().saturating_add(t.token_ids.len()) > most_tokens
+                        || segment.text.len().saturating_add(t.text.len()) > most_bytes
+                    {
+                        Metrics::inc(&self.metrics.results_refused);
+                        return Err(Outcome::Failed {
+                            vanished: false,
+                            reason: format!(
+                                "the node streamed more than the {most_tokens} tokens (or \
+                                 {most_bytes} bytes of text) this attempt may"
                             ),
                             retryable: true,
                         });
@@ -759,14 +826,20 @@ impl Dispatcher {
                     );
                 }
                 Some(job_update::Msg::Result(signed)) => {
+                    let handoff = signed
+                        .claim
+                        .as_ref()
+                        .is_some_and(|c| c.finish_reason == claim::FINISH_HANDOFF);
+                    let drained = handoff && session.drained_within(DRAIN_WAIT).await;
                     return match check_result(&signed, expected)
-                        .and_then(|()| check_handoff(&signed, segment))
+                        .and_then(|()| check_streamed(&signed, segment, drained))
                     {
                         Ok(()) => Ok(signed),
                         Err(e) => {
                             Metrics::inc(&self.metrics.results_refused);
                             warn!(error = %e, "result refused");
                             Err(Outcome::Failed {
+                                vanished: false,
                                 reason: format!("result refused: {e}"),
                                 retryable: true,
                             })
@@ -775,15 +848,17 @@ impl Dispatcher {
                 }
                 Some(job_update::Msg::Failure(f)) => {
                     return Err(Outcome::Failed {
+                        vanished: false,
                         reason: format!(
                             "node failed the job: {}",
-                            f.reason.chars().take(512).collect::<String>()
+                            clip(&f.reason, MAX_REASON_CHARS)
                         ),
                         retryable: f.retryable,
                     })
                 }
                 Some(job_update::Msg::Verdict(_)) | None => {
                     return Err(Outcome::Failed {
+                        vanished: false,
                         reason: "the node sent an empty or unexpected job update".into(),
                         retryable: true,
                     })

@@ -29,6 +29,15 @@ pub fn error_chain(err: &dyn std::error::Error) -> String {
     out
 }
 
+/// The first `max` characters of `s` (all of it if shorter): for strings a
+/// peer sent, before they are stored or logged.
+pub fn clip(s: &str, max: usize) -> &str {
+    match s.char_indices().nth(max) {
+        Some((i, _)) => &s[..i],
+        None => s,
+    }
+}
+
 /// Milliseconds since the Unix epoch (0 if the clock is before it).
 pub fn now_ms() -> i64 {
     std::time::SystemTime::now()
