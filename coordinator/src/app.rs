@@ -76,7 +76,7 @@ pub struct Application {
     dispatcher: Arc<Dispatcher>,
     /// What the node link, the client API and the HTTP routes each get.
     link: LinkContext,
-    api: ApiContext,
+    api: Arc<ApiContext>,
     http_ctx: HttpContext,
     http_config: HttpConfig,
     store: AnyStore,
@@ -205,7 +205,7 @@ impl Application {
             tasks: Arc::clone(&tasks),
             shutdown: shutdown.clone(),
         };
-        let api = ApiContext {
+        let api = Arc::new(ApiContext {
             dispatcher: Arc::clone(&dispatcher),
             store: store.clone(),
             ledger,
@@ -215,12 +215,13 @@ impl Application {
             limits: config.limits.clone(),
             admission: Arc::new(Admission::new(&config.limits)),
             shutdown: shutdown.clone(),
-        };
+        });
         let http_ctx = HttpContext {
             store: store.clone(),
             metrics,
             sessions,
             world,
+            api: Arc::clone(&api),
         };
         Ok(Application {
             dispatcher,

@@ -222,6 +222,9 @@ pub struct TestCoordinator {
     pub fingerprint: String,
     pub config: CoordinatorConfig,
     pub accounts: Accounts,
+    /// Its ledger (accounts, keys and their limits), for what no client API
+    /// sets.
+    pub ledger: mlxnet_coordinator::ledger::Ledger,
     stop: Option<oneshot::Sender<()>>,
     task: Option<JoinHandle<anyhow::Result<()>>>,
 }
@@ -316,6 +319,7 @@ pub async fn spawn_coordinator(config: CoordinatorConfig) -> anyhow::Result<Test
     let http_addr = app.http_addr();
     let fingerprint = app.cert_fingerprint();
     let accounts = Accounts::load_or_create(&app, &config.data_dir).await?;
+    let ledger = app.ledger().clone();
     // Later starts on the same data dir reuse the ports this one got, so
     // nodes that pinned the address find it again after a restart.
     let mut config = config;
@@ -336,6 +340,7 @@ pub async fn spawn_coordinator(config: CoordinatorConfig) -> anyhow::Result<Test
         fingerprint,
         config,
         accounts,
+        ledger,
         stop: Some(stop),
         task: Some(task),
     })

@@ -9,6 +9,7 @@ mod devnet;
 mod handoff;
 mod jobs;
 mod ledger;
+mod openai;
 mod owner;
 mod pod;
 mod restart;
