@@ -5,8 +5,9 @@
 //! # Invariants
 //! - A result is accepted only if its claim verifies, was signed by the node
 //!   this session authenticated, names exactly this job, attempt, model
-//!   digest and input digest, lists as many tokens as it bills, and bills no
-//!   more than the job's `max_tokens`. [`check_result`] is the one place that
+//!   digest and input digest, lists as many tokens as it bills, bills no
+//!   more completion tokens than the attempt has left of the job's
+//!   `max_tokens`, and no more prompt tokens than its input can make. [`check_result`] is the one place that
 //!   decides; whether the tokens are the model's is the audit's question.
 //!
 //! # Failure
@@ -51,6 +52,8 @@ pub enum ResultError {
     TokenCount { counted: u32, listed: usize },
     #[error("claim has {claimed} completion tokens, the job allows {max}")]
     TooManyTokens { claimed: u32, max: u32 },
+    #[error("claim bills {claimed} prompt tokens, the input can make at most {max}")]
+    TooManyPromptTokens { claimed: u32, max: u64 },
 }
 
 /// What the coordinator assigned, for checking the result against.
@@ -61,8 +64,13 @@ pub struct Expected {
     pub node_id: NodeId,
     pub model_sha256: [u8; 32],
     pub input_sha256: [u8; 32],
-    /// The job's `max_tokens`: no claim may bill more.
+    /// What the attempt has left of the job's `max_tokens` (a resumed
+    /// attempt continues after the tokens earlier attempts streamed): no
+    /// claim may bill more.
     pub max_tokens: u32,
+    /// The most prompt tokens the attempt's input (with the resumed tokens)
+    /// can make: no claim may bill more.
+    pub max_prompt_tokens: u64,
 }
 
 /// Accepts `signed` only if it is this node's signed claim about exactly this
@@ -104,6 +112,12 @@ pub fn check_result(signed: &SignedClaim, expected: &Expected) -> Result<(), Res
         return Err(ResultError::TooManyTokens {
             claimed: c.completion_tokens,
             max: expected.max_tokens,
+        });
+    }
+    if u64::from(c.prompt_tokens) > expected.max_prompt_tokens {
+        return Err(ResultError::TooManyPromptTokens {
+            claimed: c.prompt_tokens,
+            max: expected.max_prompt_tokens,
         });
     }
     Ok(())
@@ -186,6 +200,7 @@ mod tests {
             model_sha256: [7; 32],
             input_sha256: [9; 32],
             max_tokens: 16,
+            max_prompt_tokens: 100,
         };
         let claim = ResultClaim {
             job_id: expected.job_id.clone(),
@@ -195,6 +210,7 @@ mod tests {
             output_token_ids: vec![1, 2],
             output_text: "Paris".into(),
             completion_tokens: 2,
+            prompt_tokens: 12,
             node_id: key.verifying_key().to_bytes().to_vec(),
             finish_reason: "eos".into(),
             ..Default::default()
@@ -264,6 +280,16 @@ mod tests {
                 ResultError::TooManyTokens {
                     claimed: 17,
                     max: 16,
+                },
+            ),
+            // Found by the simulator (`mlxnet-sim`, a hostile node that
+            // inflates its prompt count): the claim's prompt tokens were
+            // billed unchecked, up to the job's whole hold.
+            (
+                Box::new(|c| c.prompt_tokens = 101),
+                ResultError::TooManyPromptTokens {
+                    claimed: 101,
+                    max: 100,
                 },
             ),
         ];
