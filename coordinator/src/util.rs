@@ -1,10 +1,12 @@
 //! Small helpers every layer may use: a poison-tolerant lock, an error's
-//! whole chain as one line, the wall clock in milliseconds, and the set of
-//! background tasks the application waits for on shutdown.
+//! whole chain as one line, the clock in milliseconds (the wall clock, or a
+//! simulator's: [`clock`]), and the set of background tasks the application
+//! waits for on shutdown.
 //!
 //! # Invariants
 //! - Nothing here imports another module of the crate.
 
+pub mod clock;
 pub mod net;
 
 use std::sync::{Mutex, MutexGuard};
@@ -38,12 +40,10 @@ pub fn clip(s: &str, max: usize) -> &str {
     }
 }
 
-/// Milliseconds since the Unix epoch (0 if the clock is before it).
+/// Milliseconds since the Unix epoch (0 if the clock is before it), by
+/// this thread's clock (see [`clock`]).
 pub fn now_ms() -> i64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_millis() as i64)
-        .unwrap_or(0)
+    clock::now_ms()
 }
 
 /// Background tasks the application waits for on shutdown (attempts,

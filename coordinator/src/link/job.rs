@@ -6,12 +6,12 @@
 //! - A result is accepted only if its claim verifies, was signed by the node
 //!   this session authenticated, names exactly this job, attempt, model
 //!   digest and input digest, lists as many tokens as it bills, bills no
-//!   more than the job's `max_tokens` and no more prompt tokens than the
-//!   coordinator's own bound of the input ([`check_result`]), and covers
-//!   exactly what the attempt streamed ([`check_streamed`]): the text the
-//!   client watched is the signed text. A hand-off claim counts only from a
-//!   node that drained. Whether the tokens are the model's is the audit's
-//!   question.
+//!   more completion tokens than the attempt has left of the job's
+//!   `max_tokens` and no more prompt tokens than the coordinator's own bound
+//!   of the input ([`check_result`]), and covers exactly what the attempt
+//!   streamed ([`check_streamed`]): the text the client watched is the
+//!   signed text. A hand-off claim counts only from a node that drained.
+//!   Whether the tokens are the model's is the audit's question.
 //!
 //! # Failure
 //! Stream errors surface as [`FrameError`] / [`quinn::ConnectionError`]; a
@@ -60,12 +60,12 @@ pub enum ResultError {
         streamed: usize,
         streamed_bytes: usize,
     },
-    #[error("claim bills {claimed} prompt tokens, the input has at most {max}")]
-    TooManyPromptTokens { claimed: u32, max: u32 },
     #[error("claim counts {counted} completion tokens but lists {listed}")]
     TokenCount { counted: u32, listed: usize },
     #[error("claim has {claimed} completion tokens, the job allows {max}")]
     TooManyTokens { claimed: u32, max: u32 },
+    #[error("claim bills {claimed} prompt tokens, the input can make at most {max}")]
+    TooManyPromptTokens { claimed: u32, max: u64 },
 }
 
 /// What the coordinator assigned, for checking the result against.
@@ -76,11 +76,13 @@ pub struct Expected {
     pub node_id: NodeId,
     pub model_sha256: [u8; 32],
     pub input_sha256: [u8; 32],
-    /// The job's `max_tokens`: no claim may bill more.
+    /// What the attempt has left of the job's `max_tokens` (a resumed
+    /// attempt continues after the tokens earlier attempts streamed): no
+    /// claim may bill more.
     pub max_tokens: u32,
-    /// The most prompt tokens the input (with any resumed tokens) can make
-    /// (`ledger::prompt_tokens_bound`): no claim may bill more.
-    pub max_prompt_tokens: u32,
+    /// The most prompt tokens the attempt's input (with the resumed tokens)
+    /// can make: no claim may bill more.
+    pub max_prompt_tokens: u64,
 }
 
 /// Accepts `signed` only if it is this node's signed claim about exactly this
@@ -124,7 +126,7 @@ pub fn check_result(signed: &SignedClaim, expected: &Expected) -> Result<(), Res
             max: expected.max_tokens,
         });
     }
-    if c.prompt_tokens > expected.max_prompt_tokens {
+    if u64::from(c.prompt_tokens) > expected.max_prompt_tokens {
         return Err(ResultError::TooManyPromptTokens {
             claimed: c.prompt_tokens,
             max: expected.max_prompt_tokens,
@@ -246,6 +248,7 @@ mod tests {
             output_token_ids: vec![1, 2],
             output_text: "Paris".into(),
             completion_tokens: 2,
+            prompt_tokens: 12,
             node_id: key.verifying_key().to_bytes().to_vec(),
             finish_reason: "eos".into(),
             ..Default::default()
@@ -321,6 +324,16 @@ mod tests {
                 Box::new(|c| c.prompt_tokens = u32::MAX),
                 ResultError::TooManyPromptTokens {
                     claimed: u32::MAX,
+                    max: 100,
+                },
+            ),
+            // Found by the simulator (`mlxnet-sim`, a hostile node that
+            // inflates its prompt count): the claim's prompt tokens were
+            // billed unchecked, up to the job's whole hold.
+            (
+                Box::new(|c| c.prompt_tokens = 101),
+                ResultError::TooManyPromptTokens {
+                    claimed: 101,
                     max: 100,
                 },
             ),
