@@ -6,7 +6,7 @@
 //! step: a placement pass claims queued jobs and plans them with the real
 //! scheduler over the sessions' free memory; each attempt is followed like
 //! `Dispatcher::follow` (started, tokens in order, a result checked by
-//! `check_result`/`check_handoff` against `dispatch::expected`, a lease
+//! `check_result`/`check_streamed` against `dispatch::expected`, a lease
 //! renewed by every update); its end is recorded like `run_attempt`
 //! (`complete` then settle, or `end_attempt_streamed` then settle when the
 //! job failed), retried after a store error by the real loop's rule
@@ -44,7 +44,7 @@ use mlxnet_coordinator::{
         NewJob, NodeRecord, Segment, Streamed, StreamedEnd,
     },
     ledger::{self, settle::max_price, settle::prompt_tokens_bound, Ledger, LedgerConfig},
-    link::job::{check_handoff, check_result, Expected},
+    link::job::{check_result, check_streamed, Expected},
     scheduler::{self, Fleet, Measured, Mode, NodeSpec, Policy, Queue, Target},
     store::{Anomaly, AnyStore, Store, StoreError},
     util::clock::{self, ManualClock},
@@ -256,6 +256,9 @@ struct Node {
     stalled_until: i64,
     /// Attempts it is running: what it was assigned and has produced.
     work: BTreeMap<(JobId, u32), NodeJob>,
+    /// The connection on which it sent `Drain` (0: none): only there may
+    /// a hand-off claim count (`check_streamed`).
+    drained_conn: u64,
 }
 
 struct NodeJob {
@@ -503,6 +506,7 @@ impl Sim {
                 conn: 0,
                 stalled_until: 0,
                 work: BTreeMap::new(),
+                drained_conn: 0,
             });
         }
         let mut sim = Sim {
@@ -1397,8 +1401,9 @@ impl Sim {
                 let checked = if self.mutation == Some(Mutation::SkipResultCheck) {
                     Ok(())
                 } else {
+                    let drained = self.nodes[live.node].drained_conn == live.conn;
                     check_result(&signed, &live.expected)
-                        .and_then(|()| check_handoff(&signed, &live.segment))
+                        .and_then(|()| check_streamed(&signed, &live.segment, drained))
                 };
                 let outcome = match checked {
                     Ok(()) => {
@@ -1792,6 +1797,9 @@ impl Sim {
                     return;
                 }
                 self.fault(Fault::OwnerReturn);
+                // Its `Drain` reaches the coordinator before the hand-off
+                // claims (the real coordinator waits for it).
+                self.nodes[node].drained_conn = self.nodes[node].conn;
                 let running: Vec<(JobId, u32)> = self.nodes[node].work.keys().copied().collect();
                 for (job, attempt) in running {
                     let started = self.nodes[node]
