@@ -285,20 +285,6 @@ async fn run(
         };
         return finish(send, outcome).await;
     }
-    let Ok(_permit) = ctx.slots.clone().try_acquire_owned() else {
-        let reason = format!(
-            "node is busy: all {} job slots in use",
-            ctx.max_concurrent_jobs
-        );
-        return finish(
-            send,
-            Outcome::Failure {
-                reason,
-                retryable: true,
-            },
-        )
-        .await;
-    };
     let resolved = match &ctx.pod {
         Some(pod) => {
             if pod.held.id != a.model {
@@ -323,6 +309,22 @@ async fn run(
             };
             return finish(send, outcome).await;
         }
+    };
+    // A refusal for good (a model or digest the node does not hold) needs no
+    // slot, so it never makes the next job see the node busy.
+    let Ok(_permit) = ctx.slots.clone().try_acquire_owned() else {
+        let reason = format!(
+            "node is busy: all {} job slots in use",
+            ctx.max_concurrent_jobs
+        );
+        return finish(
+            send,
+            Outcome::Failure {
+                reason,
+                retryable: true,
+            },
+        )
+        .await;
     };
     let model_sha256 = match &runner {
         Runner::Local(m) => m.held.sha256,
