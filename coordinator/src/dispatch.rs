@@ -702,10 +702,7 @@ impl Dispatcher {
             }
             Some(Ok(Ok(signed))) => {
                 stream.finish();
-                let handoff = signed
-                    .claim
-                    .as_ref()
-                    .is_some_and(|c| c.finish_reason == claim::FINISH_HANDOFF);
+                let handoff = crate::link::job::is_handoff(&signed);
                 if handoff {
                     Outcome::HandedOff(signed)
                 } else {
@@ -827,10 +824,7 @@ impl Dispatcher {
                     );
                 }
                 Some(job_update::Msg::Result(signed)) => {
-                    let handoff = signed
-                        .claim
-                        .as_ref()
-                        .is_some_and(|c| c.finish_reason == claim::FINISH_HANDOFF);
+                    let handoff = crate::link::job::is_handoff(&signed);
                     let drained = handoff && session.drained_within(DRAIN_WAIT).await;
                     return match check_result(&signed, expected)
                         .and_then(|()| check_streamed(&signed, segment, drained))

@@ -1407,10 +1407,7 @@ impl Sim {
                 };
                 let outcome = match checked {
                     Ok(()) => {
-                        let handoff = signed
-                            .claim
-                            .as_ref()
-                            .is_some_and(|c| c.finish_reason == claim::FINISH_HANDOFF);
+                        let handoff = mlxnet_coordinator::link::job::is_handoff(&signed);
                         if handoff {
                             Outcome::HandedOff(signed)
                         } else {

@@ -135,6 +135,15 @@ pub fn check_result(signed: &SignedClaim, expected: &Expected) -> Result<(), Res
     Ok(())
 }
 
+/// Whether `signed` is a hand-off claim (its node stopped mid-job and a
+/// later attempt resumes after its tokens).
+pub fn is_handoff(signed: &SignedClaim) -> bool {
+    signed
+        .claim
+        .as_ref()
+        .is_some_and(|c| c.finish_reason == claim::FINISH_HANDOFF)
+}
+
 /// A claim must cover what its attempt streamed, so the text a client
 /// watched is the text the node signed:
 /// - a hand-off claim (from a node that `drained`, never otherwise) covers
