@@ -24,7 +24,7 @@ use crate::{
     hardware::{self, HardwareError},
     identity::{Identity, IdentityError},
     link::{self, LinkContext, LinkError, LinkStatus},
-    models::{HeldModel, ModelError, ModelSet},
+    models::{store::ModelStore, HeldModel, ModelError, ModelSet},
     pod::{
         hostfile::PodConfig,
         runtime::{PodError, PodRuntime, PodSetup},
@@ -91,8 +91,14 @@ impl Node {
         let (models, pod) = match &config.pod {
             None => {
                 let entries = config.models.clone();
-                let models =
-                    tokio::task::spawn_blocking(move || ModelSet::load(&entries)).await??;
+                let dir = config.store.dir_in(&config.data_dir);
+                let policy = config.store.policy();
+                let models = tokio::task::spawn_blocking(move || {
+                    let store = ModelStore::open(&dir, policy)
+                        .map_err(|e| ModelError::Store(Box::new(e)))?;
+                    ModelSet::load_with_store(&entries, Arc::new(store))
+                })
+                .await??;
                 (models, None)
             }
             Some(settings) => {

@@ -71,6 +71,9 @@ pub struct NodeConfig {
     /// Set when this node is a member of a pod (see [`PodSettings`]).
     /// Default none: a single Mac.
     pub pod: Option<PodSettings>,
+    /// The folder of pulled catalogue models and the owner's rules for it
+    /// (see [`StoreSettings`]).
+    pub store: StoreSettings,
     /// Test knob for the audit tests: the node replaces every generated
     /// token with another before signing, as a cheating node would. Only
     /// settable in code (never from a file or the environment).
@@ -124,6 +127,50 @@ impl PodSettings {
             max_context: None,
             speed: None,
         })
+    }
+}
+
+/// Where pulled models live and what the owner allows there. Every model
+/// installed in the folder is served, beside the `models` entries.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct StoreSettings {
+    /// The model folder. Default `<data_dir>/models`.
+    #[serde(default)]
+    pub dir: Option<PathBuf>,
+    /// Disk the pulled models may take together; the models used longest
+    /// ago are removed to make room. Default: no limit.
+    #[serde(default)]
+    pub quota_bytes: Option<u64>,
+    /// Larger models are refused. Default: no limit.
+    #[serde(default)]
+    pub max_model_bytes: Option<u64>,
+    /// Licenses (as the catalogue names them: "gemma", "llama3.1", ...)
+    /// the owner refuses. Default none.
+    #[serde(default)]
+    pub refuse_licenses: Vec<String>,
+    /// A catalogue file (TOML) to pull from instead of the built-in one.
+    #[serde(default)]
+    pub catalogue: Option<PathBuf>,
+}
+
+impl StoreSettings {
+    /// The model folder for a node whose data directory is `data_dir`.
+    pub fn dir_in(&self, data_dir: &Path) -> PathBuf {
+        self.dir.clone().unwrap_or_else(|| data_dir.join("models"))
+    }
+
+    /// The owner's rules.
+    pub fn policy(&self) -> crate::models::store::StorePolicy {
+        crate::models::store::StorePolicy {
+            quota_bytes: self.quota_bytes,
+            max_model_bytes: self.max_model_bytes,
+            refuse_licenses: self.refuse_licenses.clone(),
+        }
+    }
+
+    fn layer(store: &mut Option<StoreSettings>) -> &mut StoreSettings {
+        store.get_or_insert_with(StoreSettings::default)
     }
 }
 
@@ -272,6 +319,11 @@ const ENV_KEYS: &[&str] = &[
     "POD__PARALLELISM",
     "POD__MEMORY_LIMIT_BYTES",
     "POD__MAX_CONTEXT",
+    "STORE__DIR",
+    "STORE__QUOTA_BYTES",
+    "STORE__MAX_MODEL_BYTES",
+    "STORE__REFUSE_LICENSES",
+    "STORE__CATALOGUE",
 ];
 
 /// One layer of configuration: every key optional. The TOML file is read
@@ -294,6 +346,7 @@ pub struct ConfigLayer {
     pub location: Option<Location>,
     pub operator_account: Option<String>,
     pub pod: Option<PodSettings>,
+    pub store: Option<StoreSettings>,
 }
 
 impl ConfigLayer {
@@ -427,6 +480,26 @@ impl ConfigLayer {
                             .map_err(|_| bad("expected a positive number"))?,
                     )
                 }
+                "STORE__DIR" => StoreSettings::layer(&mut layer.store).dir = Some(value.into()),
+                "STORE__QUOTA_BYTES" => {
+                    StoreSettings::layer(&mut layer.store).quota_bytes =
+                        Some(parse_num(value).map_err(|_| bad("expected bytes"))?)
+                }
+                "STORE__MAX_MODEL_BYTES" => {
+                    StoreSettings::layer(&mut layer.store).max_model_bytes =
+                        Some(parse_num(value).map_err(|_| bad("expected bytes"))?)
+                }
+                "STORE__REFUSE_LICENSES" => {
+                    StoreSettings::layer(&mut layer.store).refuse_licenses = value
+                        .split(',')
+                        .map(str::trim)
+                        .filter(|s| !s.is_empty())
+                        .map(str::to_owned)
+                        .collect()
+                }
+                "STORE__CATALOGUE" => {
+                    StoreSettings::layer(&mut layer.store).catalogue = Some(value.into())
+                }
                 _ => return Err(ConfigError::UnknownEnv(key.to_owned())),
             }
         }
@@ -476,6 +549,26 @@ impl ConfigLayer {
         }
         if let Some(v) = self.pod {
             base.pod = Some(v);
+        }
+        if let Some(v) = self.store {
+            // Field by field, so the environment can refine a file's rules.
+            let d = StoreSettings::default();
+            let s = &mut base.store;
+            if v.dir.is_some() {
+                s.dir = v.dir;
+            }
+            if v.quota_bytes.is_some() {
+                s.quota_bytes = v.quota_bytes;
+            }
+            if v.max_model_bytes.is_some() {
+                s.max_model_bytes = v.max_model_bytes;
+            }
+            if v.refuse_licenses != d.refuse_licenses {
+                s.refuse_licenses = v.refuse_licenses;
+            }
+            if v.catalogue.is_some() {
+                s.catalogue = v.catalogue;
+            }
         }
         if let Some(v) = self.location {
             // Location fields merge one by one, so env can refine a file's place.
@@ -527,6 +620,7 @@ impl NodeConfig {
             location: None,
             operator_account: String::new(),
             pod: None,
+            store: StoreSettings::default(),
             test_cheat: false,
         }
     }

@@ -1,6 +1,18 @@
 //! The model files this node holds, identified by the SHA-256 of the file,
 //! and the loaded engine for each.
 //!
+//! # Layout
+//! - this file: [`HeldModel`] (a file and its digest) and [`ModelSet`] (the
+//!   engines a node serves);
+//! - [`store`]: the node's model folder: catalogue models pulled within the
+//!   owner's quota and rules, least recently used evicted;
+//! - [`download`]: HTTP(S) fetches with mirrors, Range resume, streaming
+//!   SHA-256, and piece-by-piece fetches for a pod member's shard;
+//! - [`progress`]: a progress bar on a terminal, log lines in a service;
+//! - [`shard`]: a pod member's fetch of only the pieces its share reads;
+//! - [`hint`]: automatic pulls of models the coordinator says are in demand;
+//! - [`cli`]: `mlx-node models pull|list|remove|verify|describe|available`.
+//!
 //! On start every configured file is hashed (streaming, 1 MiB at a time) and
 //! reported to the coordinator as a `CachedModel`; then one [`Engine`] per
 //! model is loaded. A job names a catalogue id and the digest the catalogue
@@ -19,11 +31,23 @@
 //! model not held, or with another digest, is a [`Refusal`] (the job's
 //! fault, not retried on this node).
 
+pub mod cli;
+pub mod download;
+#[cfg(test)]
+mod fetch_tests;
+pub mod hint;
+pub mod progress;
+pub mod shard;
+pub mod store;
+
 use std::{
     collections::BTreeMap,
     io::Read,
     path::{Path, PathBuf},
-    sync::{Arc, Mutex},
+    sync::{
+        atomic::{AtomicBool, Ordering},
+        Arc, Mutex, RwLock,
+    },
 };
 
 use mlxnet_proto::v1::CachedModel;
@@ -50,6 +74,8 @@ pub enum ModelError {
         path: PathBuf,
         source: Box<EngineError>,
     },
+    #[error("model folder: {0}")]
+    Store(Box<store::StoreError>),
 }
 
 /// Why a job's model request is refused.
@@ -144,10 +170,41 @@ pub struct LoadedModel {
     pub engine: Arc<Mutex<Engine>>,
 }
 
-/// Every model the node serves, by catalogue id.
+impl LoadedModel {
+    /// Hashes the file of `entry` and loads its engine. Blocking.
+    pub fn load(entry: &ModelEntry) -> Result<LoadedModel, ModelError> {
+        let held = HeldModel::hash(entry)?;
+        Self::load_held(held)
+    }
+
+    fn load_held(held: HeldModel) -> Result<LoadedModel, ModelError> {
+        tracing::info!(model = %held.id, path = %held.path.display(), sha256 = %hex::encode(held.sha256), "loading model");
+        let engine = Engine::load(&held.path).map_err(|source| ModelError::Load {
+            id: held.id.clone(),
+            path: held.path.clone(),
+            source: Box::new(source),
+        })?;
+        let info = engine.info().clone();
+        Ok(LoadedModel {
+            held,
+            info,
+            engine: Arc::new(Mutex::new(engine)),
+        })
+    }
+}
+
+/// Every model the node serves, by catalogue id. Models can be added (a
+/// pull finished) and removed (evicted) while the node runs; a job keeps
+/// the model it resolved until it ends.
 #[derive(Default)]
 pub struct ModelSet {
-    by_id: BTreeMap<String, Arc<LoadedModel>>,
+    by_id: RwLock<BTreeMap<String, Arc<LoadedModel>>>,
+    /// The model folder some of them came from (told when they are used).
+    store: Option<Arc<store::ModelStore>>,
+    /// The set differs from what the node's Hello listed.
+    changed: AtomicBool,
+    /// A hinted pull is under way (one at a time).
+    pulling: AtomicBool,
 }
 
 impl ModelSet {
@@ -161,46 +218,122 @@ impl ModelSet {
             .collect::<Result<Vec<_>, _>>()?;
         let mut by_id = BTreeMap::new();
         for held in held {
-            tracing::info!(model = %held.id, path = %held.path.display(), sha256 = %hex::encode(held.sha256), "loading model");
-            let engine = Engine::load(&held.path).map_err(|source| ModelError::Load {
-                id: held.id.clone(),
-                path: held.path.clone(),
-                source: Box::new(source),
-            })?;
-            let info = engine.info().clone();
-            by_id.insert(
-                held.id.clone(),
-                Arc::new(LoadedModel {
-                    held,
-                    info,
-                    engine: Arc::new(Mutex::new(engine)),
-                }),
-            );
+            let loaded = LoadedModel::load_held(held)?;
+            by_id.insert(loaded.held.id.clone(), Arc::new(loaded));
         }
-        Ok(Self { by_id })
+        Ok(Self {
+            by_id: RwLock::new(by_id),
+            ..Self::default()
+        })
+    }
+
+    fn read(&self) -> std::sync::RwLockReadGuard<'_, BTreeMap<String, Arc<LoadedModel>>> {
+        self.by_id.read().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn write(&self) -> std::sync::RwLockWriteGuard<'_, BTreeMap<String, Arc<LoadedModel>>> {
+        self.by_id.write().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Adds (or replaces) a loaded model.
+    pub fn insert(&self, model: LoadedModel) {
+        self.write().insert(model.held.id.clone(), Arc::new(model));
+        self.changed.store(true, Ordering::SeqCst);
+    }
+
+    /// Stops serving `id` (a job running on it finishes).
+    pub fn remove(&self, id: &str) -> bool {
+        let gone = self.write().remove(id).is_some();
+        if gone {
+            self.changed.store(true, Ordering::SeqCst);
+        }
+        gone
+    }
+
+    /// Whether the served models differ from the Hello's list.
+    pub fn changed(&self) -> bool {
+        self.changed.load(Ordering::SeqCst)
+    }
+
+    /// Ids of the models a job is running on now.
+    pub fn busy(&self) -> Vec<String> {
+        self.read()
+            .values()
+            .filter(|m| m.engine.try_lock().is_err())
+            .map(|m| m.held.id.clone())
+            .collect()
+    }
+
+    /// Claims the one pull slot; `false` when a pull is under way.
+    pub fn begin_pull(&self) -> bool {
+        !self.pulling.swap(true, Ordering::SeqCst)
+    }
+
+    /// Frees the pull slot.
+    pub fn end_pull(&self) {
+        self.pulling.store(false, Ordering::SeqCst);
+    }
+
+    /// Whether model `id` is served with file digest `sha256`.
+    pub fn holds(&self, id: &str, sha256: &[u8]) -> bool {
+        self.read().get(id).is_some_and(|m| m.held.sha256 == sha256)
+    }
+
+    /// Every configured file plus every model installed in `store` (a
+    /// configured id wins over an installed one), loaded; the store's
+    /// models are marked used.
+    pub fn load_with_store(
+        entries: &[ModelEntry],
+        store: Arc<store::ModelStore>,
+    ) -> Result<Self, ModelError> {
+        let mut all = entries.to_vec();
+        let installed = store
+            .entries()
+            .map_err(|e| ModelError::Store(Box::new(e)))?;
+        for e in installed {
+            if !all.iter().any(|c| c.id == e.id) {
+                all.push(e);
+            }
+        }
+        let mut set = Self::load(&all)?;
+        for id in set.read().keys() {
+            if !entries.iter().any(|c| &c.id == id) {
+                store
+                    .touch(id)
+                    .map_err(|e| ModelError::Store(Box::new(e)))?;
+            }
+        }
+        set.store = Some(store);
+        Ok(set)
+    }
+
+    /// The model folder, when the set was loaded with one.
+    pub fn store(&self) -> Option<&Arc<store::ModelStore>> {
+        self.store.as_ref()
     }
 
     /// What `Hello` reports.
     pub fn cached_models(&self) -> Vec<CachedModel> {
-        self.by_id.values().map(|m| m.held.cached()).collect()
+        self.read().values().map(|m| m.held.cached()).collect()
     }
 
     /// The model a job may run on: held, with exactly the digest it wants.
     pub fn resolve(&self, model: &str, sha256: &[u8]) -> Result<Arc<LoadedModel>, Refusal> {
         let loaded = self
-            .by_id
+            .read()
             .get(model)
+            .cloned()
             .ok_or_else(|| Refusal::NotHeld(model.to_owned()))?;
         loaded.held.check_digest(sha256)?;
-        Ok(loaded.clone())
+        Ok(loaded)
     }
 
     pub fn len(&self) -> usize {
-        self.by_id.len()
+        self.read().len()
     }
 
     pub fn is_empty(&self) -> bool {
-        self.by_id.is_empty()
+        self.read().is_empty()
     }
 }
 

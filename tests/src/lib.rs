@@ -9,6 +9,7 @@
 //! - [`spawn_node`] / [`TestNode`]: an `mlx-node` dialing that coordinator.
 //! - [`Client`]: gRPC clients of the coordinator, authenticated with an API
 //!   key, and [`Client::run_job`], which submits and watches a job to its end.
+//! - [`mirror`]: a model mirror (a folder over HTTP with Range) for pulls.
 //! - [`Accounts`]: what every test coordinator starts with: an admin key, a
 //!   client account with [`CLIENT_GRANT`] micro-MLX and a submit+read key, and
 //!   an operator account (its nodes earn into it) with a read key. They are
@@ -48,6 +49,8 @@ use tonic::{
     service::{interceptor::InterceptedService, Interceptor},
     transport::Channel,
 };
+
+pub mod mirror;
 
 /// Catalogue id of the test model.
 pub const TEST_MODEL_ID: &str = "smollm2-135m-instruct";
@@ -259,6 +262,29 @@ impl Drop for TestCoordinator {
             let _ = stop.send(());
         }
     }
+}
+
+/// The coordinator's catalogue entry for a built-in catalogue model.
+pub fn catalogue_model(
+    entry: &mlxnet_proto::catalogue::CatalogueEntry,
+) -> mlxnet_coordinator::config::CatalogueModel {
+    let file = entry.primary_file();
+    let mut m = mlxnet_coordinator::config::smollm2_135m_instruct();
+    m.id = entry.id.clone();
+    m.architecture = entry.architecture.clone();
+    m.parameters = entry.parameters;
+    m.size_bytes = file.size_bytes;
+    m.sha256 = file.sha256.clone();
+    m.context_length = entry.context_length;
+    m.price_input_per_mtok = entry.price_input_per_mtok;
+    m.price_output_per_mtok = entry.price_output_per_mtok;
+    m.layers = entry.layers;
+    m.kv_heads = entry.kv_heads;
+    m.head_dim = entry.head_dim;
+    m.hidden_size = entry.hidden_size;
+    m.kv_element_bytes = entry.kv_element_bytes;
+    m.active_parameters = entry.active_parameters;
+    m
 }
 
 /// A coordinator config for tests: everything on `127.0.0.1:0`, data in `dir`.

@@ -190,18 +190,28 @@ impl LayerCache {
 
 /// Causal attention of `s` queries at positions `pos..pos + s`
 /// (`q`: `[s][heads][head_dim]`) over the cache, whose first `pos + s`
-/// positions are filled. Returns `[s][heads][head_dim]`.
-pub fn attention(q: &[f32], cache: &LayerCache, shape: AttnShape, pos: usize) -> Vec<f32> {
+/// positions are filled, logits scaled by `scale` (`1 / sqrt(head_dim)` for
+/// most models); with a `window`, each query sees only the last `window`
+/// positions (itself included), as llama.cpp's standard sliding-window mask
+/// (`p1 - p0 < window`). Returns `[s][heads][head_dim]`.
+pub fn attention(
+    q: &[f32],
+    cache: &LayerCache,
+    shape: AttnShape,
+    pos: usize,
+    window: Option<usize>,
+    scale: f32,
+) -> Vec<f32> {
     let hd = shape.head_dim;
     let group = shape.heads / shape.kv_heads;
     let s = q.len() / (shape.heads * hd);
-    let scale = 1.0 / (hd as f32).sqrt();
     let mut out = vec![0.0f32; q.len()];
     let work = |idx: usize, o: &mut [f32]| {
         let t = idx / shape.heads;
         let h = idx % shape.heads;
         let kvh = h / group;
         let len = pos + t + 1;
+        let first = window.map_or(0, |w| len.saturating_sub(w));
         // llama.cpp multiplies f16 K by q converted to f16, and f16 V by the
         // probabilities converted to f16; rounding the same way keeps greedy
         // decoding on the same tokens.
@@ -211,9 +221,9 @@ pub fn attention(q: &[f32], cache: &LayerCache, shape: AttnShape, pos: usize) ->
             *d = round_f16(x);
         }
         let base = kvh * shape.capacity * hd;
-        let mut scores = Vec::with_capacity(len);
+        let mut scores = Vec::with_capacity(len - first);
         let mut max = f32::NEG_INFINITY;
-        for j in 0..len {
+        for j in first..len {
             let kv = &cache.k[base + j * hd..base + (j + 1) * hd];
             let sc = dot(qv, kv) * scale;
             max = max.max(sc);
@@ -226,7 +236,7 @@ pub fn attention(q: &[f32], cache: &LayerCache, shape: AttnShape, pos: usize) ->
             sum += f64::from(*sc);
         }
         let inv = (1.0 / sum) as f32;
-        for (j, p) in scores.iter().enumerate() {
+        for (j, p) in (first..len).zip(&scores) {
             let w = round_f16(p * inv);
             let vv = &cache.v[base + j * hd..base + (j + 1) * hd];
             for (oi, vi) in o.iter_mut().zip(vv) {

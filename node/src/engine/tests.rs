@@ -68,7 +68,7 @@ fn load_err(path: &Path) -> EngineError {
 #[test]
 fn gguf_loads_every_architecture() {
     let dir = tempfile::tempdir().unwrap();
-    for arch in ["llama", "mistral", "qwen2", "qwen3"] {
+    for arch in ["llama", "mistral", "qwen2", "qwen3", "gemma3"] {
         let spec = TinySpec::new(arch);
         let path = tiny_gguf(dir.path(), &spec, GgmlDType::Q8_0);
         let mut engine = Engine::load(&path).unwrap();
@@ -590,6 +590,91 @@ fn chat_template_renders_and_rejects() {
     assert!(template::ChatTemplate::new("{% if %}").is_err());
 }
 
+// ---------------------------------------------------------------- gemma 3
+
+/// Last-position logits of `tokens` from a fresh cache.
+fn last_logits(engine: &mut Engine, tokens: &[u32]) -> Vec<f32> {
+    engine.model.reset(tokens.len());
+    engine.model.forward(tokens).unwrap()
+}
+
+#[test]
+fn gemma3_windowed_layers_see_only_their_window() {
+    let dir = tempfile::tempdir().unwrap();
+    // Both layers local (pattern 6), window 4: the last of 12 positions
+    // depends on positions 12 - 2 * 3 - 1 = 5 and later only.
+    let spec = TinySpec::new("gemma3");
+    let mut local = Engine::load(&tiny_gguf(dir.path(), &spec, GgmlDType::F32)).unwrap();
+    assert_eq!(local.info().architecture, "gemma3");
+    let a: Vec<u32> = (3..15).collect();
+    let mut far = a.clone();
+    far[0] = 200;
+    far[3] = 201;
+    let mut near = a.clone();
+    near[6] = 202;
+    let base = last_logits(&mut local, &a);
+    assert_eq!(
+        base,
+        last_logits(&mut local, &far),
+        "tokens outside the window changed the output"
+    );
+    assert_ne!(
+        base,
+        last_logits(&mut local, &near),
+        "a token inside the window must matter"
+    );
+
+    // Layer 1 global (pattern 2): every position matters again.
+    let global_spec = TinySpec {
+        sliding_window: Some((4, 2)),
+        ..TinySpec::new("gemma3")
+    };
+    let sub = dir.path().join("global");
+    std::fs::create_dir_all(&sub).unwrap();
+    let mut mixed = Engine::load(&tiny_gguf(&sub, &global_spec, GgmlDType::F32)).unwrap();
+    assert_ne!(last_logits(&mut mixed, &a), last_logits(&mut mixed, &far));
+    // The window holds the same in a batched prefill and one token at a time.
+    let mut single = Vec::new();
+    local.model.reset(a.len());
+    for &t in &a {
+        single = local.model.forward(&[t]).unwrap();
+    }
+    let diff = base
+        .iter()
+        .zip(&single)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0f32, f32::max);
+    assert!(
+        diff < 1e-3,
+        "batched and one-by-one prefill differ by {diff}"
+    );
+}
+
+#[test]
+fn gemma3_config_reads_its_hyper_parameters() {
+    let dir = tempfile::tempdir().unwrap();
+    let spec = TinySpec::new("gemma3");
+    let engine = Engine::load(&tiny_gguf(dir.path(), &spec, GgmlDType::Q8_0)).unwrap();
+    let cfg = &engine.model.cfg;
+    assert!(cfg.post_norms && cfg.qk_norm && !cfg.rope_interleaved);
+    assert_eq!(cfg.activation, config::Activation::GeluTanh);
+    assert_eq!(cfg.embed_scale, (spec.hidden as f32).sqrt());
+    assert_eq!(cfg.attn_scale, 1.0 / (spec.head_dim as f32).sqrt());
+    let w = cfg.sliding_window.as_ref().unwrap();
+    assert_eq!((w.window, w.pattern, w.rope_theta), (4, 6, 10_000.0));
+    // Tied head, two extra norms per layer counted.
+    let h = spec.hidden as u64;
+    let per_layer = 4 * h
+        + 2 * spec.head_dim as u64
+        + (2 * (spec.heads + spec.kv_heads) * spec.head_dim) as u64 * h
+        + 3 * (spec.ffn as u64) * h;
+    let embed = testutil::tiny_vocab().len() as u64 * h;
+    assert_eq!(
+        engine.info().parameters,
+        embed + h + spec.layers as u64 * per_layer
+    );
+}
+
 // ---------------------------------------------------------------- the real model
 
 const MODEL_PATH: &str = concat!(
@@ -643,11 +728,16 @@ fn ids(v: &serde_json::Value) -> Vec<u32> {
 /// same step as llama.cpp's flash attention.
 const NEAR_TIE: f32 = 0.35;
 
-#[test]
-fn smollm_greedy_matches_llama_cpp() {
-    let reference = reference();
+/// Greedy generation of every reference prompt against llama.cpp's ids:
+/// equal token for token, except that after a near tie (llama.cpp's top-2
+/// margin below `near_tie`) the two may branch. Returns (tokens compared,
+/// reference tokens).
+fn greedy_against_llama_cpp(
+    engine: &mut Engine,
+    reference: &serde_json::Value,
+    near_tie: f32,
+) -> (usize, usize) {
     let n_predict = reference["n_predict"].as_u64().unwrap() as usize;
-    let mut engine = smollm();
     let mut compared_total = 0;
     let mut want_total = 0;
     for case in reference["greedy"].as_array().unwrap() {
@@ -658,7 +748,7 @@ fn smollm_greedy_matches_llama_cpp() {
             ids(&case["prompt_tokens"]),
             "prompt tokens of {prompt:?}"
         );
-        let (g, _) = run(&mut engine, &text(prompt, greedy(n_predict)));
+        let (g, _) = run(engine, &text(prompt, greedy(n_predict)));
         let want = ids(&case["output_tokens"]);
         let margins: Vec<f32> = case["top2_margins"]
             .as_array()
@@ -681,7 +771,7 @@ fn smollm_greedy_matches_llama_cpp() {
             }
             Some(step) => {
                 assert!(
-                    margins[step] < NEAR_TIE,
+                    margins[step] < near_tie,
                     "greedy output of {prompt:?} leaves llama.cpp's at step {step}, where \
                      llama.cpp's top-2 margin is {} (not a near tie): ours {:?}, llama.cpp {:?}",
                     margins[step],
@@ -692,12 +782,21 @@ fn smollm_greedy_matches_llama_cpp() {
             }
         };
         eprintln!(
-            "{prompt:?}: {compared} of {} tokens equal llama.cpp's",
+            "{:?}: {compared} of {} tokens equal llama.cpp's",
+            &prompt[..prompt.len().min(40)],
             want.len()
         );
         compared_total += compared;
         want_total += want.len();
     }
+    (compared_total, want_total)
+}
+
+#[test]
+fn smollm_greedy_matches_llama_cpp() {
+    let reference = reference();
+    let mut engine = smollm();
+    let (compared_total, want_total) = greedy_against_llama_cpp(&mut engine, &reference, NEAR_TIE);
     // The near-tie allowance must not swallow the comparison: at least half
     // of all reference tokens are compared id for id (51 of 71 today).
     assert!(
@@ -878,4 +977,71 @@ fn smollm_resumed_generation_continues_the_uninterrupted_stream() {
         .generate(&bad, &mut |_| ControlFlow::Continue(()))
         .unwrap_err();
     assert!(matches!(err, EngineError::ResumeMismatch), "{err}");
+}
+
+// ---------------------------------------------------------------- gemma 3 270m
+
+const GEMMA_PATH: &str = concat!(
+    env!("CARGO_MANIFEST_DIR"),
+    "/../models/gemma-3-270m-q4_k_m.gguf"
+);
+const GEMMA_REFERENCE: &str = concat!(
+    env!("CARGO_MANIFEST_DIR"),
+    "/src/engine/testdata/llama_cpp_reference_gemma3.json"
+);
+
+fn gemma() -> std::sync::MutexGuard<'static, Engine> {
+    static ENGINE: OnceLock<Mutex<Engine>> = OnceLock::new();
+    ENGINE
+        .get_or_init(|| {
+            let path = Path::new(GEMMA_PATH);
+            assert!(
+                path.exists(),
+                "the test model {GEMMA_PATH} is missing: run scripts/fetch-test-model.sh"
+            );
+            Mutex::new(Engine::load(path).unwrap())
+        })
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+fn gemma_reference() -> serde_json::Value {
+    let text = std::fs::read_to_string(GEMMA_REFERENCE).unwrap_or_else(|e| {
+        panic!("{GEMMA_REFERENCE}: {e} (regenerate with scripts/llama_cpp_reference.py gemma3)")
+    });
+    serde_json::from_str(&text).unwrap()
+}
+
+#[test]
+fn gemma3_greedy_matches_llama_cpp() {
+    let reference = gemma_reference();
+    assert_eq!(
+        reference["model_sha256"].as_str(),
+        Some("a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818")
+    );
+    let mut engine = gemma();
+    assert_eq!(engine.info().architecture, "gemma3");
+    let (compared_total, want_total) = greedy_against_llama_cpp(&mut engine, &reference, NEAR_TIE);
+    assert!(
+        2 * compared_total >= want_total,
+        "only {compared_total} of {want_total} tokens compared"
+    );
+}
+
+#[test]
+fn gemma3_tokenizer_matches_llama_cpp() {
+    let reference = gemma_reference();
+    let engine = gemma();
+    let mut failures = Vec::new();
+    for case in reference["tokenize"].as_array().unwrap() {
+        let text = case["text"].as_str().unwrap();
+        let got = engine.tokenize(text).unwrap();
+        if got != ids(&case["ids"]) {
+            failures.push(format!(
+                "{text:?}: ours {got:?}, llama.cpp {:?}",
+                ids(&case["ids"])
+            ));
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
 }

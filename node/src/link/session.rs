@@ -251,6 +251,12 @@ async fn serve(
                             .as_ref()
                             .and_then(|p| p.runtime.degraded())
                             .unwrap_or_default(),
+                        models_changed: ctx.models.changed(),
+                        models: if ctx.models.changed() {
+                            ctx.models.cached_models()
+                        } else {
+                            Vec::new()
+                        },
                     })),
                 };
                 write_frame(send, &beat).await?;
@@ -261,6 +267,12 @@ async fn serve(
                 }
                 Some(Ok(CoordinatorControl { msg: Some(coordinator_control::Msg::Rejected(r)) })) => {
                     return Err(LinkError::Rejected(r.reason));
+                }
+                Some(Ok(CoordinatorControl { msg: Some(coordinator_control::Msg::ModelHint(hint)) })) => {
+                    last_heard = Instant::now();
+                    if drained_at.is_none() {
+                        crate::models::hint::on_hint(&ctx.models, &hint);
+                    }
                 }
                 Some(Ok(other)) => {
                     last_heard = Instant::now();
@@ -314,5 +326,6 @@ fn describe(msg: &Option<coordinator_control::Msg>) -> String {
         Some(coordinator_control::Msg::Welcome(_)) => "a welcome".into(),
         Some(coordinator_control::Msg::Rejected(r)) => format!("a rejection ({})", r.reason),
         Some(coordinator_control::Msg::HeartbeatAck(_)) => "a heartbeat ack".into(),
+        Some(coordinator_control::Msg::ModelHint(_)) => "a model hint".into(),
     }
 }
