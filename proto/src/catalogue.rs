@@ -592,8 +592,9 @@ mod tests {
         assert_eq!(c.models[0].license, "mit");
         c.remove(&entry().id).expect("remove");
         assert!(matches!(c.remove("nope"), Err(CatalogueError::NotFound(_))));
-        let mut dup = Catalogue::default();
-        dup.models = vec![entry(), entry()];
+        let dup = Catalogue {
+            models: vec![entry(), entry()],
+        };
         assert!(matches!(dup.validate(), Err(CatalogueError::Duplicate(_))));
     }
 

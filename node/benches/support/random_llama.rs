@@ -54,8 +54,9 @@ impl Mix {
             Mix::Q8_0 => GgmlDType::Q8_0,
             Mix::Q4KM => {
                 // llama.cpp's `use_more_bits`.
-                let more =
-                    |i: usize| i < LAYERS / 8 || i >= 7 * LAYERS / 8 || (i - LAYERS / 8) % 3 == 2;
+                let more = |i: usize| {
+                    !(LAYERS / 8..7 * LAYERS / 8).contains(&i) || (i - LAYERS / 8) % 3 == 2
+                };
                 let six = name == "output.weight"
                     || ((name.ends_with("attn_v.weight") || name.ends_with("ffn_down.weight"))
                         && layer.is_some_and(more));

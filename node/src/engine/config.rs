@@ -167,9 +167,8 @@ impl ModelConfig {
         if !(self.rms_eps.is_finite() && self.rms_eps >= 0.0) {
             return bad(format!("rms norm epsilon {} is invalid", self.rms_eps));
         }
-        if !(self.embed_scale.is_finite() && self.embed_scale > 0.0)
-            || !(self.attn_scale.is_finite() && self.attn_scale > 0.0)
-        {
+        let positive = |v: f32| v.is_finite() && v > 0.0;
+        if !positive(self.embed_scale) || !positive(self.attn_scale) {
             return bad(format!(
                 "embedding scale {} and attention scale {} must be positive",
                 self.embed_scale, self.attn_scale

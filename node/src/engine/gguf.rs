@@ -365,6 +365,9 @@ struct RawEntry {
     len: usize,
 }
 
+/// Metadata, tensor directory, and where tensor data starts.
+type Directory = (HashMap<String, MetaValue>, Vec<RawEntry>, u64);
+
 /// Why the directory could not be read: the bytes end too soon, or are wrong.
 enum Truncated {
     Short(EngineError),
@@ -388,9 +391,7 @@ fn parse_bytes(buf: &[u8]) -> Result<Parsed, EngineError> {
 }
 
 /// Header, metadata and tensor directory.
-fn parse_directory(
-    buf: &[u8],
-) -> Result<(HashMap<String, MetaValue>, Vec<RawEntry>, u64), Truncated> {
+fn parse_directory(buf: &[u8]) -> Result<Directory, Truncated> {
     let mut c = Cursor { buf, pos: 0 };
     let magic = c.array::<4>("magic").map_err(|_| {
         Truncated::Bad(err(format!(

@@ -375,7 +375,8 @@ pub fn shard_byte_ranges(
     } else {
         "token_embd.weight"
     };
-    let mut out: Vec<Range<u64>> = vec![0..h.data_start];
+    let mut out: Vec<Range<u64>> = Vec::new();
+    out.push(0..h.data_start);
     out.extend(whole("rope_freqs.weight"));
     let layer_tensors = |i: usize| {
         let prefix = format!("blk.{i}.");

@@ -301,6 +301,11 @@ impl Downloader {
             }
         }
         progress.finish(false);
+        if part.have == 0 {
+            // Nothing worth resuming (every byte was refused): leave no file.
+            drop(part);
+            let _ = std::fs::remove_file(partial);
+        }
         Err(DownloadError::AllMirrorsFailed {
             file: file.name.clone(),
             failures,
@@ -392,9 +397,8 @@ impl Downloader {
                     .and_then(content_range);
                 match cr {
                     Some((a, b, total))
-                        if a == range.start
-                            && b + 1 <= range.end
-                            && total.is_none_or(|t| t == size) => {}
+                        if a == range.start && b < range.end && total.is_none_or(|t| t == size) => {
+                    }
                     _ => {
                         return Ok(Attempt::Bad(format!(
                             "answered bytes {:?} to a request for {}-{}",

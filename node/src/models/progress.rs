@@ -115,11 +115,7 @@ impl LogLines {
         } else {
             0.0
         };
-        let percent = if self.total > 0 {
-            have * 100 / self.total
-        } else {
-            0
-        };
+        let percent = (have * 100).checked_div(self.total).unwrap_or(0);
         tracing::info!(
             file = %self.file,
             have,

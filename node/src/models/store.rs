@@ -151,6 +151,9 @@ struct Index {
     models: BTreeMap<String, InstalledModel>,
 }
 
+/// A file and whether it is intact (else why not).
+pub type Verdict = (InstalledFile, Result<(), String>);
+
 /// What a pull did.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Pulled {
@@ -458,7 +461,7 @@ impl ModelStore {
     }
 
     /// Re-hashes every file of `id`: each file with whether it is intact.
-    pub fn verify(&self, id: &str) -> Result<Vec<(InstalledFile, Result<(), String>)>, StoreError> {
+    pub fn verify(&self, id: &str) -> Result<Vec<Verdict>, StoreError> {
         let m = self
             .get(id)?
             .ok_or_else(|| StoreError::NotInstalled(id.to_owned()))?;
