@@ -22,6 +22,8 @@
 //! then prints a table with the medians and the ratios ours / llama.cpp.
 //! Without llama-cpp-python it says how to install it and prints our numbers.
 //!
+//! `-- --prepare` only writes the random models and exits.
+//!
 //! Settings (environment, all optional): `MLXNET_BENCH_MODELS`
 //! (comma-separated names from the list above, default all of them whose
 //! files are there or can be written), `MLXNET_BENCH_MODEL` (one GGUF path
@@ -269,6 +271,13 @@ fn main() -> anyhow::Result<()> {
         return Ok(());
     }
     let rows_wanted = rows()?;
+    if args.iter().any(|a| a == "--prepare") {
+        // Only write the random models (outside a quiet-machine slot).
+        for r in &rows_wanted {
+            println!("{}: {}", r.name, r.path.display());
+        }
+        return Ok(());
+    }
     let threads: Vec<usize> = setting("MLXNET_BENCH_THREADS")
         .unwrap_or_else(|| "1,2".into())
         .split(',')

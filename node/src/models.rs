@@ -34,7 +34,7 @@
 pub mod cli;
 pub mod download;
 #[cfg(test)]
-mod fetch_tests;
+pub(crate) mod fetch_tests;
 pub mod hint;
 pub mod progress;
 pub mod shard;

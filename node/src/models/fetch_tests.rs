@@ -49,7 +49,7 @@ struct Served {
 /// 1000 is flipped), `404`, `416`, `500`, `norange` (answers 200 with the
 /// whole file to every request), `slow` (4 KiB chunks, each after a yield
 /// and a 1 ms pause).
-struct TestServer {
+pub(crate) struct TestServer {
     addr: SocketAddr,
     state: Arc<Served>,
 }
@@ -153,7 +153,7 @@ fn async_stream(
 }
 
 impl TestServer {
-    async fn start(files: Vec<(String, Vec<u8>)>) -> TestServer {
+    pub(crate) async fn start(files: Vec<(String, Vec<u8>)>) -> TestServer {
         let state = Arc::new(Served {
             files: files.into_iter().map(|(n, d)| (n, Arc::new(d))).collect(),
             log: Log::default(),
@@ -169,7 +169,7 @@ impl TestServer {
         TestServer { addr, state }
     }
 
-    fn url(&self, mode: &str, name: &str) -> String {
+    pub(crate) fn url(&self, mode: &str, name: &str) -> String {
         format!("http://{}/{mode}/{name}", self.addr)
     }
 
@@ -177,7 +177,7 @@ impl TestServer {
         format!("http://{}/{mode}/", self.addr)
     }
 
-    fn sent(&self) -> u64 {
+    pub(crate) fn sent(&self) -> u64 {
         self.state.log.sent.load(Ordering::SeqCst)
     }
 

@@ -196,7 +196,7 @@ async fn main() -> anyhow::Result<()> {
         accounts.client_key, coordinator.grpc_addr, coordinator.grpc_addr
     );
     println!(
-        "a second node of your own, with a model pulled from the mirror:\n  cargo run --release --bin mlx-node -- models --data-dir /tmp/newcomer pull gemma3-270m --mirror {}\n  MLX_NODE__OPERATOR_ACCOUNT={} cargo run --release --bin mlx-node -- run --data-dir /tmp/newcomer --coordinator {} --fingerprint {}\n  cargo run --bin mlxnet -- --coordinator http://{} submit --model gemma3-270m \"The capital of France is\"\nCtrl-C stops it.",
+        "a second node of your own, with a model pulled from the mirror:\n  cargo run --release --bin mlx-node -- models --data-dir /tmp/newcomer pull gemma3-270m --mirror {}\n  MLX_NODE__OPERATOR_ACCOUNT={} cargo run --release --bin mlx-node -- run --data-dir /tmp/newcomer --coordinator {} --fingerprint {}\n  cargo run --bin mlxnet -- --coordinator http://{} submit --model gemma3-270m --raw \"The capital of France is\"\nCtrl-C stops it.",
         mirror.base_url(),
         accounts.operator_account,
         coordinator.quic_addr,
