@@ -275,9 +275,9 @@ impl CoordinatorConfig {
     }
 
     /// Defaults, then `file` (if given), then every `MLXNET__SECTION__KEY` in
-    /// `env` (e.g. `MLXNET__LIMITS__MAX_TOKENS=512`, `MLXNET__GRPC_ADDR=...`).
-    /// Other variables are ignored. Values are read as TOML scalars when they
-    /// parse as one (numbers, booleans), else as strings.
+    /// `env` (e.g. `MLXNET__LIMITS__MAX_TOKENS=512`, `MLXNET__GRPC_ADDR=...`),
+    /// read as `mlxnet_proto::env` reads every binary's. Other variables are
+    /// ignored.
     pub fn load<I, K, V>(file: Option<&Path>, env: I) -> anyhow::Result<Self>
     where
         I: IntoIterator<Item = (K, V)>,
@@ -293,17 +293,8 @@ impl CoordinatorConfig {
             }
             None => toml::Table::new(),
         };
-        for (key, value) in env {
-            let Some(rest) = key.as_ref().strip_prefix(ENV_PREFIX) else {
-                continue;
-            };
-            let path: Vec<String> = rest.split("__").map(|s| s.to_ascii_lowercase()).collect();
-            if path.iter().any(|p| p.is_empty()) {
-                anyhow::bail!("environment variable {} has an empty section", key.as_ref());
-            }
-            set_path(&mut table, &path, env_value(value.as_ref()))
-                .with_context(|| format!("applying environment variable {}", key.as_ref()))?;
-        }
+        let env = mlxnet_proto::env::overrides::<CoordinatorConfig, _, _, _>(ENV_PREFIX, env)?;
+        mlxnet_proto::env::merge(&mut table, env);
         let config: CoordinatorConfig = toml::Value::Table(table)
             .try_into()
             .context("invalid coordinator configuration")?;
@@ -364,37 +355,6 @@ impl CoordinatorConfig {
                 self.data_dir.join("coordinator.db").display()
             )
         })
-    }
-}
-
-fn env_value(raw: &str) -> toml::Value {
-    match format!("v = {raw}").parse::<toml::Table>() {
-        Ok(mut t) => match t.remove("v") {
-            Some(
-                v @ (toml::Value::Integer(_) | toml::Value::Boolean(_) | toml::Value::Float(_)),
-            ) => v,
-            _ => toml::Value::String(raw.to_owned()),
-        },
-        Err(_) => toml::Value::String(raw.to_owned()),
-    }
-}
-
-fn set_path(table: &mut toml::Table, path: &[String], value: toml::Value) -> anyhow::Result<()> {
-    match path {
-        [] => anyhow::bail!("empty key"),
-        [last] => {
-            table.insert(last.clone(), value);
-            Ok(())
-        }
-        [head, rest @ ..] => {
-            let entry = table
-                .entry(head.clone())
-                .or_insert_with(|| toml::Value::Table(toml::Table::new()));
-            match entry {
-                toml::Value::Table(t) => set_path(t, rest, value),
-                _ => anyhow::bail!("{head} is not a section"),
-            }
-        }
     }
 }
 

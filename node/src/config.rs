@@ -1,6 +1,8 @@
 //! The node's configuration, layered: built-in defaults, then a TOML file,
-//! then environment variables `MLX_NODE__KEY` (nested: `MLX_NODE__LOCATION__CITY`),
-//! then command-line flags. Each layer overrides only the keys it sets.
+//! then environment variables `MLX_NODE__KEY` (nested: `MLX_NODE__LOCATION__PLACE`),
+//! then command-line flags. Each layer overrides only the keys it sets: the
+//! layers are merged as TOML tables and the result is read into a
+//! [`NodeConfig`], the way the coordinator reads its own (`mlxnet_proto::env`).
 //!
 //! The environment is read through [`NodeConfig::load`]'s iterator argument,
 //! never with `std::env` here, so tests pass their own variables and never
@@ -25,13 +27,15 @@ use std::{
     str::FromStr,
 };
 
+use mlxnet_proto::env::merge;
 use serde::{Deserialize, Serialize};
 
 /// Prefix of the node's environment variables.
 pub const ENV_PREFIX: &str = "MLX_NODE__";
 
 /// Everything the node agent needs to run.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct NodeConfig {
     /// Where the identity key (mode 0600) lives. Default `$HOME/.mlx-node`
     /// (`./.mlx-node` without `HOME`).
@@ -87,7 +91,9 @@ pub struct NodeConfig {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct PodSettings {
-    /// The MLX hostfile (JSON), the same file on every member.
+    /// The MLX hostfile (JSON), the same file on every member. Required
+    /// ([`NodeConfig::validate`] refuses a pod without one).
+    #[serde(default)]
     pub hostfile: PathBuf,
     /// This node's rank (0 = leader, which speaks for the pod).
     #[serde(default)]
@@ -116,20 +122,6 @@ fn default_pod_port() -> u16 {
     32323
 }
 
-impl PodSettings {
-    fn layer(pod: &mut Option<PodSettings>) -> &mut PodSettings {
-        pod.get_or_insert_with(|| PodSettings {
-            hostfile: PathBuf::new(),
-            rank: 0,
-            port: default_pod_port(),
-            parallelism: Default::default(),
-            memory_limit_bytes: None,
-            max_context: None,
-            speed: None,
-        })
-    }
-}
-
 /// Where pulled models live and what the owner allows there. Every model
 /// installed in the folder is served, beside the `models` entries.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
@@ -146,12 +138,40 @@ pub struct StoreSettings {
     #[serde(default)]
     pub max_model_bytes: Option<u64>,
     /// Licenses (as the catalogue names them: "gemma", "llama3.1", ...)
-    /// the owner refuses. Default none.
-    #[serde(default)]
+    /// the owner refuses. Default none. From the environment,
+    /// `gemma,llama3.1`.
+    #[serde(
+        default,
+        deserialize_with = "list_or_text",
+        skip_serializing_if = "Vec::is_empty"
+    )]
     pub refuse_licenses: Vec<String>,
     /// A catalogue file (TOML) to pull from instead of the built-in one.
     #[serde(default)]
     pub catalogue: Option<PathBuf>,
+}
+
+/// A list of names as the file writes it, or as one string `a,b` (empty:
+/// none), the form of an environment variable.
+fn list_or_text<'de, D>(d: D) -> Result<Vec<String>, D::Error>
+where
+    D: serde::Deserializer<'de>,
+{
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum Names {
+        List(Vec<String>),
+        Text(String),
+    }
+    Ok(match Names::deserialize(d)? {
+        Names::List(list) => list,
+        Names::Text(text) => text
+            .split(',')
+            .map(str::trim)
+            .filter(|s| !s.is_empty())
+            .map(str::to_owned)
+            .collect(),
+    })
 }
 
 impl StoreSettings {
@@ -167,10 +187,6 @@ impl StoreSettings {
             max_model_bytes: self.max_model_bytes,
             refuse_licenses: self.refuse_licenses.clone(),
         }
-    }
-
-    fn layer(store: &mut Option<StoreSettings>) -> &mut StoreSettings {
-        store.get_or_insert_with(StoreSettings::default)
     }
 }
 
@@ -199,7 +215,7 @@ impl FromStr for ModelEntry {
 
 /// How the owner lends the Mac.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
+#[serde(rename_all = "lowercase", try_from = "String")]
 pub enum NodeMode {
     /// Lent full-time: takes any job it can hold.
     #[default]
@@ -216,6 +232,13 @@ impl FromStr for NodeMode {
             "idle" => Ok(Self::Idle),
             _ => Err(ConfigError::Mode(s.to_owned())),
         }
+    }
+}
+
+impl TryFrom<String> for NodeMode {
+    type Error = ConfigError;
+    fn try_from(s: String) -> Result<Self, Self::Error> {
+        s.parse()
     }
 }
 
@@ -268,7 +291,9 @@ pub enum ConfigError {
         path: PathBuf,
         source: Box<toml::de::Error>,
     },
-    #[error("unknown environment variable {0} (known: {known})", known = ENV_KEYS.join(", "))]
+    #[error(
+        "unknown environment variable {0}: it names no setting (the keys are the config file's)"
+    )]
     UnknownEnv(String),
     #[error("environment variable {var}={value:?}: {reason}")]
     BadEnv {
@@ -294,46 +319,55 @@ pub enum ConfigError {
     },
     #[error("model id {0:?} is configured twice")]
     DuplicateModel(String),
+    #[error("configuration is not valid: {0}")]
+    Invalid(Box<toml::de::Error>),
+    #[error("a configuration value cannot be written as TOML: {0}")]
+    Encode(Box<toml::ser::Error>),
 }
 
-/// Keys a layer may set (file keys; env keys are these upper-cased).
-const ENV_KEYS: &[&str] = &[
-    "DATA_DIR",
-    "COORDINATOR",
-    "COORDINATOR_FINGERPRINT",
-    "MODELS",
-    "NAME",
-    "MAX_CONCURRENT_JOBS",
-    "THREADS",
-    "RECONNECT_MIN_MS",
-    "RECONNECT_MAX_MS",
-    "CONNECT_TIMEOUT_MS",
-    "MODE",
-    "LOCATION__PLACE",
-    "LOCATION__LAT",
-    "LOCATION__LON",
-    "LOCATION__HIDDEN",
-    "POD__HOSTFILE",
-    "POD__RANK",
-    "POD__PORT",
-    "POD__PARALLELISM",
-    "POD__MEMORY_LIMIT_BYTES",
-    "POD__MAX_CONTEXT",
-    "STORE__DIR",
-    "STORE__QUOTA_BYTES",
-    "STORE__MAX_MODEL_BYTES",
-    "STORE__REFUSE_LICENSES",
-    "STORE__CATALOGUE",
-];
+impl From<mlxnet_proto::env::EnvError> for ConfigError {
+    fn from(e: mlxnet_proto::env::EnvError) -> Self {
+        use mlxnet_proto::env::EnvError;
+        match e {
+            EnvError::Unknown { var, .. } => ConfigError::UnknownEnv(var),
+            EnvError::Invalid {
+                var,
+                key,
+                value,
+                reason,
+            } => ConfigError::BadEnv {
+                var,
+                value,
+                reason: format!("setting `{key}`: {reason}"),
+            },
+            EnvError::EmptySection { var } => ConfigError::BadEnv {
+                var,
+                value: String::new(),
+                reason: "a section name is empty".into(),
+            },
+            other => ConfigError::BadEnv {
+                var: String::new(),
+                value: String::new(),
+                reason: other.to_string(),
+            },
+        }
+    }
+}
 
-/// One layer of configuration: every key optional. The TOML file is read
-/// into this; `main` fills one from flags.
-#[derive(Debug, Clone, Default, PartialEq, Deserialize)]
+/// One layer of configuration: every key optional. The TOML file and the
+/// `MLX_NODE__*` variables are read into one each; `main` fills one from
+/// flags. Layers are merged as TOML tables over the defaults (a later
+/// layer's keys win, sections merge key by key, a list replaces the lower
+/// one), then read into a [`NodeConfig`]: the coordinator reads its own
+/// configuration the same way (`mlxnet_proto::env`).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ConfigLayer {
     pub data_dir: Option<PathBuf>,
     pub coordinator: Option<String>,
     pub coordinator_fingerprint: Option<String>,
+    /// A list of `{ id, path }`; from the environment, `id=path,id=path`.
+    #[serde(default, deserialize_with = "models_or_list")]
     pub models: Option<Vec<ModelEntry>>,
     pub name: Option<String>,
     pub max_concurrent_jobs: Option<u32>,
@@ -347,6 +381,33 @@ pub struct ConfigLayer {
     pub operator_account: Option<String>,
     pub pod: Option<PodSettings>,
     pub store: Option<StoreSettings>,
+}
+
+/// Models as the file lists them, or as one string `id=path,id=path`
+/// (empty: none), the form of `MLX_NODE__MODELS`.
+fn models_or_list<'de, D>(d: D) -> Result<Option<Vec<ModelEntry>>, D::Error>
+where
+    D: serde::Deserializer<'de>,
+{
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum Models {
+        List(Vec<ModelEntry>),
+        Text(String),
+    }
+    match Models::deserialize(d)? {
+        Models::List(list) => Ok(Some(list)),
+        Models::Text(text) => text
+            .split(',')
+            .map(str::trim)
+            .filter(|s| !s.is_empty())
+            .map(ModelEntry::from_str)
+            .collect::<Result<Vec<_>, _>>()
+            .map(Some)
+            .map_err(|_| {
+                serde::de::Error::custom("expected `id=path` entries separated by commas")
+            }),
+    }
 }
 
 impl ConfigLayer {
@@ -366,235 +427,24 @@ impl ConfigLayer {
         toml::from_str(text)
     }
 
-    /// Collects the `MLX_NODE__*` variables among `vars`; others are ignored.
+    /// Collects the `MLX_NODE__*` variables among `vars` (nested sections
+    /// by `__`: `MLX_NODE__LOCATION__PLACE`); others are ignored.
     pub fn from_env<I, K, V>(vars: I) -> Result<Self, ConfigError>
     where
         I: IntoIterator<Item = (K, V)>,
         K: AsRef<str>,
         V: AsRef<str>,
     {
-        let mut layer = Self::default();
-        for (key, value) in vars {
-            let (key, value) = (key.as_ref(), value.as_ref());
-            let Some(name) = key.strip_prefix(ENV_PREFIX) else {
-                continue;
-            };
-            let bad = |reason: &str| ConfigError::BadEnv {
-                var: key.to_owned(),
-                value: value.to_owned(),
-                reason: reason.to_owned(),
-            };
-            match name {
-                "DATA_DIR" => layer.data_dir = Some(PathBuf::from(value)),
-                "COORDINATOR" => layer.coordinator = Some(value.to_owned()),
-                "COORDINATOR_FINGERPRINT" => layer.coordinator_fingerprint = Some(value.to_owned()),
-                "MODELS" => {
-                    // `id=path,id=path`; empty means "no models".
-                    let models = value
-                        .split(',')
-                        .map(str::trim)
-                        .filter(|s| !s.is_empty())
-                        .map(ModelEntry::from_str)
-                        .collect::<Result<Vec<_>, _>>()
-                        .map_err(|_| bad("expected `id=path` entries separated by commas"))?;
-                    layer.models = Some(models);
-                }
-                "NAME" => layer.name = Some(value.to_owned()),
-                "OPERATOR_ACCOUNT" => layer.operator_account = Some(value.trim().to_owned()),
-                "MAX_CONCURRENT_JOBS" => {
-                    layer.max_concurrent_jobs =
-                        Some(parse_num(value).map_err(|_| bad("expected a whole number"))?)
-                }
-                "THREADS" => {
-                    layer.threads =
-                        Some(parse_num(value).map_err(|_| bad("expected a whole number"))?)
-                }
-                "RECONNECT_MIN_MS" => {
-                    layer.reconnect_min_ms =
-                        Some(parse_num(value).map_err(|_| bad("expected milliseconds"))?)
-                }
-                "RECONNECT_MAX_MS" => {
-                    layer.reconnect_max_ms =
-                        Some(parse_num(value).map_err(|_| bad("expected milliseconds"))?)
-                }
-                "DRAIN_GRACE_MS" => {
-                    layer.drain_grace_ms =
-                        Some(parse_num(value).map_err(|_| bad("expected milliseconds"))?)
-                }
-                "CONNECT_TIMEOUT_MS" => {
-                    layer.connect_timeout_ms =
-                        Some(parse_num(value).map_err(|_| bad("expected milliseconds"))?)
-                }
-                "MODE" => {
-                    layer.mode = Some(
-                        value
-                            .parse()
-                            .map_err(|_| bad("expected `dedicated` or `idle`"))?,
-                    )
-                }
-                "LOCATION__PLACE" => location(&mut layer.location).place = Some(value.to_owned()),
-                "LOCATION__LAT" => {
-                    let lat = value.trim().parse().map_err(|_| bad("expected degrees"))?;
-                    location(&mut layer.location).lat = Some(lat);
-                }
-                "LOCATION__LON" => {
-                    let lon = value.trim().parse().map_err(|_| bad("expected degrees"))?;
-                    location(&mut layer.location).lon = Some(lon);
-                }
-                "LOCATION__HIDDEN" => {
-                    let hidden = value
-                        .trim()
-                        .parse()
-                        .map_err(|_| bad("expected true or false"))?;
-                    location(&mut layer.location).hidden = Some(hidden);
-                }
-                "POD__HOSTFILE" => {
-                    PodSettings::layer(&mut layer.pod).hostfile = PathBuf::from(value)
-                }
-                "POD__RANK" => {
-                    PodSettings::layer(&mut layer.pod).rank =
-                        parse_num(value).map_err(|_| bad("expected a whole number"))?
-                }
-                "POD__PORT" => {
-                    PodSettings::layer(&mut layer.pod).port =
-                        parse_num(value).map_err(|_| bad("expected a port number"))?
-                }
-                "POD__PARALLELISM" => {
-                    PodSettings::layer(&mut layer.pod).parallelism = value
-                        .parse()
-                        .map_err(|_| bad("expected `auto`, `tensor` or `pipeline`"))?
-                }
-                "POD__MEMORY_LIMIT_BYTES" => {
-                    PodSettings::layer(&mut layer.pod).memory_limit_bytes =
-                        Some(parse_num(value).map_err(|_| bad("expected bytes"))?)
-                }
-                "POD__MAX_CONTEXT" => {
-                    PodSettings::layer(&mut layer.pod).max_context =
-                        Some(parse_num(value).map_err(|_| bad("expected a whole number"))?)
-                }
-                "POD__SPEED" => {
-                    PodSettings::layer(&mut layer.pod).speed = Some(
-                        value
-                            .trim()
-                            .parse()
-                            .map_err(|_| bad("expected a positive number"))?,
-                    )
-                }
-                "STORE__DIR" => StoreSettings::layer(&mut layer.store).dir = Some(value.into()),
-                "STORE__QUOTA_BYTES" => {
-                    StoreSettings::layer(&mut layer.store).quota_bytes =
-                        Some(parse_num(value).map_err(|_| bad("expected bytes"))?)
-                }
-                "STORE__MAX_MODEL_BYTES" => {
-                    StoreSettings::layer(&mut layer.store).max_model_bytes =
-                        Some(parse_num(value).map_err(|_| bad("expected bytes"))?)
-                }
-                "STORE__REFUSE_LICENSES" => {
-                    StoreSettings::layer(&mut layer.store).refuse_licenses = value
-                        .split(',')
-                        .map(str::trim)
-                        .filter(|s| !s.is_empty())
-                        .map(str::to_owned)
-                        .collect()
-                }
-                "STORE__CATALOGUE" => {
-                    StoreSettings::layer(&mut layer.store).catalogue = Some(value.into())
-                }
-                _ => return Err(ConfigError::UnknownEnv(key.to_owned())),
-            }
-        }
-        Ok(layer)
+        let table = mlxnet_proto::env::overrides::<Self, _, _, _>(ENV_PREFIX, vars)?;
+        toml::Value::Table(table)
+            .try_into()
+            .map_err(|e| ConfigError::Invalid(Box::new(e)))
     }
 
-    /// Applies `self` over `base`: keys `self` sets win.
-    fn apply(self, base: &mut NodeConfig) {
-        if let Some(v) = self.data_dir {
-            base.data_dir = v;
-        }
-        if let Some(v) = self.coordinator {
-            base.coordinator = v;
-        }
-        if let Some(v) = self.coordinator_fingerprint {
-            base.coordinator_fingerprint = v;
-        }
-        if let Some(v) = self.models {
-            base.models = v;
-        }
-        if let Some(v) = self.name {
-            base.name = v;
-        }
-        if let Some(v) = self.max_concurrent_jobs {
-            base.max_concurrent_jobs = v;
-        }
-        if let Some(v) = self.threads {
-            base.threads = Some(v);
-        }
-        if let Some(v) = self.reconnect_min_ms {
-            base.reconnect_min_ms = v;
-        }
-        if let Some(v) = self.reconnect_max_ms {
-            base.reconnect_max_ms = v;
-        }
-        if let Some(v) = self.connect_timeout_ms {
-            base.connect_timeout_ms = v;
-        }
-        if let Some(v) = self.drain_grace_ms {
-            base.drain_grace_ms = v;
-        }
-        if let Some(v) = self.mode {
-            base.mode = v;
-        }
-        if let Some(v) = self.operator_account {
-            base.operator_account = v;
-        }
-        if let Some(v) = self.pod {
-            base.pod = Some(v);
-        }
-        if let Some(v) = self.store {
-            // Field by field, so the environment can refine a file's rules.
-            let d = StoreSettings::default();
-            let s = &mut base.store;
-            if v.dir.is_some() {
-                s.dir = v.dir;
-            }
-            if v.quota_bytes.is_some() {
-                s.quota_bytes = v.quota_bytes;
-            }
-            if v.max_model_bytes.is_some() {
-                s.max_model_bytes = v.max_model_bytes;
-            }
-            if v.refuse_licenses != d.refuse_licenses {
-                s.refuse_licenses = v.refuse_licenses;
-            }
-            if v.catalogue.is_some() {
-                s.catalogue = v.catalogue;
-            }
-        }
-        if let Some(v) = self.location {
-            // Location fields merge one by one, so env can refine a file's place.
-            let loc = base.location.get_or_insert_with(Location::default);
-            if v.place.is_some() {
-                loc.place = v.place;
-            }
-            if v.lat.is_some() {
-                loc.lat = v.lat;
-            }
-            if v.lon.is_some() {
-                loc.lon = v.lon;
-            }
-            if v.hidden.is_some() {
-                loc.hidden = v.hidden;
-            }
-        }
+    /// This layer as a TOML table (keys it does not set are absent).
+    fn table(&self) -> Result<toml::Table, ConfigError> {
+        toml::Table::try_from(self).map_err(|e| ConfigError::Encode(Box::new(e)))
     }
-}
-
-fn location(loc: &mut Option<Location>) -> &mut Location {
-    loc.get_or_insert_with(Location::default)
-}
-
-fn parse_num<T: FromStr>(s: &str) -> Result<T, T::Err> {
-    s.trim().parse()
 }
 
 impl NodeConfig {
@@ -657,13 +507,17 @@ impl NodeConfig {
             .into_iter()
             .map(|(k, v)| (k.as_ref().to_owned(), v.as_ref().to_owned()))
             .collect();
-        let mut config = Self::defaults(env.iter().map(|(k, v)| (k.as_str(), v.as_str())));
+        let defaults = Self::defaults(env.iter().map(|(k, v)| (k.as_str(), v.as_str())));
+        let mut table =
+            toml::Table::try_from(&defaults).map_err(|e| ConfigError::Encode(Box::new(e)))?;
         if let Some(path) = file {
-            ConfigLayer::from_file(path)?.apply(&mut config);
+            merge(&mut table, ConfigLayer::from_file(path)?.table()?);
         }
-        ConfigLayer::from_env(env)?.apply(&mut config);
-        flags.apply(&mut config);
-        Ok(config)
+        merge(&mut table, ConfigLayer::from_env(env)?.table()?);
+        merge(&mut table, flags.table()?);
+        toml::Value::Table(table)
+            .try_into()
+            .map_err(|e| ConfigError::Invalid(Box::new(e)))
     }
 
     /// Checks the values the agent needs: the pin, the coordinator address,
@@ -944,6 +798,45 @@ mod tests {
             .unwrap_err()
             .to_string()
             .contains("MLX_NODE__POD__PARALLELISM"));
+    }
+
+    #[test]
+    fn store_rules_merge_key_by_key_from_the_file_and_env() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("node.toml");
+        std::fs::write(
+            &file,
+            "[store]\nquota_bytes = 1000\nrefuse_licenses = [\"gemma\"]\n",
+        )
+        .unwrap();
+        // The env refines the quota and leaves the file's licenses.
+        let c = NodeConfig::load(
+            Some(&file),
+            env(&[("MLX_NODE__STORE__QUOTA_BYTES", "2000")]),
+            ConfigLayer::default(),
+        )
+        .unwrap();
+        assert_eq!(c.store.quota_bytes, Some(2000));
+        assert_eq!(c.store.refuse_licenses, vec!["gemma".to_string()]);
+        assert_eq!(c.store.dir_in(Path::new("/d")), PathBuf::from("/d/models"));
+        // Licenses from the env as a comma list replace the file's.
+        let c = NodeConfig::load(
+            Some(&file),
+            env(&[
+                ("MLX_NODE__STORE__REFUSE_LICENSES", "llama3.1, gemma"),
+                ("MLX_NODE__STORE__DIR", "/m"),
+            ]),
+            ConfigLayer::default(),
+        )
+        .unwrap();
+        assert_eq!(c.store.quota_bytes, Some(1000));
+        assert_eq!(c.store.refuse_licenses, vec!["llama3.1", "gemma"]);
+        assert_eq!(c.store.dir_in(Path::new("/d")), PathBuf::from("/m"));
+        let bad = ConfigLayer::from_env(env(&[("MLX_NODE__STORE__QUOTA_BYTES", "lots")]));
+        assert!(bad
+            .unwrap_err()
+            .to_string()
+            .contains("MLX_NODE__STORE__QUOTA_BYTES"));
     }
 
     #[test]

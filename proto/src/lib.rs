@@ -12,6 +12,8 @@
 //!   claim signature verification.
 //! - [`auth`]: the node-link handshake transcript bound to the TLS session.
 //! - [`frame`]: length-prefixed prost frames with a hard size cap.
+//! - [`env`]: configuration from `PREFIX__SECTION__KEY` environment
+//!   variables, the same for every binary.
 //!
 //! Nothing here does I/O beyond reading and writing frames on a stream the
 //! caller owns.
@@ -21,6 +23,7 @@ pub mod auth;
 pub mod catalogue;
 pub mod chips;
 pub mod claim;
+pub mod env;
 pub mod frame;
 pub mod ids;
 
