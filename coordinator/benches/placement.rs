@@ -23,11 +23,12 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use ed25519_dalek::SigningKey;
 use mlxnet_coordinator::{
+    domain::NewJob,
     scheduler::{
         self, Decision, Fleet, JobShape, Measured, Mode, ModelShape, NodeSpec, PodSpec, Policy,
         Queue, Target,
     },
-    store::{NewJob, Store},
+    store::{AnyStore, Store},
 };
 use mlxnet_proto::{
     chips::CHIPS,
@@ -366,7 +367,8 @@ async fn main() -> anyhow::Result<()> {
 
         // Committed to SQLite.
         let dir = tempfile::tempdir()?;
-        let store = Store::connect(&format!("sqlite://{}/bench.db", dir.path().display())).await?;
+        let store =
+            AnyStore::connect(&format!("sqlite://{}/bench.db", dir.path().display())).await?;
         let ids: Vec<JobId> = (0..jobs.len()).map(|_| JobId::new()).collect();
         let t = Instant::now();
         for (i, _) in jobs.iter().enumerate() {

@@ -46,8 +46,7 @@ use std::{
 
 use anyhow::Context;
 use mlxnet_coordinator::{
-    ledger::{keys::Scopes, settle::JobTerms, AccountKind, Price},
-    store::NewJob,
+    domain::{AccountKind, JobTerms, NewJob, Price, Scopes},
     Application, CoordinatorConfig,
 };
 use mlxnet_proto::{

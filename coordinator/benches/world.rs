@@ -12,12 +12,11 @@
 use std::{net::SocketAddr, time::Duration};
 
 use anyhow::Context;
-use mlxnet_coordinator::world::{self, cluster, World};
+use mlxnet_coordinator::{
+    test_utils::webdriver,
+    world::{self, cluster, World},
+};
 use serde_json::json;
-
-#[path = "../../tests/tests/it/world/webdriver.rs"]
-#[allow(dead_code)]
-mod webdriver;
 
 const VIEW_W: f64 = 1280.0;
 const VIEW_H: f64 = 800.0;

@@ -3,13 +3,13 @@
 //! (grpcurl, grpc_health_probe) work.
 //!
 //! Handlers are thin: they validate, call the dispatcher or store, and map
-//! errors once through `From<ApiError> for tonic::Status`.
+//! errors once through `From<ApiError> for tonic::Status` ([`error`]).
 //!
 //! # Invariants
 //! - No request message larger than `limits.max_request_bytes` is decoded;
 //!   tonic reads the 5-byte length prefix and refuses it (OUT_OF_RANGE)
 //!   before buffering the message or running any handler.
-//! - Abuse limits ([`crate::limits`]): at most `limits.max_connections`
+//! - Abuse limits ([`limits`]): at most `limits.max_connections`
 //!   connections, `limits.max_in_flight_requests` requests in flight, and
 //!   each key's rate and in-flight caps; the excess is RESOURCE_EXHAUSTED at
 //!   once. Slow senders meet `limits.request_timeout_ms` and the HTTP/2
@@ -20,7 +20,9 @@
 
 mod accounts;
 pub mod auth;
+pub mod error;
 mod jobs;
+pub mod limits;
 mod models;
 mod network;
 
@@ -32,7 +34,13 @@ use mlxnet_proto::v1::{
 };
 use tokio::net::TcpListener;
 
-use crate::{dispatch::Dispatcher, error::AppError};
+use tokio_util::sync::CancellationToken;
+
+use self::limits::{Admission, Limits};
+use crate::{
+    catalogue::Catalogue, dispatch::Dispatcher, jobs::EventHub, ledger::Ledger,
+    link::session::Sessions, store::AnyStore, util::net::capped_incoming,
+};
 
 pub use jobs::validate_submit;
 
@@ -45,13 +53,46 @@ const MAX_HEADER_LIST_BYTES: u32 = 16 * 1024;
 /// Concurrent streams per HTTP/2 connection (calls beyond it wait client-side).
 const MAX_STREAMS_PER_CONNECTION: u32 = 256;
 
-/// Serves the client API on `listener` until `shutdown` resolves.
+/// What the client API needs from the rest of the coordinator: its limits
+/// and the handles it shares (built once, by `app`).
+pub struct ApiContext {
+    /// Submits, cancels, and the could-it-ever-fit check.
+    pub dispatcher: Arc<Dispatcher>,
+    /// Jobs, nodes and stats, read.
+    pub store: AnyStore,
+    /// Accounts, keys, history and earnings.
+    pub ledger: Ledger,
+    pub catalogue: Arc<Catalogue>,
+    /// The live events behind Watch.
+    pub hub: EventHub,
+    /// The online nodes (models served, network totals).
+    pub sessions: Sessions,
+    pub limits: Limits,
+    /// The abuse limits' live counts.
+    pub admission: Arc<Admission>,
+    /// Cancelled when the application stops (open Watch streams end).
+    pub shutdown: CancellationToken,
+}
+
+/// Why the gRPC server could not start or stopped.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ServeError {
+    #[error("gRPC reflection descriptors")]
+    Reflection(#[from] tonic_reflection::server::Error),
+    #[error("gRPC server failed")]
+    Grpc(#[from] tonic::transport::Error),
+}
+
+/// Serves the client API on `listener` until `shutdown` resolves, within
+/// `limits` (counted by `admission`).
 pub async fn serve(
     listener: TcpListener,
-    dispatcher: Arc<Dispatcher>,
+    ctx: ApiContext,
     shutdown: impl Future<Output = ()> + Send + 'static,
-) -> Result<(), AppError> {
-    let limits = dispatcher.config.limits.clone();
+) -> Result<(), ServeError> {
+    let ctx = Arc::new(ctx);
+    let limits = ctx.limits.clone();
     let max = limits.max_request_bytes;
     let (health, health_service) = tonic_health::server::health_reporter();
     health.set_serving::<JobsServer<jobs::JobsApi>>().await;
@@ -79,31 +120,27 @@ pub async fn serve(
         .max_concurrent_streams(MAX_STREAMS_PER_CONNECTION)
         .http2_max_pending_accept_reset_streams(Some(64))
         .layer(auth::AuthLayer::new(
-            dispatcher.ledger.clone(),
-            Arc::clone(&dispatcher.admission),
+            ctx.ledger.clone(),
+            Arc::clone(&ctx.admission),
         ))
         .add_service(health_service)
         .add_service(reflection)
         .add_service(
-            JobsServer::new(jobs::JobsApi::new(Arc::clone(&dispatcher)))
+            JobsServer::new(jobs::JobsApi::new(Arc::clone(&ctx))).max_decoding_message_size(max),
+        )
+        .add_service(
+            ModelsServer::new(models::ModelsApi::new(Arc::clone(&ctx)))
                 .max_decoding_message_size(max),
         )
         .add_service(
-            ModelsServer::new(models::ModelsApi::new(Arc::clone(&dispatcher)))
+            NetworkServer::new(network::NetworkApi::new(Arc::clone(&ctx)))
                 .max_decoding_message_size(max),
         )
         .add_service(
-            NetworkServer::new(network::NetworkApi::new(Arc::clone(&dispatcher)))
+            AccountsServer::new(accounts::AccountsApi::new(Arc::clone(&ctx)))
                 .max_decoding_message_size(max),
         )
-        .add_service(
-            AccountsServer::new(accounts::AccountsApi::new(Arc::clone(&dispatcher)))
-                .max_decoding_message_size(max),
-        )
-        .serve_with_incoming_shutdown(
-            crate::limits::capped_incoming(listener, limits.max_connections),
-            shutdown,
-        )
+        .serve_with_incoming_shutdown(capped_incoming(listener, limits.max_connections), shutdown)
         .await?;
     Ok(())
 }

@@ -12,26 +12,76 @@
 //! [`AppError`] for anything that stops start-up; a server that fails while
 //! running stops the others and its error is returned.
 
-use std::{future::Future, net::SocketAddr, sync::Arc, time::Duration};
+use std::{future::Future, io, net::SocketAddr, sync::Arc, time::Duration};
 
 use tokio::net::TcpListener;
 use tracing::{info, warn};
 
+use tokio::sync::Notify;
+use tokio_util::sync::CancellationToken;
+
 use crate::{
-    api,
-    catalogue::Catalogue,
+    api::{self, limits::Admission, ApiContext},
+    catalogue::{Catalogue, CatalogueError},
     config::CoordinatorConfig,
-    dispatch::Dispatcher,
-    error::AppError,
+    dispatch::{self, Dispatcher},
     http,
-    ledger::{self, Ledger},
-    link::{self, tls::Identity},
-    store::Store,
+    http::{HttpConfig, HttpContext},
+    jobs::EventHub,
+    ledger::{self, keys::IssuedKey, Ledger, LedgerError},
+    link::{
+        self,
+        session::Sessions,
+        tls::{Identity, TlsError},
+        LinkContext,
+    },
+    metrics::Metrics,
+    store::{AnyStore, Store, StoreError},
+    util::Tasks,
+    world::World,
 };
+
+/// Why the application could not start or stopped with an error.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum AppError {
+    #[error("invalid configuration: {0}")]
+    Config(String),
+    #[error("creating data directory {path}")]
+    DataDir { path: String, source: io::Error },
+    #[error("opening the database")]
+    Store(#[from] StoreError),
+    #[error("recovering the ledger")]
+    Ledger(#[source] Box<crate::ledger::LedgerError>),
+    #[error(transparent)]
+    Catalogue(#[from] CatalogueError),
+    #[error("node-link certificate")]
+    Tls(#[from] TlsError),
+    #[error("binding {what} on {addr}")]
+    Bind {
+        what: &'static str,
+        addr: SocketAddr,
+        source: io::Error,
+    },
+    #[error(transparent)]
+    Grpc(#[from] api::ServeError),
+    #[error("HTTP server failed")]
+    Http(#[source] io::Error),
+    #[error("a server task panicked")]
+    Panicked(#[from] tokio::task::JoinError),
+}
 
 /// A coordinator with its listeners bound, ready to run.
 pub struct Application {
     dispatcher: Arc<Dispatcher>,
+    /// What the node link, the client API and the HTTP routes each get.
+    link: LinkContext,
+    api: ApiContext,
+    http_ctx: HttpContext,
+    http_config: HttpConfig,
+    store: AnyStore,
+    tasks: Arc<Tasks>,
+    shutdown: CancellationToken,
     endpoint: quinn::Endpoint,
     grpc: TcpListener,
     http: TcpListener,
@@ -52,10 +102,10 @@ impl Application {
             path: config.data_dir.display().to_string(),
             source,
         })?;
-        let catalogue = Catalogue::new(&config.catalogue)?;
+        let catalogue = Arc::new(Catalogue::new(&config.catalogue)?);
         let identity = Identity::load_or_create(&config.data_dir)?;
         let server_config = identity.server_config(
-            link::idle_timeout(&config),
+            config.link().idle_timeout(),
             config.limits.max_node_connections,
         )?;
         let grpc = bind_tcp("gRPC", config.grpc_addr).await?;
@@ -73,20 +123,22 @@ impl Application {
             addr: config.quic_addr,
             source,
         })?;
-        let store = match Store::connect(&config.database_url()).await {
+        let store = match AnyStore::connect(&config.database_url()).await {
             Ok(s) => s,
             Err(e) => {
                 endpoint.close(0u32.into(), b"");
                 return Err(e.into());
             }
         };
+        // The one ledger: recovery below and the running coordinator share
+        // it (its writer lock and key cache).
+        let ledger = Ledger::new(store.clone(), config.ledger_config());
         let recovered = async {
             store.mark_all_nodes_offline().await?;
             let requeued = store.requeue_orphans(config.limits.max_attempts).await?;
             // Settle what a crash left unsettled and expire overdue holds,
             // before anything is served.
-            let ledger = Ledger::new(store.pool().clone(), config.ledger_config());
-            let swept = ledger::sweep(&ledger, crate::store::now_ms(), |job| {
+            let swept = ledger::sweep(&ledger, crate::util::now_ms(), |job| {
                 let store = store.clone();
                 async move { store.cancel(job).await.map(|_| ()) }
             })
@@ -95,11 +147,9 @@ impl Application {
             if swept != ledger::Swept::default() {
                 info!(?swept, "ledger recovered at start-up");
             }
-            let audits = crate::audit::Audits::load(store.pool().clone(), config.audit.clone())
+            let audits = crate::audit::Audits::load(store.clone(), config.audit.clone())
                 .await
-                .map_err(|crate::audit::AuditError::Database(e)| {
-                    AppError::from(crate::store::StoreError::Database(e))
-                })?;
+                .map_err(|crate::audit::AuditError::Store(e)| AppError::from(e))?;
             Ok::<_, AppError>((requeued, audits))
         }
         .await;
@@ -121,8 +171,66 @@ impl Application {
         let http_addr = local_addr("HTTP", &http, config.http_addr)?;
         let fingerprint = identity.fingerprint();
         info!(%grpc_addr, %quic_addr, %http_addr, %fingerprint, "coordinator bound");
+        // The handles the layers share, each made once.
+        let hub = EventHub::default();
+        let sessions = Sessions::default();
+        let metrics = Arc::new(Metrics::default());
+        let world = World::new();
+        let wake = Arc::new(Notify::new());
+        let tasks = Arc::new(Tasks::default());
+        let shutdown = CancellationToken::new();
+        let dispatcher = Dispatcher::new(dispatch::Parts {
+            config: config.dispatch(),
+            store: store.clone(),
+            ledger: ledger.clone(),
+            catalogue: Arc::clone(&catalogue),
+            audits: Arc::new(audits),
+            hub: hub.clone(),
+            sessions: sessions.clone(),
+            metrics: Arc::clone(&metrics),
+            world: world.clone(),
+            wake: Arc::clone(&wake),
+            tasks: Arc::clone(&tasks),
+            shutdown: shutdown.clone(),
+        });
+        let link = LinkContext {
+            config: config.link(),
+            store: store.clone(),
+            ledger: ledger.clone(),
+            catalogue: Arc::clone(&catalogue),
+            sessions: sessions.clone(),
+            metrics: Arc::clone(&metrics),
+            world: world.clone(),
+            placement: wake,
+            tasks: Arc::clone(&tasks),
+            shutdown: shutdown.clone(),
+        };
+        let api = ApiContext {
+            dispatcher: Arc::clone(&dispatcher),
+            store: store.clone(),
+            ledger,
+            catalogue,
+            hub,
+            sessions: sessions.clone(),
+            limits: config.limits.clone(),
+            admission: Arc::new(Admission::new(&config.limits)),
+            shutdown: shutdown.clone(),
+        };
+        let http_ctx = HttpContext {
+            store: store.clone(),
+            metrics,
+            sessions,
+            world,
+        };
         Ok(Application {
-            dispatcher: Dispatcher::new(config, store, catalogue, audits),
+            dispatcher,
+            link,
+            api,
+            http_ctx,
+            http_config: config.http(),
+            store,
+            tasks,
+            shutdown,
             endpoint,
             grpc,
             http,
@@ -148,12 +256,12 @@ impl Application {
     /// The ledger (accounts, keys): how a harness or the `admin-key` command
     /// creates the first accounts and keys.
     pub fn ledger(&self) -> &Ledger {
-        &self.dispatcher.ledger
+        &self.api.ledger
     }
 
     /// The client API's abuse limits and their live counts.
-    pub fn admission(&self) -> Arc<crate::limits::Admission> {
-        Arc::clone(&self.dispatcher.admission)
+    pub fn admission(&self) -> Arc<Admission> {
+        Arc::clone(&self.api.admission)
     }
 
     /// Lowercase hex SHA-256 of the node-link certificate's DER.
@@ -174,24 +282,27 @@ impl Application {
     ) -> Result<(), AppError> {
         let Application {
             dispatcher: d,
+            link,
+            api,
+            http_ctx,
+            http_config,
+            store,
+            tasks,
+            shutdown: token,
             endpoint,
             grpc,
             http,
             quic_addr,
             ..
         } = self;
-        let token = d.shutdown_token().clone();
         let placement = tokio::spawn(Arc::clone(&d).placement_loop());
-        d.spawn(ledger::sweep_loop(Arc::clone(&d)));
-        let accept = tokio::spawn(link::accept_loop(endpoint.clone(), Arc::clone(&d)));
-        let mut grpc_task = tokio::spawn(api::serve(
-            grpc,
-            Arc::clone(&d),
-            token.clone().cancelled_owned(),
-        ));
+        d.spawn(dispatch::sweep::sweep_loop(Arc::clone(&d)));
+        let accept = tokio::spawn(link::accept_loop(endpoint.clone(), link));
+        let mut grpc_task = tokio::spawn(api::serve(grpc, api, token.clone().cancelled_owned()));
         let mut http_task = tokio::spawn(http::serve(
             http,
-            Arc::clone(&d),
+            http_ctx,
+            http_config,
             token.clone().cancelled_owned(),
         ));
 
@@ -225,10 +336,10 @@ impl Application {
         }
         let _ = placement.await;
         let _ = accept.await;
-        d.join_tasks().await;
+        tasks.join_all().await;
         endpoint.wait_idle().await;
         drop(endpoint);
-        d.store.close().await;
+        store.close().await;
         drop(d);
         wait_udp_released(quic_addr).await;
         info!("stopped");
@@ -236,8 +347,29 @@ impl Application {
     }
 }
 
-fn flatten(r: Result<Result<(), AppError>, tokio::task::JoinError>) -> Result<(), AppError> {
-    r?
+/// Opens the database `config` names (creating and migrating it if needed),
+/// creates an admin account named `name` with an admin key, and closes the
+/// database. This is how the first key of a network is made: run
+/// `mlxnet-coordinator admin-key` on the coordinator's host (whoever can read
+/// the database can already do anything). SQLite allows it while the
+/// coordinator runs.
+pub async fn bootstrap_admin_key(
+    config: &CoordinatorConfig,
+    name: &str,
+) -> Result<IssuedKey, AppError> {
+    std::fs::create_dir_all(&config.data_dir).map_err(|source| AppError::DataDir {
+        path: config.data_dir.display().to_string(),
+        source,
+    })?;
+    let store = AnyStore::connect(&config.database_url()).await?;
+    let ledger = Ledger::new(store.clone(), config.ledger.clone());
+    let key = ledger.bootstrap_admin(name).await;
+    store.close().await;
+    key.map_err(|e: LedgerError| AppError::Ledger(Box::new(e)))
+}
+
+fn flatten(r: Result<Result<(), api::ServeError>, tokio::task::JoinError>) -> Result<(), AppError> {
+    Ok(r??)
 }
 
 fn flatten_http(r: Result<std::io::Result<()>, tokio::task::JoinError>) -> Result<(), AppError> {

@@ -8,7 +8,8 @@
 //! `rate_floor`, and every job once a node has failed one. An audited job is
 //! sent as an audit assignment to another online node holding the same
 //! model file, which answers with a signed verdict (node side:
-//! `mlx-node`'s `Engine::audit`).
+//! `mlx-node`'s `Engine::audit`); the dispatcher runs that exchange
+//! (`dispatch::audit`).
 //!
 //! Every completed job's pay is held until its audit window
 //! (`window_ms` after completion) closes; the ledger's settlement reads the
@@ -30,15 +31,15 @@
 //! about its identity leaves the audit pending, and it is `missed` when the
 //! window closes (the job is then paid: nothing showed it wrong).
 
-mod driver;
-
 use std::{collections::HashSet, sync::Mutex};
 
-use crate::lock;
+pub use crate::domain::AuditRecord as NodeRecord;
+use crate::util::lock;
 use mlxnet_proto::{ids::NodeId, v1::SignedVerdict};
 use prost::Message;
 use serde::Deserialize;
-use sqlx::{Row, SqlitePool};
+
+use crate::store::{AnyStore, Store, StoreError, StoreTx};
 
 /// Audit settings (`[audit]` in the coordinator config).
 #[derive(Clone, Debug, Deserialize, PartialEq)]
@@ -84,14 +85,6 @@ impl AuditConfig {
     }
 }
 
-/// A node's audit record.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct NodeRecord {
-    pub clean: u32,
-    pub failed: u32,
-    pub banned: bool,
-}
-
 /// The share of `record`'s node's jobs to audit.
 pub fn audit_rate(config: &AuditConfig, record: &NodeRecord) -> f64 {
     if record.failed > 0 {
@@ -107,8 +100,8 @@ pub fn audit_rate(config: &AuditConfig, record: &NodeRecord) -> f64 {
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum AuditError {
-    #[error("database error")]
-    Database(#[from] sqlx::Error),
+    #[error("store")]
+    Store(#[from] StoreError),
 }
 
 /// How an audit ended.
@@ -120,34 +113,28 @@ pub enum Ended {
     AlreadyEnded,
 }
 
-/// Audit records in the coordinator's database, and the banned nodes.
+/// Audit records in the coordinator's store, and the banned nodes.
 pub struct Audits {
-    pool: SqlitePool,
+    store: AnyStore,
     pub config: AuditConfig,
     banned: Mutex<HashSet<NodeId>>,
 }
 
 impl Audits {
-    /// Loads the banned nodes from the database.
-    pub async fn load(pool: SqlitePool, config: AuditConfig) -> Result<Self, AuditError> {
-        let ids: Vec<String> =
-            sqlx::query_scalar("SELECT node_id FROM node_records WHERE banned_at_ms IS NOT NULL")
-                .fetch_all(&pool)
-                .await?;
+    /// Loads the banned nodes from the store.
+    pub async fn load(store: AnyStore, config: AuditConfig) -> Result<Self, AuditError> {
+        let ids = store.banned_nodes().await?;
         let banned = ids.iter().filter_map(|id| id.parse().ok()).collect();
         Ok(Self {
-            pool,
+            store,
             config,
             banned: Mutex::new(banned),
         })
     }
 
     /// The audits in `store`'s database (tools and tests that open it).
-    pub async fn of_store(
-        store: &crate::store::Store,
-        config: AuditConfig,
-    ) -> Result<Self, AuditError> {
-        Self::load(store.pool().clone(), config).await
+    pub async fn of_store(store: &AnyStore, config: AuditConfig) -> Result<Self, AuditError> {
+        Self::load(store.clone(), config).await
     }
 
     /// Whether `node` may no longer be placed.
@@ -157,35 +144,13 @@ impl Audits {
 
     /// `node`'s record (zero for a node never audited).
     pub async fn record(&self, node: &str) -> Result<NodeRecord, AuditError> {
-        let row = sqlx::query(
-            "SELECT clean_audits, failed_audits, banned_at_ms FROM node_records WHERE node_id = ?",
-        )
-        .bind(node)
-        .fetch_optional(&self.pool)
-        .await?;
-        Ok(match row {
-            None => NodeRecord::default(),
-            Some(r) => NodeRecord {
-                clean: r.try_get::<i64, _>("clean_audits")?.max(0) as u32,
-                failed: r.try_get::<i64, _>("failed_audits")?.max(0) as u32,
-                banned: r.try_get::<Option<i64>, _>("banned_at_ms")?.is_some(),
-            },
-        })
+        Ok(self.store.audit_record(node).await?)
     }
 
     /// Records that `job`, served by `node`, will be audited. False if it
     /// already was.
     pub async fn begin(&self, job: &str, node: &str, now_ms: i64) -> Result<bool, AuditError> {
-        let done = sqlx::query(
-            "INSERT OR IGNORE INTO audits (job_id, node_id, state, created_at_ms) \
-             VALUES (?, ?, 'pending', ?)",
-        )
-        .bind(job)
-        .bind(node)
-        .bind(now_ms)
-        .execute(&self.pool)
-        .await?;
-        Ok(done.rows_affected() == 1)
+        Ok(self.store.begin_audit(job, node, now_ms).await?)
     }
 
     /// Ends `job`'s pending audit with `verdict` by `auditor`, and counts it
@@ -198,43 +163,20 @@ impl Audits {
         passed: bool,
         now_ms: i64,
     ) -> Result<Ended, AuditError> {
-        let mut tx = self.pool.begin_with("BEGIN IMMEDIATE").await?;
-        let node: Option<String> = sqlx::query_scalar(
-            "UPDATE audits SET state = ?, auditor = ?, verdict = ?, ended_at_ms = ? \
-             WHERE job_id = ? AND state = 'pending' RETURNING node_id",
-        )
-        .bind(if passed { "passed" } else { "failed" })
-        .bind(auditor)
-        .bind(verdict.encode_to_vec())
-        .bind(now_ms)
-        .bind(job)
-        .fetch_optional(&mut *tx)
-        .await?;
-        let Some(node) = node else {
+        let mut tx = self.store.write().await?;
+        let ended = tx
+            .end_audit(job, passed, auditor, &verdict.encode_to_vec(), now_ms)
+            .await?;
+        let Some(node) = ended else {
             return Ok(Ended::AlreadyEnded);
         };
-        let (clean, failed) = if passed { (1, 0) } else { (0, 1) };
-        sqlx::query(
-            "INSERT INTO node_records (node_id, clean_audits, failed_audits) VALUES (?1, ?2, ?3) \
-             ON CONFLICT (node_id) DO UPDATE SET clean_audits = clean_audits + ?2, \
-             failed_audits = failed_audits + ?3",
-        )
-        .bind(&node)
-        .bind(clean)
-        .bind(failed)
-        .execute(&mut *tx)
-        .await?;
-        sqlx::query(
-            "UPDATE node_records SET banned_at_ms = ? \
-             WHERE node_id = ? AND banned_at_ms IS NULL AND failed_audits >= ?",
-        )
-        .bind(now_ms)
-        .bind(&node)
-        .bind(i64::from(self.config.ban_after.max(1)))
-        .execute(&mut *tx)
-        .await?;
+        tx.count_audit(&node, passed).await?;
+        let mut record = tx.audit_record(&node).await?;
+        if !record.banned && record.failed >= self.config.ban_after.max(1) {
+            tx.ban_node(&node, now_ms).await?;
+            record.banned = true;
+        }
         tx.commit().await?;
-        let record = self.record(&node).await?;
         if record.banned {
             if let Ok(id) = node.parse() {
                 lock(&self.banned).insert(id);
@@ -245,24 +187,12 @@ impl Audits {
 
     /// Ends `job`'s pending audit without a verdict (no auditor in time).
     pub async fn miss(&self, job: &str, now_ms: i64) -> Result<(), AuditError> {
-        sqlx::query(
-            "UPDATE audits SET state = 'missed', ended_at_ms = ? WHERE job_id = ? AND state = 'pending'",
-        )
-        .bind(now_ms)
-        .bind(job)
-        .execute(&self.pool)
-        .await?;
-        Ok(())
+        Ok(self.store.miss_audit(job, now_ms).await?)
     }
 
     /// How `job`'s audit stands (`None`: not audited).
     pub async fn state(&self, job: &str) -> Result<Option<String>, AuditError> {
-        Ok(
-            sqlx::query_scalar("SELECT state FROM audits WHERE job_id = ?")
-                .bind(job)
-                .fetch_optional(&self.pool)
-                .await?,
-        )
+        Ok(self.store.audit_state(job).await?)
     }
 }
 
@@ -298,29 +228,29 @@ mod tests {
     #[tokio::test]
     async fn a_verdict_counts_once_and_failures_past_the_threshold_ban() {
         let dir = tempfile::tempdir().unwrap();
-        let store = crate::store::Store::connect(&format!(
-            "sqlite://{}",
-            dir.path().join("a.db").display()
-        ))
-        .await
-        .unwrap();
-        let audits = Audits::load(store.pool().clone(), AuditConfig::default())
+        let store = AnyStore::connect(&format!("sqlite://{}", dir.path().join("a.db").display()))
+            .await
+            .unwrap();
+        let audits = Audits::load(store.clone(), AuditConfig::default())
             .await
             .unwrap();
         let node =
             NodeId::from_key(&ed25519_dalek::SigningKey::from_bytes(&[3; 32]).verifying_key());
         let hex = node.to_string();
         let verdict = SignedVerdict::default();
-        for (i, job) in ["j1", "j2"].iter().enumerate() {
-            // Jobs rows are referenced; insert bare ones.
-            sqlx::query(
-                "INSERT INTO jobs (id, model, input, sampling, state, attempt, created_at_ms, updated_at_ms) \
-                 VALUES (?, 'm', x'', x'', 'completed', 1, 0, 0)",
-            )
-            .bind(job)
-            .execute(store.pool())
-            .await
-            .unwrap();
+        // Audits reference jobs; store bare ones.
+        let mut jobs = Vec::new();
+        for _ in 0..2 {
+            let job = crate::domain::NewJob {
+                id: mlxnet_proto::ids::JobId::new(),
+                model: "m".into(),
+                input: Default::default(),
+                sampling: Default::default(),
+                priority: 0,
+            };
+            jobs.push(store.insert_job(&job).await.unwrap().id.to_string());
+        }
+        for (i, job) in jobs.iter().enumerate() {
             assert!(audits.begin(job, &hex, 0).await.unwrap());
             assert!(!audits.begin(job, &hex, 0).await.unwrap());
             let ended = audits.finish(job, "a", &verdict, false, 1).await.unwrap();
@@ -338,7 +268,7 @@ mod tests {
             );
         }
         assert!(audits.is_banned(&node));
-        let reloaded = Audits::load(store.pool().clone(), AuditConfig::default())
+        let reloaded = Audits::load(store.clone(), AuditConfig::default())
             .await
             .unwrap();
         assert!(reloaded.is_banned(&node), "the ban survives a restart");

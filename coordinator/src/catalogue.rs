@@ -8,10 +8,86 @@
 
 use std::collections::HashMap;
 
+use serde::Deserialize;
+
 use crate::{
-    config::CatalogueModel,
+    domain::Price,
     scheduler::{JobShape, ModelShape},
 };
+
+/// One model of the catalogue: the only models jobs may name.
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct CatalogueModel {
+    pub id: String,
+    #[serde(default)]
+    pub architecture: String,
+    #[serde(default)]
+    pub parameters: u64,
+    /// Size of the model file in bytes (what a node must hold in memory).
+    pub size_bytes: u64,
+    /// Lowercase hex SHA-256 of the model file.
+    pub sha256: String,
+    #[serde(default = "default_context_length")]
+    pub context_length: u32,
+    /// KV-cache bytes per token of context, for the placement memory
+    /// estimate when the architecture fields below are not given.
+    #[serde(default = "default_kv_bytes_per_token")]
+    pub kv_bytes_per_token: u64,
+    /// Micro-MLX per million prompt tokens. Default: one per thousand
+    /// parameters (so bigger models cost more), at least 1.
+    #[serde(default)]
+    pub price_input_per_mtok: Option<u64>,
+    /// Micro-MLX per million generated tokens. Default: twice the input price.
+    #[serde(default)]
+    pub price_output_per_mtok: Option<u64>,
+    /// Architecture for the placement cost model (0 = unknown): transformer
+    /// layers, KV heads, head dimension, hidden size, bytes per KV-cache
+    /// element, and parameters used per token (mixture of experts; 0 = all).
+    #[serde(default)]
+    pub layers: u32,
+    #[serde(default)]
+    pub kv_heads: u32,
+    #[serde(default)]
+    pub head_dim: u32,
+    #[serde(default)]
+    pub hidden_size: u32,
+    #[serde(default)]
+    pub kv_element_bytes: u32,
+    #[serde(default)]
+    pub active_parameters: u64,
+}
+
+fn default_context_length() -> u32 {
+    2048
+}
+
+fn default_kv_bytes_per_token() -> u64 {
+    // SmolLM2-135M: 2 (k, v) x 30 layers x 3 kv heads x 64 dims x 4 bytes.
+    2 * 30 * 3 * 64 * 4
+}
+
+/// The catalogue entry of the test and demo model.
+pub fn smollm2_135m_instruct() -> CatalogueModel {
+    CatalogueModel {
+        id: "smollm2-135m-instruct".into(),
+        architecture: "llama".into(),
+        parameters: 134_515_008,
+        size_bytes: 98_362_432,
+        sha256: "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53".into(),
+        context_length: 8192,
+        kv_bytes_per_token: default_kv_bytes_per_token(),
+        price_input_per_mtok: None,
+        price_output_per_mtok: None,
+        layers: 30,
+        kv_heads: 3,
+        head_dim: 64,
+        hidden_size: 576,
+        // The node's engine keeps the KV cache in f32.
+        kv_element_bytes: 4,
+        active_parameters: 0,
+    }
+}
 
 /// A catalogue model with its digest decoded.
 #[derive(Clone, Debug)]
@@ -26,12 +102,12 @@ impl Model {
     /// The model's price: configured, or by default one micro-MLX per
     /// thousand parameters per million prompt tokens (at least 1), and twice
     /// that per million generated tokens.
-    pub fn price(&self) -> crate::ledger::Price {
+    pub fn price(&self) -> Price {
         let input = self
             .info
             .price_input_per_mtok
             .unwrap_or_else(|| (self.info.parameters / 1_000).max(1));
-        crate::ledger::Price {
+        Price {
             input_per_mtok: input,
             output_per_mtok: self
                 .info
@@ -131,7 +207,6 @@ impl Catalogue {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::smollm2_135m_instruct;
 
     #[test]
     fn looks_up_by_id_and_refuses_bad_digests() {

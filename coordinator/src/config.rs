@@ -1,6 +1,13 @@
 //! Coordinator configuration: defaults, then a TOML file, then environment
 //! variables `MLXNET__SECTION__KEY`, then command-line flags (applied by `main`).
 //!
+//! This module only gathers: each section's type lives with the module it
+//! configures ([`crate::catalogue::CatalogueModel`], [`Limits`] in
+//! `api::limits`, `ledger::LedgerConfig`, `audit::AuditConfig`), and the
+//! top-level keys are handed to their modules as
+//! [`crate::dispatch::DispatchConfig`], [`crate::link::LinkConfig`] and
+//! [`crate::http::HttpConfig`].
+//!
 //! # Invariants
 //! - Every field has a default, so an empty file (or none) is a valid config.
 //! - The environment is read only through [`CoordinatorConfig::load`]'s
@@ -20,6 +27,9 @@ use std::{
 
 use anyhow::Context;
 use serde::Deserialize;
+
+pub use crate::api::limits::Limits;
+pub use crate::catalogue::{smollm2_135m_instruct, CatalogueModel};
 
 /// Prefix of the environment variables that override the config.
 pub const ENV_PREFIX: &str = "MLXNET__";
@@ -54,149 +64,6 @@ pub struct CoordinatorConfig {
     pub job_lease_ms: u64,
     /// Audits of completed jobs and the pay window (see [`crate::audit`]).
     pub audit: crate::audit::AuditConfig,
-}
-
-/// One model of the catalogue: the only models jobs may name.
-#[derive(Clone, Debug, Deserialize, PartialEq)]
-#[serde(deny_unknown_fields)]
-pub struct CatalogueModel {
-    pub id: String,
-    #[serde(default)]
-    pub architecture: String,
-    #[serde(default)]
-    pub parameters: u64,
-    /// Size of the model file in bytes (what a node must hold in memory).
-    pub size_bytes: u64,
-    /// Lowercase hex SHA-256 of the model file.
-    pub sha256: String,
-    #[serde(default = "default_context_length")]
-    pub context_length: u32,
-    /// KV-cache bytes per token of context, for the placement memory
-    /// estimate when the architecture fields below are not given.
-    #[serde(default = "default_kv_bytes_per_token")]
-    pub kv_bytes_per_token: u64,
-    /// Micro-MLX per million prompt tokens. Default: one per thousand
-    /// parameters (so bigger models cost more), at least 1.
-    #[serde(default)]
-    pub price_input_per_mtok: Option<u64>,
-    /// Micro-MLX per million generated tokens. Default: twice the input price.
-    #[serde(default)]
-    pub price_output_per_mtok: Option<u64>,
-    /// Architecture for the placement cost model (0 = unknown): transformer
-    /// layers, KV heads, head dimension, hidden size, bytes per KV-cache
-    /// element, and parameters used per token (mixture of experts; 0 = all).
-    #[serde(default)]
-    pub layers: u32,
-    #[serde(default)]
-    pub kv_heads: u32,
-    #[serde(default)]
-    pub head_dim: u32,
-    #[serde(default)]
-    pub hidden_size: u32,
-    #[serde(default)]
-    pub kv_element_bytes: u32,
-    #[serde(default)]
-    pub active_parameters: u64,
-}
-
-/// Bounds on client input and on queued work.
-#[derive(Clone, Debug, Deserialize, PartialEq)]
-#[serde(default, deny_unknown_fields)]
-pub struct Limits {
-    /// Bytes of prompt text (sum of message contents for chat).
-    pub max_prompt_bytes: usize,
-    /// Largest `max_tokens` a job may ask for.
-    pub max_tokens: u32,
-    /// `max_tokens` used when a job asks for 0.
-    pub default_max_tokens: u32,
-    /// Largest gRPC request message the server decodes.
-    pub max_request_bytes: usize,
-    /// Submit is refused with RESOURCE_EXHAUSTED beyond this many queued jobs.
-    pub max_queued_jobs: u64,
-    /// Attempts per job before it fails for good.
-    pub max_attempts: u32,
-    /// Stop strings per job, and bytes per stop string.
-    pub max_stop_strings: usize,
-    pub max_stop_bytes: usize,
-    /// Chat messages per job.
-    pub max_chat_messages: usize,
-    /// gRPC requests in flight at once (all keys); more are refused with
-    /// RESOURCE_EXHAUSTED at once (see [`crate::limits`]).
-    pub max_in_flight_requests: usize,
-    /// Requests per second per API key (burst: twice that), unless the key
-    /// has its own limit. 0 = unlimited.
-    pub key_requests_per_sec: u32,
-    /// Requests (open Watch streams included) in flight per API key, unless
-    /// the key has its own limit. 0 = unlimited.
-    pub key_max_in_flight: u32,
-    /// Open connections per TCP listener (gRPC, HTTP); more are closed at
-    /// accept.
-    pub max_connections: usize,
-    /// A gRPC request must be read and answered (a stream: started) within
-    /// this; an HTTP request's headers must arrive within it.
-    pub request_timeout_ms: u64,
-    /// Largest HTTP request body (the HTTP API reads none larger); checked
-    /// on `content-length` before anything is read.
-    pub max_http_body_bytes: usize,
-    /// HTTP requests in flight at once; more get 429.
-    pub max_http_in_flight: usize,
-    /// Node-link connections (QUIC) at once, handshakes included.
-    pub max_node_connections: usize,
-}
-
-impl Default for Limits {
-    fn default() -> Self {
-        Self {
-            max_prompt_bytes: 64 * 1024,
-            max_tokens: 4096,
-            default_max_tokens: 256,
-            max_request_bytes: 1 << 20,
-            max_queued_jobs: 10_000,
-            max_attempts: 3,
-            max_stop_strings: 8,
-            max_stop_bytes: 64,
-            max_chat_messages: 64,
-            max_in_flight_requests: 512,
-            key_requests_per_sec: 200,
-            key_max_in_flight: 64,
-            max_connections: 4096,
-            request_timeout_ms: 30_000,
-            max_http_body_bytes: 64 * 1024,
-            max_http_in_flight: 256,
-            max_node_connections: 10_000,
-        }
-    }
-}
-
-fn default_context_length() -> u32 {
-    2048
-}
-
-fn default_kv_bytes_per_token() -> u64 {
-    // SmolLM2-135M: 2 (k, v) x 30 layers x 3 kv heads x 64 dims x 4 bytes.
-    2 * 30 * 3 * 64 * 4
-}
-
-/// The catalogue entry of the test and demo model.
-pub fn smollm2_135m_instruct() -> CatalogueModel {
-    CatalogueModel {
-        id: "smollm2-135m-instruct".into(),
-        architecture: "llama".into(),
-        parameters: 134_515_008,
-        size_bytes: 98_362_432,
-        sha256: "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53".into(),
-        context_length: 8192,
-        kv_bytes_per_token: default_kv_bytes_per_token(),
-        price_input_per_mtok: None,
-        price_output_per_mtok: None,
-        layers: 30,
-        kv_heads: 3,
-        head_dim: 64,
-        hidden_size: 576,
-        // The node's engine keeps the KV cache in f32.
-        kv_element_bytes: 4,
-        active_parameters: 0,
-    }
 }
 
 fn any_addr(port: u16) -> SocketAddr {
@@ -263,6 +130,35 @@ impl CoordinatorConfig {
             http_addr: local_any_port(),
             audit: crate::audit::AuditConfig::off(),
             ..Self::default()
+        }
+    }
+
+    /// The dispatcher's settings.
+    pub fn dispatch(&self) -> crate::dispatch::DispatchConfig {
+        crate::dispatch::DispatchConfig {
+            max_attempts: self.limits.max_attempts,
+            job_timeout_ms: self.job_timeout_ms,
+            job_lease_ms: self.job_lease_ms,
+        }
+    }
+
+    /// The node link's settings.
+    pub fn link(&self) -> crate::link::LinkConfig {
+        crate::link::LinkConfig {
+            heartbeat_interval_ms: self.heartbeat_interval_ms,
+            heartbeat_timeout_ms: self.heartbeat_timeout_ms,
+            handshake_timeout_ms: self.handshake_timeout_ms,
+            max_node_connections: self.limits.max_node_connections,
+        }
+    }
+
+    /// The HTTP listener's limits.
+    pub fn http(&self) -> crate::http::HttpConfig {
+        crate::http::HttpConfig {
+            max_connections: self.limits.max_connections,
+            request_timeout_ms: self.limits.request_timeout_ms,
+            max_body_bytes: self.limits.max_http_body_bytes,
+            max_in_flight: self.limits.max_http_in_flight,
         }
     }
 

@@ -42,17 +42,22 @@ use mlxnet_proto::{
     ids::JobId,
     v1::{job_event, job_input, job_update, Assignment, JobInput, Resume, SignedClaim},
 };
-use tokio::{sync::Notify, task::JoinSet};
+use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, instrument, warn};
 
-use crate::lock;
+mod audit;
+pub mod sweep;
+
 use crate::{
+    audit::Audits,
     catalogue::{Catalogue, Model},
-    config::CoordinatorConfig,
-    error::error_chain,
-    jobs::{self, EventHub},
-    ledger::{self, settle::JobTerms, Ledger, LedgerError},
+    domain::{
+        job::terminal_event, AttemptEnd, CancelOutcome, Completion, JobRecord, JobTerms, NewJob,
+        Segment, Streamed, StreamedEnd,
+    },
+    jobs::EventHub,
+    ledger::{self, Ledger, LedgerError},
     link::{
         job::{
             check_handoff, check_result, Expected, JobStream, CODE_CANCELLED, CODE_REFUSED,
@@ -62,11 +67,9 @@ use crate::{
     },
     metrics::Metrics,
     scheduler::{self, Queue, Target},
-    store::{
-        now_ms,
-        segments::{Segment, Streamed, StreamedEnd},
-        AttemptEnd, CancelOutcome, Completion, JobRecord, NewJob, Store, StoreError,
-    },
+    store::{AnyStore, Store, StoreError},
+    util::{error_chain, lock, now_ms, Tasks},
+    world::World,
 };
 
 /// How often placement runs even when nothing woke it.
@@ -74,26 +77,59 @@ const PLACEMENT_TICK: Duration = Duration::from_secs(2);
 /// Queued jobs considered per placement pass.
 const PLACEMENT_BATCH: u32 = 256;
 
-/// Shared state of a running coordinator.
-pub struct Dispatcher {
-    pub config: CoordinatorConfig,
-    pub store: Store,
+/// The dispatcher's settings (top-level keys of the coordinator's config
+/// file, gathered by `config`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DispatchConfig {
+    /// Attempts per job before it fails for good (`limits.max_attempts`).
+    pub max_attempts: u32,
+    /// Longest a single attempt may run before it is failed and requeued
+    /// (`job_timeout_ms`); also how long an audit may take without a window.
+    pub job_timeout_ms: u64,
+    /// An attempt's lease: the node must show progress at least this often
+    /// (`job_lease_ms`).
+    pub job_lease_ms: u64,
+}
+
+/// What the dispatcher is built from: its settings and the handles it
+/// shares with the node link and the API (built once, by `app`).
+pub struct Parts {
+    pub config: DispatchConfig,
+    pub store: AnyStore,
     /// Accounts, holds and settlement, in the store's database.
     pub ledger: Ledger,
-    pub catalogue: Catalogue,
+    pub catalogue: Arc<Catalogue>,
+    /// Audit records and bans (see [`crate::audit`]).
+    pub audits: Arc<Audits>,
     pub hub: EventHub,
     pub sessions: Sessions,
-    pub metrics: Metrics,
+    pub metrics: Arc<Metrics>,
     /// The World page's view of the nodes (see [`crate::world`]).
-    pub world: crate::world::World,
-    /// Abuse limits of the client API (see [`crate::limits`]).
-    pub admission: Arc<crate::limits::Admission>,
-    /// Audit records and bans (see [`crate::audit`]).
-    pub audits: crate::audit::Audits,
-    wake: Notify,
+    pub world: World,
+    /// Wakes the placement loop (a node joined, beat or left; a job ended).
+    pub wake: Arc<Notify>,
+    /// Tasks the application waits for on shutdown.
+    pub tasks: Arc<Tasks>,
+    /// Cancelled when the application stops.
+    pub shutdown: CancellationToken,
+}
+
+/// The dispatcher of a running coordinator: places jobs and drives their
+/// attempts. Its state is its own; callers use its methods.
+pub struct Dispatcher {
+    config: DispatchConfig,
+    store: AnyStore,
+    ledger: Ledger,
+    catalogue: Arc<Catalogue>,
+    hub: EventHub,
+    sessions: Sessions,
+    metrics: Arc<Metrics>,
+    world: World,
+    audits: Arc<Audits>,
+    wake: Arc<Notify>,
     running: Mutex<HashMap<JobId, CancellationToken>>,
     shutdown: CancellationToken,
-    tasks: Mutex<JoinSet<()>>,
+    tasks: Arc<Tasks>,
 }
 
 /// Retries of recording an attempt's end after a store error, and the
@@ -121,28 +157,35 @@ enum Outcome {
 const RESUME_LEVEL: u8 = 1;
 
 impl Dispatcher {
-    pub fn new(
-        config: CoordinatorConfig,
-        store: Store,
-        catalogue: Catalogue,
-        audits: crate::audit::Audits,
-    ) -> Arc<Self> {
-        let admission = Arc::new(crate::limits::Admission::new(&config.limits));
-        Arc::new(Self {
-            ledger: Ledger::new(store.pool().clone(), config.ledger_config()),
-            audits,
+    pub fn new(parts: Parts) -> Arc<Self> {
+        let Parts {
             config,
             store,
+            ledger,
             catalogue,
-            hub: EventHub::default(),
-            sessions: Sessions::default(),
-            metrics: Metrics::default(),
-            world: crate::world::World::new(),
-            admission,
-            wake: Notify::new(),
+            audits,
+            hub,
+            sessions,
+            metrics,
+            world,
+            wake,
+            tasks,
+            shutdown,
+        } = parts;
+        Arc::new(Self {
+            config,
+            store,
+            ledger,
+            catalogue,
+            hub,
+            sessions,
+            metrics,
+            world,
+            audits,
+            wake,
             running: Mutex::new(HashMap::new()),
-            shutdown: CancellationToken::new(),
-            tasks: Mutex::new(JoinSet::new()),
+            shutdown,
+            tasks,
         })
     }
 
@@ -158,15 +201,7 @@ impl Dispatcher {
 
     /// Spawns a task that the application waits for on shutdown.
     pub fn spawn(&self, fut: impl std::future::Future<Output = ()> + Send + 'static) {
-        let mut tasks = lock(&self.tasks);
-        while tasks.try_join_next().is_some() {}
-        tasks.spawn(fut);
-    }
-
-    /// Waits for every task spawned with [`Dispatcher::spawn`] (after shutdown).
-    pub async fn join_tasks(&self) {
-        let mut tasks = std::mem::take(&mut *lock(&self.tasks));
-        while tasks.join_next().await.is_some() {}
+        self.tasks.spawn(fut);
     }
 
     /// Queues a validated job, with its hold placed in the same transaction.
@@ -422,7 +457,7 @@ impl Dispatcher {
             debug!(error = %e, "world map: job of a node it does not show");
         }
         if let Some(done) = self.store.get_job(job.id).await? {
-            if let Some(event) = jobs::terminal_event(&done).and_then(|e| e.event) {
+            if let Some(event) = terminal_event(&done).and_then(|e| e.event) {
                 self.hub.publish(job.id, event);
             }
         }
@@ -443,7 +478,7 @@ impl Dispatcher {
             node_id: node_hex,
             reason,
             retryable,
-            max_attempts: self.config.limits.max_attempts,
+            max_attempts: self.config.max_attempts,
         };
         let end = self.store.end_attempt_streamed(&end, segment).await?;
         match end {

@@ -3,17 +3,17 @@
 //! ([`crate::world::router`]), whose live streams it ends at shutdown.
 //!
 //! # Abuse limits
-//! - At most `limits.max_connections` open connections (more are closed at
-//!   accept); request headers must arrive within `limits.request_timeout_ms`
+//! - At most [`HttpConfig::max_connections`] open connections (more are closed at
+//!   accept); request headers must arrive within `request_timeout_ms`
 //!   (HTTP/1.1; HTTP/2 connections must answer keep-alive pings) and fit in
 //!   [`MAX_HEADER_BYTES`].
-//! - A body larger than `limits.max_http_body_bytes` is refused with 413 on
+//! - A body larger than `max_body_bytes` is refused with 413 on
 //!   its `content-length` before anything is read, and cut off there if it
 //!   comes without one.
-//! - At most `limits.max_http_in_flight` requests in flight (an open World
+//! - At most `max_in_flight` requests in flight (an open World
 //!   stream counts until it ends); more get 429 at once. `/healthz` is
 //!   exempt, so the process can always say it is alive.
-//! - A handler must produce its response within `limits.request_timeout_ms`
+//! - A handler must produce its response within `request_timeout_ms`
 //!   (503 otherwise).
 
 use std::{future::Future, sync::Arc, time::Duration};
@@ -39,22 +39,50 @@ use tokio::{
 use tracing::debug;
 
 use crate::{
-    config::Limits, dispatch::Dispatcher, error::error_chain, limits::Held, metrics::Gauges,
+    link::session::Sessions,
+    metrics::{Gauges, Metrics},
+    store::{AnyStore, Store},
+    util::{error_chain, net::Held},
+    world::World,
 };
+
+/// The HTTP listener's abuse limits (`[limits]` keys, gathered by `config`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct HttpConfig {
+    /// Open connections at once; more are closed at accept.
+    pub max_connections: usize,
+    /// Request headers must arrive, and a handler answer, within this.
+    pub request_timeout_ms: u64,
+    /// Largest request body.
+    pub max_body_bytes: usize,
+    /// Requests in flight at once; more get 429.
+    pub max_in_flight: usize,
+}
 
 /// Largest request head (request line and headers), HTTP/1.1 and HTTP/2.
 pub const MAX_HEADER_BYTES: usize = 16 * 1024;
 /// How long graceful shutdown waits for open connections to finish.
 const DRAIN: Duration = Duration::from_secs(5);
 
-/// The routes, over the dispatcher's state.
-pub fn router(d: Arc<Dispatcher>) -> Router {
+/// What the HTTP routes read: the store (readiness, the queue gauge), the
+/// counters, the online nodes and the World page's state.
+#[derive(Clone)]
+pub struct HttpContext {
+    pub store: AnyStore,
+    pub metrics: Arc<Metrics>,
+    pub sessions: Sessions,
+    pub world: World,
+}
+
+/// The routes, over `ctx`.
+pub fn router(ctx: HttpContext) -> Router {
+    let world = ctx.world.clone();
     Router::new()
         .route("/healthz", get(|| async { "ok\n" }))
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics))
-        .with_state(Arc::clone(&d))
-        .merge(crate::world::router(d.world.clone()))
+        .with_state(Arc::new(ctx))
+        .merge(crate::world::router(world))
 }
 
 /// The HTTP listener's request guard state (see the module docs).
@@ -101,25 +129,25 @@ async fn guard(State(g): State<Arc<Guard>>, req: Request, next: Next) -> Respons
     }
 }
 
-/// The routes with the abuse limits of `limits` in front.
-pub fn guarded_router(d: Arc<Dispatcher>, limits: &Limits) -> Router {
+/// The routes with the abuse limits of `config` in front.
+pub fn guarded_router(ctx: HttpContext, config: &HttpConfig) -> Router {
     let g = Arc::new(Guard {
-        in_flight: Arc::new(Semaphore::new(limits.max_http_in_flight.max(1))),
-        max_body: limits.max_http_body_bytes,
-        timeout: Duration::from_millis(limits.request_timeout_ms),
+        in_flight: Arc::new(Semaphore::new(config.max_in_flight.max(1))),
+        max_body: config.max_body_bytes,
+        timeout: Duration::from_millis(config.request_timeout_ms),
     });
-    router(d).layer(middleware::from_fn_with_state(g, guard))
+    router(ctx).layer(middleware::from_fn_with_state(g, guard))
 }
 
 /// Serves the routes on `listener` until `shutdown` resolves.
 pub async fn serve(
     listener: TcpListener,
-    d: Arc<Dispatcher>,
+    ctx: HttpContext,
+    limits: HttpConfig,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    let limits = d.config.limits.clone();
-    let world = d.world.clone();
-    let app = guarded_router(d, &limits);
+    let world = ctx.world.clone();
+    let app = guarded_router(ctx, &limits);
     let timeout = Duration::from_millis(limits.request_timeout_ms);
     let mut builder = auto::Builder::new(TokioExecutor::new());
     builder
@@ -178,7 +206,7 @@ pub async fn serve(
     Ok(())
 }
 
-async fn readyz(State(d): State<Arc<Dispatcher>>) -> impl IntoResponse {
+async fn readyz(State(d): State<Arc<HttpContext>>) -> impl IntoResponse {
     match d.store.ping().await {
         Ok(()) => (StatusCode::OK, "ready\n"),
         Err(e) => {
@@ -188,7 +216,7 @@ async fn readyz(State(d): State<Arc<Dispatcher>>) -> impl IntoResponse {
     }
 }
 
-async fn metrics(State(d): State<Arc<Dispatcher>>) -> impl IntoResponse {
+async fn metrics(State(d): State<Arc<HttpContext>>) -> impl IntoResponse {
     let jobs_queued = d.store.count_queued().await.unwrap_or(0);
     let body = d.metrics.render(Gauges {
         nodes_online: d.sessions.len() as u64,

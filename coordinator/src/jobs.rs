@@ -1,8 +1,5 @@
-//! The job state machine and the in-memory event hub that feeds `Watch`.
-//!
-//! States: `queued -> assigned -> running -> completed | failed | cancelled`;
-//! a failed attempt may go back to `queued` with the next attempt number
-//! (see the store). The store is the truth; the hub only carries what a
+//! The in-memory event hub that feeds `Watch` (the job states themselves
+//! are [`crate::domain::JobState`]). The store is the truth; the hub only carries what a
 //! watcher needs live: state events, and the tokens of the current attempt so
 //! far, so a watcher that arrives late replays them.
 //!
@@ -20,136 +17,14 @@
 
 use std::{
     collections::HashMap,
-    fmt,
-    str::FromStr,
     sync::{Arc, Mutex},
 };
 
 use mlxnet_proto::{
     ids::JobId,
-    v1::{self, job_event, JobEvent},
+    v1::{job_event, JobEvent},
 };
 use tokio::sync::broadcast;
-
-use crate::store::JobRecord;
-
-/// Where a job is in its life.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum JobState {
-    Queued,
-    Assigned,
-    Running,
-    Completed,
-    Failed,
-    Cancelled,
-}
-
-impl JobState {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            JobState::Queued => "queued",
-            JobState::Assigned => "assigned",
-            JobState::Running => "running",
-            JobState::Completed => "completed",
-            JobState::Failed => "failed",
-            JobState::Cancelled => "cancelled",
-        }
-    }
-
-    /// Completed, failed or cancelled: nothing will change it again.
-    pub fn is_terminal(self) -> bool {
-        matches!(
-            self,
-            JobState::Completed | JobState::Failed | JobState::Cancelled
-        )
-    }
-
-    pub fn to_proto(self) -> v1::JobState {
-        match self {
-            JobState::Queued => v1::JobState::Queued,
-            JobState::Assigned => v1::JobState::Assigned,
-            JobState::Running => v1::JobState::Running,
-            JobState::Completed => v1::JobState::Completed,
-            JobState::Failed => v1::JobState::Failed,
-            JobState::Cancelled => v1::JobState::Cancelled,
-        }
-    }
-}
-
-impl fmt::Display for JobState {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
-
-/// Not one of the state names.
-#[derive(Debug, thiserror::Error)]
-#[error("unknown job state {0:?}")]
-pub struct UnknownState(String);
-
-impl FromStr for JobState {
-    type Err = UnknownState;
-    fn from_str(s: &str) -> Result<Self, Self::Err> {
-        Ok(match s {
-            "queued" => JobState::Queued,
-            "assigned" => JobState::Assigned,
-            "running" => JobState::Running,
-            "completed" => JobState::Completed,
-            "failed" => JobState::Failed,
-            "cancelled" => JobState::Cancelled,
-            other => return Err(UnknownState(other.to_owned())),
-        })
-    }
-}
-
-/// The client-API view of a stored job.
-pub fn to_proto(job: &JobRecord) -> v1::Job {
-    v1::Job {
-        id: job.id.to_string(),
-        model: job.model.clone(),
-        state: job.state.to_proto() as i32,
-        attempt: job.attempt,
-        node_id: job.node_id.clone().unwrap_or_default(),
-        output_text: job.output_text.clone(),
-        result: job.result.clone(),
-        error: job.error.clone().unwrap_or_default(),
-        created_at_ms: job.created_at_ms,
-        updated_at_ms: job.updated_at_ms,
-        sampling: Some(job.sampling.clone()),
-        input: Some(job.input.clone()),
-        priority: u32::from(job.priority),
-    }
-}
-
-/// The event that ends a watch, for a job in a terminal state.
-pub fn terminal_event(job: &JobRecord) -> Option<JobEvent> {
-    let event = match job.state {
-        JobState::Completed => job_event::Event::Completed(job_event::Completed {
-            job: Some(to_proto(job)),
-        }),
-        JobState::Failed => job_event::Event::Failed(job_event::Failed {
-            reason: job.error.clone().unwrap_or_default(),
-        }),
-        JobState::Cancelled => job_event::Event::Cancelled(job_event::Cancelled {}),
-        _ => return None,
-    };
-    Some(JobEvent {
-        job_id: job.id.to_string(),
-        event: Some(event),
-    })
-}
-
-/// Whether `event` ends a watch.
-pub fn is_terminal_event(event: &JobEvent) -> bool {
-    matches!(
-        event.event,
-        Some(
-            job_event::Event::Completed(_)
-                | job_event::Event::Failed(_)
-                | job_event::Event::Cancelled(_)
-        )
-    )
-}
 
 const CHANNEL_CAPACITY: usize = 1024;
 
@@ -275,6 +150,7 @@ impl EventHub {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::domain::job::is_terminal_event;
 
     fn chunk(index: u32, text: &str) -> job_event::Tokens {
         job_event::Tokens {
@@ -325,20 +201,5 @@ mod tests {
             replay.iter().map(|t| t.text.as_str()).collect::<String>(),
             "kept on"
         );
-    }
-
-    #[test]
-    fn states_round_trip_through_their_names() {
-        for s in [
-            JobState::Queued,
-            JobState::Assigned,
-            JobState::Running,
-            JobState::Completed,
-            JobState::Failed,
-            JobState::Cancelled,
-        ] {
-            assert_eq!(s.as_str().parse::<JobState>().unwrap(), s);
-        }
-        assert!("done".parse::<JobState>().is_err());
     }
 }

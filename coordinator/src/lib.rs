@@ -7,19 +7,22 @@
 //! - [`app`]: [`app::Application`]: binds every listener, runs until shutdown.
 //! - [`api`]: the gRPC client API (jobs, models, network, accounts, health, reflection).
 //! - [`link`]: the QUIC node link: TLS identity, handshake, sessions, job streams.
-//! - [`dispatch`]: shared state; queues, places and drives jobs; cancels.
+//! - [`dispatch`]: shared state; queues, places and drives jobs; audits;
+//!   the ledger's periodic sweep; cancels.
 //! - [`scheduler`]: placement as a pure module: capability and cost models,
 //!   the indexed fleet and its decisions, the fair-share queue.
-//! - [`jobs`]: the job state machine and the live event hub behind Watch.
+//! - [`jobs`]: the live event hub behind Watch.
 //! - [`audit`]: which completed jobs are re-scored on another node, node
 //!   records and bans; pay is held until a job's audit window closes.
 //! - [`ledger`]: accounts, two-phase transfers, API keys, job holds and settlement.
-//! - [`store`]: persistence (SQLite), every transition guarded by current state.
+//! - [`store`]: persistence behind the `Store` trait (SQLite backend; a
+//!   conformance suite every backend passes), every transition guarded by
+//!   current state.
 //! - [`catalogue`]: the models jobs may name, pinned by file digest.
 //! - [`http`]: `/healthz`, `/readyz`, `/metrics`; [`metrics`]: the counters.
-//! - [`limits`]: abuse limits: global in-flight cap, per-key rate and in-flight caps.
-//! - [`error`]: errors at the edges and their one mapping to gRPC status.
 //! - [`world`]: the World page (map of every node), its JSON API and live stream.
+//! - [`domain`]: the values every layer speaks in (jobs, nodes, money, keys).
+//! - [`util`]: the lock, error-chain and clock helpers.
 #![forbid(unsafe_code)]
 
 pub mod api;
@@ -28,24 +31,20 @@ pub mod audit;
 pub mod catalogue;
 pub mod config;
 pub mod dispatch;
-pub mod error;
+pub mod domain;
 pub mod http;
 pub mod jobs;
+#[cfg(test)]
+mod layering_tests;
 pub mod ledger;
-pub mod limits;
 pub mod link;
 pub mod metrics;
 pub mod scheduler;
 pub mod store;
-#[cfg(test)]
-pub(crate) mod test_utils;
+#[cfg(any(test, feature = "test-utils"))]
+pub mod test_utils;
+pub mod util;
 pub mod world;
 
 pub use app::Application;
 pub use config::CoordinatorConfig;
-
-/// Locks `m`. A lock poisoned by a holder that panicked is taken as it is,
-/// so one panicked task does not wedge every other user of that state.
-pub(crate) fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
-}

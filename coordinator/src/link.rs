@@ -6,7 +6,8 @@
 //! `Welcome` is sent, and the control stream is served: heartbeats are
 //! acknowledged and refresh the node's free memory; a node silent for longer
 //! than the heartbeat timeout is closed. Job streams are opened by the
-//! dispatcher on the session's connection ([`job`]).
+//! dispatcher on the session's connection ([`job`]). The link sees the rest
+//! of the coordinator only through its [`LinkContext`].
 //!
 //! # Invariants
 //! - A node is online (in [`session::Sessions`]) only after its proof
@@ -34,7 +35,17 @@ use mlxnet_proto::{
 };
 use tracing::{debug, info, instrument, warn};
 
-use crate::{dispatch::Dispatcher, error::error_chain, metrics::Metrics};
+use tokio::sync::Notify;
+use tokio_util::sync::CancellationToken;
+
+use crate::{
+    catalogue::Catalogue,
+    ledger::{Ledger, LedgerError},
+    metrics::Metrics,
+    store::{AnyStore, Store},
+    util::{error_chain, now_ms, Tasks},
+    world::{Status, World},
+};
 
 use self::session::Session;
 
@@ -49,21 +60,60 @@ pub const CLOSE_PROTOCOL: u32 = 4;
 /// Connection close code: the coordinator is shutting down.
 pub const CLOSE_SHUTDOWN: u32 = 5;
 
-/// How long a node connection may stay silent before QUIC closes it: twice
-/// the heartbeat timeout (a live node heartbeats far more often).
-pub fn idle_timeout(config: &crate::config::CoordinatorConfig) -> Duration {
-    Duration::from_millis(config.heartbeat_timeout_ms.saturating_mul(2))
+/// The node link's settings (top-level keys of the coordinator's config
+/// file, and `limits.max_node_connections`; gathered by `config`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LinkConfig {
+    /// How often nodes are told to heartbeat.
+    pub heartbeat_interval_ms: u64,
+    /// A node silent for longer is offline and its jobs are requeued.
+    pub heartbeat_timeout_ms: u64,
+    /// How long a node has to answer the challenge with its Hello.
+    pub handshake_timeout_ms: u64,
+    /// Node connections (handshakes included) at once.
+    pub max_node_connections: usize,
+}
+
+impl LinkConfig {
+    /// How long a node connection may stay silent before QUIC closes it:
+    /// twice the heartbeat timeout (a live node heartbeats far more often).
+    pub fn idle_timeout(&self) -> Duration {
+        Duration::from_millis(self.heartbeat_timeout_ms.saturating_mul(2))
+    }
+}
+
+/// What the node link needs from the rest of the coordinator: its settings
+/// and the handles it shares with the dispatcher (built once, by `app`).
+#[derive(Clone)]
+pub struct LinkContext {
+    pub config: LinkConfig,
+    /// Registered nodes and their heartbeats.
+    pub store: AnyStore,
+    /// Operator links and availability rewards.
+    pub ledger: Ledger,
+    /// Which of a node's model files count.
+    pub catalogue: Arc<Catalogue>,
+    /// Where admitted nodes' sessions go (placement reads them).
+    pub sessions: session::Sessions,
+    pub metrics: Arc<Metrics>,
+    pub world: World,
+    /// Wakes placement: a node joined, beat, or left.
+    pub placement: Arc<Notify>,
+    /// Connection tasks, waited for on shutdown.
+    pub tasks: Arc<Tasks>,
+    pub shutdown: CancellationToken,
 }
 
 /// Accepts node connections until the endpoint closes or shutdown; at most
-/// `limits.max_node_connections` at once (more are refused at once).
-pub async fn accept_loop(endpoint: quinn::Endpoint, dispatcher: Arc<Dispatcher>) {
+/// `config.max_node_connections` at once (more are refused at once).
+pub async fn accept_loop(endpoint: quinn::Endpoint, ctx: LinkContext) {
+    let ctx = Arc::new(ctx);
     let slots = Arc::new(tokio::sync::Semaphore::new(
-        dispatcher.config.limits.max_node_connections.max(1),
+        ctx.config.max_node_connections.max(1),
     ));
     loop {
         let incoming = tokio::select! {
-            _ = dispatcher.shutdown_token().cancelled() => return,
+            _ = ctx.shutdown.cancelled() => return,
             i = endpoint.accept() => i,
         };
         let Some(incoming) = incoming else { return };
@@ -72,11 +122,11 @@ pub async fn accept_loop(endpoint: quinn::Endpoint, dispatcher: Arc<Dispatcher>)
             incoming.refuse();
             continue;
         };
-        let d = Arc::clone(&dispatcher);
-        dispatcher.spawn(async move {
+        let d = Arc::clone(&ctx);
+        ctx.tasks.spawn(async move {
             let remote = incoming.remote_address();
             match incoming.await {
-                Ok(conn) => serve_connection(conn, d).await,
+                Ok(conn) => serve_connection(conn, &d).await,
                 Err(e) => {
                     debug!(%remote, error = %e, "node connection failed before TLS completed")
                 }
@@ -87,10 +137,10 @@ pub async fn accept_loop(endpoint: quinn::Endpoint, dispatcher: Arc<Dispatcher>)
 }
 
 #[instrument(skip_all, fields(remote = %conn.remote_address()))]
-async fn serve_connection(conn: quinn::Connection, d: Arc<Dispatcher>) {
+async fn serve_connection(conn: quinn::Connection, d: &LinkContext) {
     let timeout = Duration::from_millis(d.config.handshake_timeout_ms);
     let admitted = tokio::select! {
-        _ = d.shutdown_token().cancelled() => return,
+        _ = d.shutdown.cancelled() => return,
         r = tokio::time::timeout(timeout, handshake::accept(&conn, &d.catalogue)) => r,
     };
     let admitted = match admitted {
@@ -125,7 +175,7 @@ async fn serve_connection(conn: quinn::Connection, d: Arc<Dispatcher>) {
         .await
     {
         Ok(_) => {}
-        Err(crate::ledger::LedgerError::NoSuchAccount(a)) => {
+        Err(LedgerError::NoSuchAccount(a)) => {
             Metrics::inc(&d.metrics.handshakes_refused);
             reject(
                 &conn,
@@ -163,9 +213,9 @@ async fn serve_connection(conn: quinn::Connection, d: Arc<Dispatcher>) {
         })),
     };
     if write_frame(&mut send, &welcome).await.is_ok() {
-        d.wake();
+        d.placement.notify_one();
         let dedicated = registration.dedicated;
-        control_loop(&d, &session, dedicated, &mut send, &mut recv).await;
+        control_loop(d, &session, dedicated, &mut send, &mut recv).await;
     }
     if d.sessions
         .remove_if_current(session.node_id, session.serial)
@@ -175,15 +225,15 @@ async fn serve_connection(conn: quinn::Connection, d: Arc<Dispatcher>) {
         }
         let _ = d
             .world
-            .set_status(&session.node_id.to_string(), crate::world::Status::Offline);
+            .set_status(&session.node_id.to_string(), Status::Offline);
         info!(node = %session.node_id.short(), "node offline");
     }
-    d.wake();
+    d.placement.notify_one();
 }
 
 /// Serves heartbeats until the node goes silent, leaves, or shutdown.
 async fn control_loop(
-    d: &Dispatcher,
+    d: &LinkContext,
     session: &Session,
     dedicated: bool,
     send: &mut quinn::SendStream,
@@ -194,7 +244,7 @@ async fn control_loop(
     let mut last_beat = std::time::Instant::now();
     loop {
         let frame = tokio::select! {
-            _ = d.shutdown_token().cancelled() => {
+            _ = d.shutdown.cancelled() => {
                 conn.close(CLOSE_SHUTDOWN.into(), b"coordinator shutting down");
                 return;
             }
@@ -245,14 +295,14 @@ async fn control_loop(
                             &session.node_id.to_string(),
                             session.memory_bytes,
                             online.as_millis() as u64,
-                            crate::store::now_ms(),
+                            now_ms(),
                         )
                         .await
                     {
                         warn!(error = %error_chain(&e), "recording availability failed");
                     }
                 }
-                d.wake();
+                d.placement.notify_one();
             }
             Some(node_control::Msg::Drain(drain)) => {
                 info!(node = %session.node_id.short(), reason = %drain.reason, "node draining");

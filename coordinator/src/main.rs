@@ -61,7 +61,7 @@ async fn main() -> anyhow::Result<()> {
         config.http_addr = a;
     }
     if let Some(Command::AdminKey { name }) = args.command {
-        let key = mlxnet_coordinator::ledger::keys::bootstrap_admin_key(&config, &name)
+        let key = mlxnet_coordinator::app::bootstrap_admin_key(&config, &name)
             .await
             .context("creating the admin key")?;
         println!("account {}", key.account_id);

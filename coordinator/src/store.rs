@@ -1,33 +1,50 @@
-//! Persistent state: nodes that have registered and jobs with their attempts.
+//! Persistence behind one seam: [`Store`] (reads and the job/node
+//! transitions, each its own transaction) and [`StoreTx`] (a write
+//! transaction with the primitives the ledger's and the audits' rules
+//! compose). Each backend owns only its SQL; the rules live above it
+//! (`ledger`, `audit`), written once.
 //!
-//! One implementation exists today ([`sqlite::SqliteStore`], exported as
-//! [`Store`]); the Postgres backend will turn this into a trait with a shared
-//! conformance suite. Handlers never see SQL: they call the operations here.
+//! Backends: [`sqlite::SqliteStore`] (the default, a file in the data
+//! directory); a PostgreSQL backend plugs in beside it as a variant of
+//! [`AnyStore`], the closed set the application picks from by the
+//! database URL's scheme (so no generic parameter reaches the dispatcher or
+//! the API). [`tests`] is the conformance suite every backend passes.
 //!
-//! # Invariants
-//! - Every state transition is one statement (or one transaction whose first
-//!   statement is the guarded write) with a `WHERE` on the expected current
-//!   state, attempt and node, so a duplicate, late or foreign result changes
-//!   nothing and reports `false` / `None`.
+//! # Invariants (every backend)
+//! - Every job transition is guarded by the expected current state,
+//!   attempt and node in the statement that writes it, so a duplicate, late
+//!   or foreign result changes nothing and reports `false` / `None`.
 //! - A completed job always has its claim and signature stored with it.
-//! - Attempts are bounded: a failed attempt requeues with `attempt + 1` only
-//!   while `attempt < max_attempts`, else the job fails for good.
+//! - Attempts are bounded: a failed attempt requeues with `attempt + 1`
+//!   only while `attempt < max_attempts`, else the job fails for good.
+//! - A segment is written in the same transaction as its attempt's end, and
+//!   only when that end was accepted; a job's segments are contiguous.
+//! - One [`StoreTx`] is open at a time per store (SQLite: an in-process
+//!   writer lock, then `BEGIN IMMEDIATE`); its reads and writes see one
+//!   state; dropping it without [`StoreTx::commit`] changes nothing.
+//! - Transfer rows are never updated or deleted; a pending transfer's
+//!   `open_holds` row exists until it is resolved, at most once.
 //!
 //! # Failure
-//! [`StoreError`]: database errors (kept as the source, never shown to clients)
-//! and rows that do not decode (a corrupt or foreign database).
+//! [`StoreError`]: database errors (kept as the source, never shown to
+//! clients), rows that do not decode (a corrupt or foreign database), and a
+//! database URL no compiled-in backend serves.
 
-pub mod segments;
 pub mod sqlite;
+#[cfg(test)]
+pub(crate) mod tests;
 
-use mlxnet_proto::{
-    ids::JobId,
-    v1::{JobInput, SamplingParams, SignedClaim},
+use std::collections::{HashMap, HashSet};
+
+use mlxnet_proto::ids::JobId;
+
+use crate::domain::{
+    Account, AttemptEnd, AuditRecord, Availability, CancelOutcome, Completion, JobRecord, JobStats,
+    JobTerms, KeyInfo, KeyLimits, NewJob, NodeEarnings, NodeRecord, Segment, StoredKey,
+    StreamedEnd, Totals, Transfer,
 };
 
-use crate::jobs::JobState;
-
-pub use sqlite::SqliteStore as Store;
+pub use sqlite::SqliteStore;
 
 /// Why a store operation failed.
 #[derive(Debug, thiserror::Error)]
@@ -37,99 +54,729 @@ pub enum StoreError {
     Database(#[from] sqlx::Error),
     #[error("database migration failed")]
     Migrate(#[from] sqlx::migrate::MigrateError),
-    #[error("stored row of job {id} does not decode: {what}")]
+    #[error("stored row of {id} does not decode: {what}")]
     Corrupt { id: String, what: String },
+    #[error("no store backend serves database URL scheme {scheme:?} (compiled in: sqlite)")]
+    UnsupportedUrl { scheme: String },
 }
 
-/// A job as stored.
-#[derive(Clone, Debug, PartialEq)]
-pub struct JobRecord {
-    pub id: JobId,
-    pub model: String,
-    pub input: JobInput,
-    pub sampling: SamplingParams,
-    /// 0..=3: orders the account's own queued jobs (see `scheduler::queue`).
-    pub priority: u8,
-    pub state: JobState,
-    /// The current attempt (1-based); a requeue increments it.
-    pub attempt: u32,
-    /// Node of the current or last attempt (hex public key).
-    pub node_id: Option<String>,
-    pub output_text: String,
-    pub completion_tokens: u32,
-    /// The verified signed claim, once completed.
-    pub result: Option<SignedClaim>,
-    pub error: Option<String>,
-    pub created_at_ms: i64,
-    pub updated_at_ms: i64,
+/// What a store call returns.
+pub type Result<T, E = StoreError> = std::result::Result<T, E>;
+
+/// A pending transfer's entry among the open holds.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct OpenHold {
+    pub transfer_id: String,
+    pub job_id: Option<String>,
+    pub deadline_ms: i64,
 }
 
-/// A job to insert (state `queued`, attempt 1).
-#[derive(Clone, Debug)]
-pub struct NewJob {
-    pub id: JobId,
-    pub model: String,
-    pub input: JobInput,
-    /// Seed already chosen.
-    pub sampling: SamplingParams,
-    /// 0..=3, checked at the API.
-    pub priority: u8,
-}
-
-/// A verified result to record.
-#[derive(Clone, Debug)]
-pub struct Completion {
-    pub job_id: JobId,
-    pub attempt: u32,
-    pub node_id: String,
-    pub result: SignedClaim,
-}
-
-/// What happened to a job whose attempt failed.
+/// Which side of its pending transfer an account was on.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum AttemptEnd {
-    /// Back in the queue as this attempt.
-    Requeued { attempt: u32 },
-    /// Failed for good.
-    Failed,
+pub enum Side {
+    Debit,
+    Credit,
 }
 
-/// What a cancel did.
-#[derive(Clone, Debug, PartialEq)]
-pub enum CancelOutcome {
-    NotFound,
-    /// Already completed, failed or cancelled; nothing changed.
-    AlreadyFinished(JobState),
-    Cancelled,
+/// An account as a batch of holds sees it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PayerBalance {
+    pub no_overdraft: bool,
+    /// Posted credits less posted and pending debits.
+    pub available: i64,
 }
 
-/// A node as it registered.
-#[derive(Clone, Debug, PartialEq)]
-pub struct NodeRecord {
+/// A key to store: its public id and the SHA-256 of its secret.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct NewKey {
     pub id: String,
-    pub name: String,
-    /// JSON of the hardware profile.
-    pub hardware: String,
-    /// JSON of the cached models.
-    pub models: String,
-    pub version: String,
+    pub account_id: String,
+    pub hash: [u8; 32],
+    pub scopes: crate::domain::Scopes,
+    pub label: String,
+    pub created_at_ms: i64,
+    pub expires_at_ms: Option<i64>,
 }
 
-/// Counts over all jobs.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct JobStats {
-    pub queued: u64,
-    pub running: u64,
-    pub completed: u64,
-    pub failed: u64,
-    pub cancelled: u64,
-    /// Completion tokens of all completed jobs.
-    pub tokens_generated: u64,
+/// A broken ledger invariant the store's rows show (see
+/// [`Store::ledger_anomalies`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Anomaly {
+    /// A pending transfer resolved more than once.
+    ResolvedTwice,
+    /// An open hold past its deadline.
+    OpenPastDeadline,
+    /// A failed, cancelled, or completed job past its audit window whose
+    /// hold is still open.
+    EndedWithHoldOpen,
+    /// A posted job whose payouts and fee differ from the post.
+    PaidMismatch,
+    /// A job that failed its audit, yet paid a node after that.
+    FailedAuditPaid,
+    /// A failed or cancelled job that paid a node.
+    EndedPaid,
 }
 
-pub(crate) fn now_ms() -> i64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_millis() as i64)
-        .unwrap_or(0)
+/// Reads, and the job and node transitions (each its own transaction).
+///
+/// Callers use it through [`AnyStore`], a concrete type, so the futures'
+/// `Send` is known there; generic code over `Store` (the conformance
+/// suite) must not need it.
+#[allow(async_fn_in_trait)]
+pub trait Store: Clone + Send + Sync + 'static {
+    /// A write transaction (see [`StoreTx`]).
+    type Tx: StoreTx;
+
+    /// Closes every connection; the database can be opened again afterwards.
+    async fn close(&self);
+    /// Checks the database answers.
+    async fn ping(&self) -> Result<()>;
+    /// The durability settings writes run under, in words (printed next to
+    /// benchmark figures).
+    async fn durability(&self) -> Result<String>;
+    /// Opens a write transaction: one at a time per store; its reads and
+    /// writes see one state.
+    async fn write(&self) -> Result<Self::Tx>;
+
+    // ---- jobs and attempts ----
+
+    /// Inserts a queued job (attempt 1).
+    async fn insert_job(&self, job: &NewJob) -> Result<JobRecord>;
+    async fn get_job(&self, id: JobId) -> Result<Option<JobRecord>>;
+    /// Newest first.
+    async fn list_jobs(&self, limit: u32) -> Result<Vec<JobRecord>>;
+    /// Queued jobs, oldest first.
+    async fn queued_jobs(&self, limit: u32) -> Result<Vec<JobRecord>>;
+    /// The paying account of each of `jobs` that has terms (jobs from before
+    /// the ledger have none).
+    async fn job_accounts(&self, jobs: &[JobId]) -> Result<HashMap<JobId, String>>;
+    async fn count_queued(&self) -> Result<u64>;
+    async fn job_stats(&self) -> Result<JobStats>;
+    /// `queued -> assigned` to `node_id` for `attempt`. False if the job is
+    /// not queued at that attempt any more.
+    async fn assign(&self, id: JobId, attempt: u32, node_id: &str) -> Result<bool>;
+    /// [`Store::assign`] for a batch (job, attempt, node) in one
+    /// transaction; one flag per entry.
+    async fn assign_many(&self, batch: &[(JobId, u32, String)]) -> Result<Vec<bool>>;
+    /// `assigned -> running` when the node says it started.
+    async fn mark_running(&self, id: JobId, attempt: u32, node_id: &str) -> Result<bool>;
+    /// `assigned | running -> completed` with the verified claim, only from
+    /// the node holding this attempt, once. A resumed job's output is what
+    /// its earlier attempts streamed followed by the claim's.
+    async fn complete(&self, c: &Completion) -> Result<bool>;
+    /// Ends `end.attempt` (held by `end.node_id`) as failed: requeued as the
+    /// next attempt when retryable and attempts remain, else failed for
+    /// good; `None` if the job is not at that attempt on that node any more.
+    /// In the same transaction it records `segment` (when it holds tokens)
+    /// for the next attempt to resume after; a segment that does not start
+    /// where the job's stream ends is refused as `Corrupt` and nothing
+    /// changes.
+    async fn end_attempt_streamed(
+        &self,
+        end: &StreamedEnd<'_>,
+        segment: &Segment,
+    ) -> Result<Option<AttemptEnd>>;
+    /// [`Store::end_attempt_streamed`] of an attempt that streamed nothing.
+    async fn fail_attempt(
+        &self,
+        id: JobId,
+        attempt: u32,
+        node_id: &str,
+        reason: &str,
+        retryable: bool,
+        max_attempts: u32,
+    ) -> Result<Option<AttemptEnd>> {
+        let end = StreamedEnd {
+            job: id,
+            attempt,
+            node_id,
+            reason,
+            retryable,
+            max_attempts,
+        };
+        self.end_attempt_streamed(&end, &Segment::default()).await
+    }
+    /// A job's segments in stream order.
+    async fn segments(&self, job: JobId) -> Result<Vec<Segment>>;
+    /// Cancels a job that has not finished.
+    async fn cancel(&self, id: JobId) -> Result<CancelOutcome>;
+    /// At start-up no node session exists: every assigned or running job
+    /// lost its node and is requeued (bounded by `max_attempts`). How many.
+    async fn requeue_orphans(&self, max_attempts: u32) -> Result<u64>;
+
+    // ---- nodes ----
+
+    /// Records a node that completed the handshake, online.
+    async fn upsert_node(&self, node: &NodeRecord) -> Result<()>;
+    async fn touch_node(&self, id: &str) -> Result<()>;
+    async fn set_node_offline(&self, id: &str) -> Result<()>;
+    /// At start-up no session exists yet.
+    async fn mark_all_nodes_offline(&self) -> Result<()>;
+    /// A node and its status (`online` / `offline`).
+    async fn get_node(&self, id: &str) -> Result<Option<(NodeRecord, String)>>;
+    async fn count_nodes(&self) -> Result<u64>;
+
+    // ---- ledger ----
+
+    /// Inserts a new account (its id unused).
+    async fn insert_account(&self, account: &Account) -> Result<()>;
+    async fn account(&self, id: &str) -> Result<Option<Account>>;
+    async fn transfer(&self, id: &str) -> Result<Option<Transfer>>;
+    /// Who pays for `job` and at what price, if it was submitted with terms.
+    async fn job_terms(&self, job: &str) -> Result<Option<JobTerms>>;
+    /// Jobs `account` submitted, newest first.
+    async fn jobs_of(&self, account: &str, limit: u32) -> Result<Vec<String>>;
+    /// The account's transfers (either side), newest first.
+    async fn history(&self, account: &str, limit: u32) -> Result<Vec<Transfer>>;
+    /// Every transfer about `job`, oldest first.
+    async fn job_transfers(&self, job: &str) -> Result<Vec<Transfer>>;
+    /// Payouts and rewards to `account` since `since_ms`, per node.
+    async fn earnings(&self, account: &str, since_ms: i64) -> Result<Vec<NodeEarnings>>;
+    /// Nodes linked to `account`.
+    async fn nodes_of(&self, account: &str) -> Result<Vec<String>>;
+    /// Sums over all accounts, and the open holds.
+    async fn totals(&self) -> Result<Totals>;
+    /// Accounts whose stored balances differ from their transfer rows.
+    async fn balance_mismatches(&self) -> Result<Vec<String>>;
+    /// Rows that break a ledger invariant at `now_ms` (completed jobs hold
+    /// pay for `audit_window_ms`): each with the id it is about.
+    async fn ledger_anomalies(
+        &self,
+        now_ms: i64,
+        audit_window_ms: i64,
+    ) -> Result<Vec<(Anomaly, String)>>;
+    /// Jobs whose hold is open and past its deadline at `now_ms`, oldest
+    /// deadline first.
+    async fn due_holds(&self, now_ms: i64, limit: u32) -> Result<Vec<String>>;
+    /// Jobs with an open hold that have ended (failed, cancelled, gone), or
+    /// completed whose audit window closed at `now_ms` or whose audit failed.
+    async fn unsettled_jobs(
+        &self,
+        now_ms: i64,
+        audit_window_ms: i64,
+        limit: u32,
+    ) -> Result<Vec<String>>;
+    /// Adds `online_ms` to `node_id`'s availability in `epoch` (memory: the
+    /// most it offered).
+    async fn record_online(
+        &self,
+        epoch: i64,
+        node_id: &str,
+        memory_bytes: u64,
+        online_ms: u64,
+    ) -> Result<()>;
+    /// Epochs before `current` with availability and no payout yet, in order.
+    async fn unpaid_epochs(&self, current: i64) -> Result<Vec<i64>>;
+
+    // ---- API keys ----
+
+    async fn insert_key(&self, key: &NewKey) -> Result<()>;
+    /// The unrevoked key with this hash, unexpired at `now_ms`.
+    async fn key_by_hash(&self, hash: &[u8; 32], now_ms: i64) -> Result<Option<StoredKey>>;
+    /// False if there is no such key.
+    async fn set_key_limits(&self, key_id: &str, limits: KeyLimits) -> Result<bool>;
+    /// Revokes `key_id` (of `account`, when given) at `now_ms`. False if
+    /// there is no such unrevoked key.
+    async fn revoke_key(&self, key_id: &str, account: Option<&str>, now_ms: i64) -> Result<bool>;
+    /// `account`'s keys, newest first.
+    async fn list_keys(&self, account: &str) -> Result<Vec<KeyInfo>>;
+
+    // ---- audits ----
+
+    /// Nodes banned from placement.
+    async fn banned_nodes(&self) -> Result<Vec<String>>;
+    /// `node`'s audit record (zero for a node never audited).
+    async fn audit_record(&self, node: &str) -> Result<AuditRecord>;
+    /// Records that `job`, served by `node`, is audited. False if it already was.
+    async fn begin_audit(&self, job: &str, node: &str, now_ms: i64) -> Result<bool>;
+    /// Ends `job`'s pending audit without a verdict.
+    async fn miss_audit(&self, job: &str, now_ms: i64) -> Result<()>;
+    /// How `job`'s audit stands (`pending`, `passed`, `failed`, `missed`;
+    /// `None`: not audited).
+    async fn audit_state(&self, job: &str) -> Result<Option<String>>;
+}
+
+/// A write transaction: the primitives the ledger's and the audits' rules
+/// compose. Dropped without [`StoreTx::commit`], it changes nothing.
+#[allow(async_fn_in_trait)]
+pub trait StoreTx: Send {
+    async fn commit(self) -> Result<()>;
+
+    // ---- reads, inside the transaction ----
+
+    async fn account(&mut self, id: &str) -> Result<Option<Account>>;
+    async fn transfer(&mut self, id: &str) -> Result<Option<Transfer>>;
+    /// The deadline of pending transfer `transfer_id` while it is open.
+    async fn hold_deadline(&mut self, transfer_id: &str) -> Result<Option<i64>>;
+    async fn job_terms(&mut self, job: &str) -> Result<Option<JobTerms>>;
+    async fn get_job(&mut self, id: JobId) -> Result<Option<JobRecord>>;
+    async fn segments(&mut self, job: JobId) -> Result<Vec<Segment>>;
+    async fn audit_state(&mut self, job: &str) -> Result<Option<String>>;
+    /// The operator account `node_id` earns for, if linked.
+    async fn operator_of(&mut self, node_id: &str) -> Result<Option<String>>;
+
+    // ---- balances and transfers ----
+
+    /// Adds `amount` to the posted or pending debits of `account`, unless
+    /// it forbids overdraft and has less than that available. False if it
+    /// does not exist or cannot pay.
+    async fn add_debit(&mut self, account: &str, amount: i64, pending: bool) -> Result<bool>;
+    /// Adds `amount` to the posted or pending credits of `account`. False
+    /// if it does not exist.
+    async fn add_credit(&mut self, account: &str, amount: i64, pending: bool) -> Result<bool>;
+    /// Resolves `pending` of `account`'s pending debits (or credits) and
+    /// posts `posted` of it. False if the account does not hold that much
+    /// pending.
+    async fn resolve_pending(
+        &mut self,
+        account: &str,
+        side: Side,
+        pending: i64,
+        posted: i64,
+    ) -> Result<bool>;
+    /// Records transfers (ids unused).
+    async fn insert_transfers(&mut self, transfers: &[Transfer]) -> Result<()>;
+    /// Opens pending transfers' holds.
+    async fn open_holds(&mut self, holds: &[OpenHold]) -> Result<()>;
+    /// Closes pending transfer `transfer_id`'s hold.
+    async fn close_hold(&mut self, transfer_id: &str) -> Result<()>;
+
+    // ---- submits ----
+
+    /// The ids among `ids` already used by a job, its terms or its hold.
+    async fn used_job_ids(&mut self, ids: &[String]) -> Result<HashSet<String>>;
+    /// The balances of `accounts` that exist.
+    async fn payers(&mut self, accounts: &[&str]) -> Result<HashMap<String, PayerBalance>>;
+    /// Records jobs' payment terms.
+    async fn insert_terms(&mut self, terms: &[(&str, &JobTerms)]) -> Result<()>;
+    /// Inserts queued jobs (attempt 1), each created at its own time.
+    async fn insert_jobs(&mut self, jobs: &[(&NewJob, i64)]) -> Result<()>;
+
+    // ---- accounts and operators ----
+
+    /// Inserts `account` unless its id exists.
+    async fn insert_account_if_absent(&mut self, account: &Account) -> Result<()>;
+    /// Links `node_id` to `account` (replacing an earlier link).
+    async fn link_operator(&mut self, node_id: &str, account: &str, now_ms: i64) -> Result<()>;
+
+    // ---- rewards ----
+
+    async fn epoch_paid(&mut self, epoch: i64) -> Result<bool>;
+    /// The availability recorded in `epoch`, by node id.
+    async fn availability(&mut self, epoch: i64) -> Result<Vec<Availability>>;
+    async fn mark_epoch_paid(&mut self, epoch: i64, paid_ms: i64, total: i64) -> Result<()>;
+
+    // ---- audits ----
+
+    /// Ends `job`'s pending audit with a verdict by `auditor`; the audited
+    /// node, or `None` if the audit had already ended.
+    async fn end_audit(
+        &mut self,
+        job: &str,
+        passed: bool,
+        auditor: &str,
+        verdict: &[u8],
+        now_ms: i64,
+    ) -> Result<Option<String>>;
+    /// Counts one clean or failed audit in `node`'s record.
+    async fn count_audit(&mut self, node: &str, passed: bool) -> Result<()>;
+    async fn audit_record(&mut self, node: &str) -> Result<AuditRecord>;
+    /// Bans `node` from placement at `now_ms` (once).
+    async fn ban_node(&mut self, node: &str, now_ms: i64) -> Result<()>;
+}
+
+/// The backends compiled in: what the application holds. A new backend is
+/// a variant here, an arm in [`AnyStore::connect`], and one line in
+/// [`on_backend`]'s match.
+#[derive(Clone, Debug)]
+#[non_exhaustive]
+pub enum AnyStore {
+    Sqlite(SqliteStore),
+}
+
+/// A write transaction of an [`AnyStore`].
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum AnyTx {
+    Sqlite(sqlite::SqliteTx),
+}
+
+/// Runs `$body` with `$s` bound to the backend inside `$any` (an
+/// [`AnyStore`] or an [`AnyTx`]).
+macro_rules! on_backend {
+    ($any:expr, $s:ident => $body:expr) => {
+        match $any {
+            Self::Sqlite($s) => $body,
+        }
+    };
+}
+
+impl AnyStore {
+    /// Opens (creating and migrating if needed) the database at `url`, with
+    /// the backend its scheme names (`sqlite:`).
+    pub async fn connect(url: &str) -> Result<Self> {
+        let scheme = url.split(':').next().unwrap_or_default();
+        match scheme {
+            "sqlite" => Ok(Self::Sqlite(SqliteStore::connect(url).await?)),
+            other => Err(StoreError::UnsupportedUrl {
+                scheme: other.to_owned(),
+            }),
+        }
+    }
+}
+
+impl Store for AnyStore {
+    type Tx = AnyTx;
+
+    async fn close(&self) {
+        on_backend!(self, s => s.close().await)
+    }
+
+    async fn ping(&self) -> Result<()> {
+        on_backend!(self, s => s.ping().await)
+    }
+
+    async fn durability(&self) -> Result<String> {
+        on_backend!(self, s => s.durability().await)
+    }
+
+    async fn write(&self) -> Result<Self::Tx> {
+        match self {
+            Self::Sqlite(s) => Ok(AnyTx::Sqlite(s.write().await?)),
+        }
+    }
+
+    async fn insert_job(&self, job: &NewJob) -> Result<JobRecord> {
+        on_backend!(self, s => s.insert_job(job).await)
+    }
+
+    async fn get_job(&self, id: JobId) -> Result<Option<JobRecord>> {
+        on_backend!(self, s => s.get_job(id).await)
+    }
+
+    async fn list_jobs(&self, limit: u32) -> Result<Vec<JobRecord>> {
+        on_backend!(self, s => s.list_jobs(limit).await)
+    }
+
+    async fn queued_jobs(&self, limit: u32) -> Result<Vec<JobRecord>> {
+        on_backend!(self, s => s.queued_jobs(limit).await)
+    }
+
+    async fn job_accounts(&self, jobs: &[JobId]) -> Result<HashMap<JobId, String>> {
+        on_backend!(self, s => s.job_accounts(jobs).await)
+    }
+
+    async fn count_queued(&self) -> Result<u64> {
+        on_backend!(self, s => s.count_queued().await)
+    }
+
+    async fn job_stats(&self) -> Result<JobStats> {
+        on_backend!(self, s => s.job_stats().await)
+    }
+
+    async fn assign(&self, id: JobId, attempt: u32, node_id: &str) -> Result<bool> {
+        on_backend!(self, s => s.assign(id, attempt, node_id).await)
+    }
+
+    async fn assign_many(&self, batch: &[(JobId, u32, String)]) -> Result<Vec<bool>> {
+        on_backend!(self, s => s.assign_many(batch).await)
+    }
+
+    async fn mark_running(&self, id: JobId, attempt: u32, node_id: &str) -> Result<bool> {
+        on_backend!(self, s => s.mark_running(id, attempt, node_id).await)
+    }
+
+    async fn complete(&self, c: &Completion) -> Result<bool> {
+        on_backend!(self, s => s.complete(c).await)
+    }
+
+    async fn end_attempt_streamed(
+        &self,
+        end: &StreamedEnd<'_>,
+        segment: &Segment,
+    ) -> Result<Option<AttemptEnd>> {
+        on_backend!(self, s => s.end_attempt_streamed(end, segment).await)
+    }
+
+    async fn segments(&self, job: JobId) -> Result<Vec<Segment>> {
+        on_backend!(self, s => s.segments(job).await)
+    }
+
+    async fn cancel(&self, id: JobId) -> Result<CancelOutcome> {
+        on_backend!(self, s => s.cancel(id).await)
+    }
+
+    async fn requeue_orphans(&self, max_attempts: u32) -> Result<u64> {
+        on_backend!(self, s => s.requeue_orphans(max_attempts).await)
+    }
+
+    async fn upsert_node(&self, node: &NodeRecord) -> Result<()> {
+        on_backend!(self, s => s.upsert_node(node).await)
+    }
+
+    async fn touch_node(&self, id: &str) -> Result<()> {
+        on_backend!(self, s => s.touch_node(id).await)
+    }
+
+    async fn set_node_offline(&self, id: &str) -> Result<()> {
+        on_backend!(self, s => s.set_node_offline(id).await)
+    }
+
+    async fn mark_all_nodes_offline(&self) -> Result<()> {
+        on_backend!(self, s => s.mark_all_nodes_offline().await)
+    }
+
+    async fn get_node(&self, id: &str) -> Result<Option<(NodeRecord, String)>> {
+        on_backend!(self, s => s.get_node(id).await)
+    }
+
+    async fn count_nodes(&self) -> Result<u64> {
+        on_backend!(self, s => s.count_nodes().await)
+    }
+
+    async fn insert_account(&self, account: &Account) -> Result<()> {
+        on_backend!(self, s => s.insert_account(account).await)
+    }
+
+    async fn account(&self, id: &str) -> Result<Option<Account>> {
+        on_backend!(self, s => s.account(id).await)
+    }
+
+    async fn transfer(&self, id: &str) -> Result<Option<Transfer>> {
+        on_backend!(self, s => s.transfer(id).await)
+    }
+
+    async fn job_terms(&self, job: &str) -> Result<Option<JobTerms>> {
+        on_backend!(self, s => s.job_terms(job).await)
+    }
+
+    async fn jobs_of(&self, account: &str, limit: u32) -> Result<Vec<String>> {
+        on_backend!(self, s => s.jobs_of(account, limit).await)
+    }
+
+    async fn history(&self, account: &str, limit: u32) -> Result<Vec<Transfer>> {
+        on_backend!(self, s => s.history(account, limit).await)
+    }
+
+    async fn job_transfers(&self, job: &str) -> Result<Vec<Transfer>> {
+        on_backend!(self, s => s.job_transfers(job).await)
+    }
+
+    async fn earnings(&self, account: &str, since_ms: i64) -> Result<Vec<NodeEarnings>> {
+        on_backend!(self, s => s.earnings(account, since_ms).await)
+    }
+
+    async fn nodes_of(&self, account: &str) -> Result<Vec<String>> {
+        on_backend!(self, s => s.nodes_of(account).await)
+    }
+
+    async fn totals(&self) -> Result<Totals> {
+        on_backend!(self, s => s.totals().await)
+    }
+
+    async fn balance_mismatches(&self) -> Result<Vec<String>> {
+        on_backend!(self, s => s.balance_mismatches().await)
+    }
+
+    async fn ledger_anomalies(
+        &self,
+        now_ms: i64,
+        audit_window_ms: i64,
+    ) -> Result<Vec<(Anomaly, String)>> {
+        on_backend!(self, s => s.ledger_anomalies(now_ms, audit_window_ms).await)
+    }
+
+    async fn due_holds(&self, now_ms: i64, limit: u32) -> Result<Vec<String>> {
+        on_backend!(self, s => s.due_holds(now_ms, limit).await)
+    }
+
+    async fn unsettled_jobs(
+        &self,
+        now_ms: i64,
+        audit_window_ms: i64,
+        limit: u32,
+    ) -> Result<Vec<String>> {
+        on_backend!(self, s => s.unsettled_jobs(now_ms, audit_window_ms, limit).await)
+    }
+
+    async fn record_online(
+        &self,
+        epoch: i64,
+        node_id: &str,
+        memory_bytes: u64,
+        online_ms: u64,
+    ) -> Result<()> {
+        on_backend!(self, s => s.record_online(epoch, node_id, memory_bytes, online_ms).await)
+    }
+
+    async fn unpaid_epochs(&self, current: i64) -> Result<Vec<i64>> {
+        on_backend!(self, s => s.unpaid_epochs(current).await)
+    }
+
+    async fn insert_key(&self, key: &NewKey) -> Result<()> {
+        on_backend!(self, s => s.insert_key(key).await)
+    }
+
+    async fn key_by_hash(&self, hash: &[u8; 32], now_ms: i64) -> Result<Option<StoredKey>> {
+        on_backend!(self, s => s.key_by_hash(hash, now_ms).await)
+    }
+
+    async fn set_key_limits(&self, key_id: &str, limits: KeyLimits) -> Result<bool> {
+        on_backend!(self, s => s.set_key_limits(key_id, limits).await)
+    }
+
+    async fn revoke_key(&self, key_id: &str, account: Option<&str>, now_ms: i64) -> Result<bool> {
+        on_backend!(self, s => s.revoke_key(key_id, account, now_ms).await)
+    }
+
+    async fn list_keys(&self, account: &str) -> Result<Vec<KeyInfo>> {
+        on_backend!(self, s => s.list_keys(account).await)
+    }
+
+    async fn banned_nodes(&self) -> Result<Vec<String>> {
+        on_backend!(self, s => s.banned_nodes().await)
+    }
+
+    async fn audit_record(&self, node: &str) -> Result<AuditRecord> {
+        on_backend!(self, s => s.audit_record(node).await)
+    }
+
+    async fn begin_audit(&self, job: &str, node: &str, now_ms: i64) -> Result<bool> {
+        on_backend!(self, s => s.begin_audit(job, node, now_ms).await)
+    }
+
+    async fn miss_audit(&self, job: &str, now_ms: i64) -> Result<()> {
+        on_backend!(self, s => s.miss_audit(job, now_ms).await)
+    }
+
+    async fn audit_state(&self, job: &str) -> Result<Option<String>> {
+        on_backend!(self, s => s.audit_state(job).await)
+    }
+}
+
+impl StoreTx for AnyTx {
+    async fn commit(self) -> Result<()> {
+        on_backend!(self, s => s.commit().await)
+    }
+
+    async fn account(&mut self, id: &str) -> Result<Option<Account>> {
+        on_backend!(self, s => s.account(id).await)
+    }
+
+    async fn transfer(&mut self, id: &str) -> Result<Option<Transfer>> {
+        on_backend!(self, s => s.transfer(id).await)
+    }
+
+    async fn hold_deadline(&mut self, transfer_id: &str) -> Result<Option<i64>> {
+        on_backend!(self, s => s.hold_deadline(transfer_id).await)
+    }
+
+    async fn job_terms(&mut self, job: &str) -> Result<Option<JobTerms>> {
+        on_backend!(self, s => s.job_terms(job).await)
+    }
+
+    async fn get_job(&mut self, id: JobId) -> Result<Option<JobRecord>> {
+        on_backend!(self, s => s.get_job(id).await)
+    }
+
+    async fn segments(&mut self, job: JobId) -> Result<Vec<Segment>> {
+        on_backend!(self, s => s.segments(job).await)
+    }
+
+    async fn audit_state(&mut self, job: &str) -> Result<Option<String>> {
+        on_backend!(self, s => s.audit_state(job).await)
+    }
+
+    async fn operator_of(&mut self, node_id: &str) -> Result<Option<String>> {
+        on_backend!(self, s => s.operator_of(node_id).await)
+    }
+
+    async fn add_debit(&mut self, account: &str, amount: i64, pending: bool) -> Result<bool> {
+        on_backend!(self, s => s.add_debit(account, amount, pending).await)
+    }
+
+    async fn add_credit(&mut self, account: &str, amount: i64, pending: bool) -> Result<bool> {
+        on_backend!(self, s => s.add_credit(account, amount, pending).await)
+    }
+
+    async fn resolve_pending(
+        &mut self,
+        account: &str,
+        side: Side,
+        pending: i64,
+        posted: i64,
+    ) -> Result<bool> {
+        on_backend!(self, s => s.resolve_pending(account, side, pending, posted).await)
+    }
+
+    async fn insert_transfers(&mut self, transfers: &[Transfer]) -> Result<()> {
+        on_backend!(self, s => s.insert_transfers(transfers).await)
+    }
+
+    async fn open_holds(&mut self, holds: &[OpenHold]) -> Result<()> {
+        on_backend!(self, s => s.open_holds(holds).await)
+    }
+
+    async fn close_hold(&mut self, transfer_id: &str) -> Result<()> {
+        on_backend!(self, s => s.close_hold(transfer_id).await)
+    }
+
+    async fn used_job_ids(&mut self, ids: &[String]) -> Result<HashSet<String>> {
+        on_backend!(self, s => s.used_job_ids(ids).await)
+    }
+
+    async fn payers(&mut self, accounts: &[&str]) -> Result<HashMap<String, PayerBalance>> {
+        on_backend!(self, s => s.payers(accounts).await)
+    }
+
+    async fn insert_terms(&mut self, terms: &[(&str, &JobTerms)]) -> Result<()> {
+        on_backend!(self, s => s.insert_terms(terms).await)
+    }
+
+    async fn insert_jobs(&mut self, jobs: &[(&NewJob, i64)]) -> Result<()> {
+        on_backend!(self, s => s.insert_jobs(jobs).await)
+    }
+
+    async fn insert_account_if_absent(&mut self, account: &Account) -> Result<()> {
+        on_backend!(self, s => s.insert_account_if_absent(account).await)
+    }
+
+    async fn link_operator(&mut self, node_id: &str, account: &str, now_ms: i64) -> Result<()> {
+        on_backend!(self, s => s.link_operator(node_id, account, now_ms).await)
+    }
+
+    async fn epoch_paid(&mut self, epoch: i64) -> Result<bool> {
+        on_backend!(self, s => s.epoch_paid(epoch).await)
+    }
+
+    async fn availability(&mut self, epoch: i64) -> Result<Vec<Availability>> {
+        on_backend!(self, s => s.availability(epoch).await)
+    }
+
+    async fn mark_epoch_paid(&mut self, epoch: i64, paid_ms: i64, total: i64) -> Result<()> {
+        on_backend!(self, s => s.mark_epoch_paid(epoch, paid_ms, total).await)
+    }
+
+    async fn end_audit(
+        &mut self,
+        job: &str,
+        passed: bool,
+        auditor: &str,
+        verdict: &[u8],
+        now_ms: i64,
+    ) -> Result<Option<String>> {
+        on_backend!(self, s => s.end_audit(job, passed, auditor, verdict, now_ms).await)
+    }
+
+    async fn count_audit(&mut self, node: &str, passed: bool) -> Result<()> {
+        on_backend!(self, s => s.count_audit(node, passed).await)
+    }
+
+    async fn audit_record(&mut self, node: &str) -> Result<AuditRecord> {
+        on_backend!(self, s => s.audit_record(node).await)
+    }
+
+    async fn ban_node(&mut self, node: &str, now_ms: i64) -> Result<()> {
+        on_backend!(self, s => s.ban_node(node, now_ms).await)
+    }
 }

@@ -1,5 +1,10 @@
-//! Test harness: a real coordinator on `127.0.0.1:0` with a fresh data
-//! directory, and a QUIC client config that pins its certificate.
+//! Test harness (the crate's tests, and other crates' with the
+//! `test-utils` feature): a real coordinator on `127.0.0.1:0` with a fresh
+//! data directory, a QUIC client config that pins its certificate, nodes
+//! made by hand that speak the wire protocol frame by frame, and a
+//! WebDriver client for the World page ([`webdriver`]).
+
+pub mod webdriver;
 
 use std::{net::SocketAddr, sync::Arc};
 
@@ -20,24 +25,13 @@ use rustls::{
 };
 use tokio::{sync::oneshot, task::JoinHandle};
 
-use crate::{app::Application, config::CoordinatorConfig, error::AppError, link::tls::fingerprint};
+use crate::{
+    app::{AppError, Application},
+    config::CoordinatorConfig,
+    link::tls::fingerprint,
+};
 
-/// Sends `authorization: Bearer <key>` on every call.
-#[derive(Clone)]
-pub struct Bearer(pub Option<tonic::metadata::AsciiMetadataValue>);
-
-impl tonic::service::Interceptor for Bearer {
-    fn call(&mut self, mut req: tonic::Request<()>) -> Result<tonic::Request<()>, tonic::Status> {
-        if let Some(v) = &self.0 {
-            req.metadata_mut().insert("authorization", v.clone());
-        }
-        Ok(req)
-    }
-}
-
-/// A channel whose calls carry an API key.
-pub type Authed =
-    tonic::service::interceptor::InterceptedService<tonic::transport::Channel, Bearer>;
+pub use mlxnet_proto::bearer::{Authed, Bearer};
 
 /// The catalogue's test model.
 pub const MODEL: &str = "smollm2-135m-instruct";
@@ -73,7 +67,7 @@ pub struct TestApp {
     pub http_addr: SocketAddr,
     pub fingerprint: String,
     /// The client API's abuse limits and their live counts.
-    pub admission: Arc<crate::limits::Admission>,
+    pub admission: Arc<crate::api::limits::Admission>,
     stop: Option<oneshot::Sender<()>>,
     task: Option<JoinHandle<Result<(), AppError>>>,
     _dir: tempfile::TempDir,

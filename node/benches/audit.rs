@@ -45,9 +45,7 @@ use rand_chacha::ChaCha8Rng;
 use serde_json::{json, Value};
 
 /// Generated tokens per job: short, so the whole bench runs in minutes.
-#[path = "support/util.rs"]
-mod util;
-use util::{setting, workspace};
+use mlx_node::test_utils::{setting, workspace};
 
 const MAX_TOKENS: usize = 16;
 /// Audit rate of a node with no record (`coordinator/src/audit.rs`).

@@ -45,9 +45,7 @@ use serde_json::{json, Value};
 
 #[path = "support/random_llama.rs"]
 mod random_llama;
-#[path = "support/util.rs"]
-mod util;
-use util::{setting, workspace};
+use mlx_node::test_utils::{setting, workspace};
 
 const GEN_TOKENS: usize = 128;
 /// New tokens per run on the 1B models (a run of 128 would take minutes).

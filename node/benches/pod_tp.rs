@@ -45,15 +45,7 @@ use mlx_node::collectives::tcp::{TcpOptions, TcpTransport};
 use mlx_node::collectives::{all_reduce, Collective, CollectiveError, DType, Group, GroupOptions};
 use mlx_node::engine::sharded::{Compute, PodModel, PodPlan};
 
-#[path = "support/util.rs"]
-mod util;
-
-#[allow(dead_code)]
-#[path = "../src/engine/testutil.rs"]
-mod testutil;
-
-use testutil::{GgufTweaks, TinySpec};
-use util::setting;
+use mlx_node::test_utils::{self as testutil, setting, GgufTweaks, TinySpec};
 
 const STEPS: usize = 24;
 const GOAL: f64 = 1.9;
@@ -99,7 +91,7 @@ fn model_path() -> PathBuf {
     let s = spec();
     let dir = std::env::var_os("CARGO_TARGET_DIR")
         .map(PathBuf::from)
-        .unwrap_or_else(|| util::workspace().join("target"));
+        .unwrap_or_else(|| testutil::workspace().join("target"));
     dir.join(format!(
         "pod_tp-random-h{}-l{}-kv{}-ff{}-{:?}.gguf",
         s.hidden,

@@ -8,10 +8,12 @@
 
 use std::fmt::Write as _;
 
-use mlxnet_proto::v1::{
-    accounts_client::AccountsClient, EarningsPeriod, EarningsRequest, EarningsResponse,
+use mlxnet_proto::{
+    bearer::{authed, Bearer},
+    money::mlx,
+    v1::{accounts_client::AccountsClient, EarningsPeriod, EarningsRequest, EarningsResponse},
 };
-use tonic::{metadata::AsciiMetadataValue, transport::Channel, Request};
+use tonic::transport::Channel;
 
 /// Why the earnings could not be read.
 #[derive(Debug, thiserror::Error)]
@@ -32,9 +34,7 @@ pub enum EarningsError {
 
 /// Asks the coordinator at `grpc` for the earnings of `api_key`'s account.
 pub async fn fetch(grpc: &str, api_key: &str) -> Result<EarningsResponse, EarningsError> {
-    let bearer: AsciiMetadataValue = format!("Bearer {}", api_key.trim())
-        .parse()
-        .map_err(|_| EarningsError::Key)?;
+    let bearer = Bearer::for_key(Some(api_key)).map_err(|_| EarningsError::Key)?;
     let channel = Channel::from_shared(grpc.to_owned())
         .map_err(|_| EarningsError::Address(grpc.to_owned()))?
         .connect()
@@ -43,19 +43,10 @@ pub async fn fetch(grpc: &str, api_key: &str) -> Result<EarningsResponse, Earnin
             address: grpc.to_owned(),
             source,
         })?;
-    let mut request = Request::new(EarningsRequest {});
-    request.metadata_mut().insert("authorization", bearer);
-    Ok(AccountsClient::new(channel)
-        .earnings(request)
+    Ok(AccountsClient::new(authed(channel, bearer))
+        .earnings(EarningsRequest {})
         .await?
         .into_inner())
-}
-
-/// `micro` micro-MLX as MLX with six decimals.
-fn mlx(micro: i64) -> String {
-    let sign = if micro < 0 { "-" } else { "" };
-    let m = micro.unsigned_abs();
-    format!("{sign}{}.{:06}", m / 1_000_000, m % 1_000_000)
 }
 
 fn row(out: &mut String, label: &str, p: Option<EarningsPeriod>) {

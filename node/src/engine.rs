@@ -62,7 +62,7 @@ mod weights;
 
 #[cfg(test)]
 mod tests;
-#[cfg(test)]
+#[cfg(any(test, feature = "test-utils"))]
 pub(crate) mod testutil;
 
 use model::Model;

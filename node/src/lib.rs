@@ -16,6 +16,8 @@
 //! - [`collectives`]: all-reduce, all-gather, broadcast, send/recv and barrier
 //!   among pod members (TCP, emulated RDMA fabric, RDMA verbs).
 //! - [`app`]: [`app::Node::build`] / `run_until_stopped`, what `main` calls.
+//! - `test_utils` (tests, and the `test-utils` feature): the workspace, its
+//!   test model, bench settings, tiny model writers.
 
 pub mod app;
 pub mod collectives;
@@ -27,3 +29,5 @@ pub mod identity;
 pub mod link;
 pub mod models;
 pub mod pod;
+#[cfg(any(test, feature = "test-utils"))]
+pub mod test_utils;

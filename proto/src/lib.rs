@@ -12,6 +12,9 @@
 //!   claim signature verification.
 //! - [`auth`]: the node-link handshake transcript bound to the TLS session.
 //! - [`frame`]: length-prefixed prost frames with a hard size cap.
+//! - [`bearer`]: the `authorization: Bearer <key>` interceptor every client
+//!   of the API uses.
+//! - [`money`]: micro-MLX amounts as people read them (`mlx`).
 //! - [`env`]: configuration from `PREFIX__SECTION__KEY` environment
 //!   variables, the same for every binary.
 //!
@@ -20,12 +23,14 @@
 #![forbid(unsafe_code)]
 
 pub mod auth;
+pub mod bearer;
 pub mod catalogue;
 pub mod chips;
 pub mod claim;
 pub mod env;
 pub mod frame;
 pub mod ids;
+pub mod money;
 
 /// Generated types of package `mlxnet.v1`.
 #[allow(clippy::all, missing_docs)]

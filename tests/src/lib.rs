@@ -1,5 +1,8 @@
 //! Harness for end-to-end tests and the devnet: real coordinators and real
 //! nodes, in process, on ports the OS chose, each with a fresh data directory.
+//! What the coordinator's and the node's own test harnesses already have
+//! (their `test-utils` features) is reused, not copied: the API-key
+//! interceptor, the plain prompt job, the test model's place.
 //!
 //! # Layout
 //! - [`test_model`]: the real test model (SmolLM2-135M-Instruct Q4_1), fetched
@@ -44,21 +47,20 @@ use mlxnet_proto::{
     },
 };
 use tokio::{sync::oneshot, task::JoinHandle};
-use tonic::{
-    metadata::AsciiMetadataValue,
-    service::{interceptor::InterceptedService, Interceptor},
-    transport::Channel,
+use tonic::transport::Channel;
+
+pub use mlxnet_coordinator::{
+    test_utils::{prompt_job, CLIENT_GRANT},
+    util::now_ms,
 };
+pub use mlxnet_proto::bearer::{Authed, Bearer};
 
 pub mod mirror;
 
 /// Catalogue id of the test model.
-pub const TEST_MODEL_ID: &str = "smollm2-135m-instruct";
+pub const TEST_MODEL_ID: &str = mlxnet_coordinator::test_utils::MODEL;
 /// File name of the test model under `models/`.
-pub const TEST_MODEL_FILE: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
-
-/// Starting balance of the test client account: 1,000 MLX.
-pub const CLIENT_GRANT: i64 = 1_000_000_000;
+pub use mlx_node::test_utils::TEST_MODEL_FILE;
 
 /// The accounts and keys a test coordinator starts with.
 #[derive(Clone, Debug)]
@@ -145,15 +147,12 @@ pub const DEADLINE: Duration = Duration::from_secs(120);
 
 /// The repository root (the workspace this crate lives in).
 pub fn repo_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .map(Path::to_path_buf)
-        .unwrap_or_else(|| PathBuf::from("."))
+    mlx_node::test_utils::workspace()
 }
 
 /// Path of the real test model; panics with the fix when it is missing.
 pub fn test_model() -> PathBuf {
-    let path = repo_root().join("models").join(TEST_MODEL_FILE);
+    let path = mlx_node::test_utils::test_model_path();
     assert!(
         path.is_file(),
         "test model missing at {}: run scripts/fetch-test-model.sh",
@@ -404,22 +403,6 @@ pub async fn spawn_node(config: NodeConfig) -> anyhow::Result<TestNode> {
     })
 }
 
-/// Sends `authorization: Bearer <key>` on every call (nothing without a key).
-#[derive(Clone)]
-pub struct Bearer(Option<AsciiMetadataValue>);
-
-impl Interceptor for Bearer {
-    fn call(&mut self, mut req: tonic::Request<()>) -> Result<tonic::Request<()>, tonic::Status> {
-        if let Some(v) = &self.0 {
-            req.metadata_mut().insert("authorization", v.clone());
-        }
-        Ok(req)
-    }
-}
-
-/// A channel whose calls carry an API key.
-pub type Authed = InterceptedService<Channel, Bearer>;
-
 /// gRPC clients of one coordinator.
 #[derive(Clone)]
 pub struct Client {
@@ -471,12 +454,8 @@ impl Client {
             .connect()
             .await
             .with_context(|| format!("connecting to gRPC at {addr}"))?;
-        let bearer = Bearer(
-            key.map(|k| format!("Bearer {k}").parse())
-                .transpose()
-                .context("an API key is printable ASCII")?,
-        );
-        let authed = InterceptedService::new(channel, bearer);
+        let bearer = Bearer::for_key(key).context("an API key is printable ASCII")?;
+        let authed = mlxnet_proto::bearer::authed(channel, bearer);
         Ok(Self {
             jobs: JobsClient::new(authed.clone()),
             models: ModelsClient::new(authed.clone()),
@@ -579,33 +558,9 @@ pub fn chat_job(question: &str, max_tokens: u32) -> SubmitJobRequest {
     }
 }
 
-/// A raw-text job for the test model, greedy.
-pub fn prompt_job(prompt: &str, max_tokens: u32) -> SubmitJobRequest {
-    SubmitJobRequest {
-        model: TEST_MODEL_ID.to_string(),
-        input: Some(JobInput {
-            kind: Some(job_input::Kind::Prompt(prompt.into())),
-        }),
-        sampling: Some(SamplingParams {
-            max_tokens,
-            ..Default::default()
-        }),
-        max_price_micro_mlx: 0,
-        priority: 0,
-    }
-}
-
 /// The state of `job` as the enum.
 pub fn state(job: &Job) -> JobState {
     JobState::try_from(job.state).unwrap_or(JobState::Unspecified)
-}
-
-/// Milliseconds since the Unix epoch (the coordinator's clock).
-pub fn now_ms() -> i64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_millis() as i64)
-        .unwrap_or(0)
 }
 
 /// What a job with `claim`'s token counts costs at `model`'s prices, and

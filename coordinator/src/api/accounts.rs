@@ -13,15 +13,11 @@ use mlxnet_proto::v1::{
 };
 use tonic::{Request, Response, Status};
 
-use super::auth::caller;
+use super::{auth::caller, ApiContext};
 use crate::{
-    dispatch::Dispatcher,
-    error::ApiError,
-    ledger::{
-        keys::{Caller, Scope, Scopes},
-        AccountKind, Applied, TransferKind,
-    },
-    store::now_ms,
+    api::error::ApiError,
+    domain::{AccountKind, Applied, Caller, Scope, Scopes, TransferKind},
+    util::now_ms,
 };
 
 const HISTORY_DEFAULT: u32 = 20;
@@ -29,11 +25,11 @@ const HISTORY_MAX: u32 = 200;
 const DAY_MS: i64 = 24 * 60 * 60 * 1000;
 
 pub struct AccountsApi {
-    d: Arc<Dispatcher>,
+    d: Arc<ApiContext>,
 }
 
 impl AccountsApi {
-    pub fn new(d: Arc<Dispatcher>) -> Self {
+    pub fn new(d: Arc<ApiContext>) -> Self {
         Self { d }
     }
 }

@@ -10,7 +10,7 @@
 //!   status (UNAUTHENTICATED) and the same message; the database is asked
 //!   the same question in every case but a missing header.
 //! - A valid key without the scope gets PERMISSION_DENIED naming the scope.
-//! - Abuse limits ([`crate::limits`]) are checked here too: every request but
+//! - Abuse limits ([`super::limits`]) are checked here too: every request but
 //!   the health check takes a slot under the global in-flight cap before
 //!   anything else (so overload is shed before the database is asked), and
 //!   an authenticated one a rate token and an in-flight slot of its key. The
@@ -29,13 +29,13 @@ use futures::future::BoxFuture;
 use tonic::codegen::http;
 
 use crate::{
-    error::ApiError,
-    ledger::{
-        keys::{Caller, Scope},
-        Ledger,
-    },
-    limits::{Admission, Held},
+    api::error::ApiError,
+    domain::{Caller, Scope},
+    ledger::Ledger,
+    util::{net::Held, now_ms},
 };
+
+use super::limits::{Admission, Permit};
 
 /// The health service: cheap, and answered even under overload.
 const HEALTH: &str = "/grpc.health.";
@@ -119,7 +119,7 @@ async fn authenticate(
         .map(str::trim)
         .ok_or(ApiError::Unauthenticated)?;
     let caller = ledger
-        .authenticate(presented, crate::store::now_ms())
+        .authenticate(presented, now_ms())
         .await?
         .ok_or(ApiError::Unauthenticated)?;
     if !caller.scopes.allows(scope) {
@@ -141,7 +141,7 @@ where
     ReqBody: Send + 'static,
     ResBody: Default + Send + 'static,
 {
-    type Response = http::Response<Held<ResBody>>;
+    type Response = http::Response<Held<ResBody, Permit>>;
     type Error = S::Error;
     type Future = BoxFuture<'static, Result<Self::Response, Self::Error>>;
 

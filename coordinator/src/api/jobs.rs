@@ -4,6 +4,7 @@
 use std::{pin::Pin, sync::Arc};
 
 use futures::Stream;
+use mlxnet_proto::money::mlx;
 use mlxnet_proto::{
     ids::JobId,
     v1::{
@@ -15,18 +16,16 @@ use tokio::sync::{broadcast::error::RecvError, mpsc};
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status};
 
-use super::auth::caller;
+use super::{auth::caller, limits::Limits, ApiContext};
 use crate::{
+    api::error::ApiError,
     catalogue::Catalogue,
-    config::Limits,
-    dispatch::Dispatcher,
-    error::{mlx, ApiError},
-    jobs::{self, JobState},
-    ledger::{
-        keys::{Caller, Scope},
-        settle::{self, JobTerms},
+    domain::{
+        job::{is_terminal_event, terminal_event, to_proto},
+        Caller, CancelOutcome, JobState, JobTerms, NewJob, Scope,
     },
-    store::{CancelOutcome, NewJob},
+    ledger::settle,
+    store::Store,
 };
 
 /// Chat roles a model template knows.
@@ -37,11 +36,11 @@ const LIST_DEFAULT: u32 = 20;
 const LIST_MAX: u32 = 200;
 
 pub struct JobsApi {
-    d: Arc<Dispatcher>,
+    d: Arc<ApiContext>,
 }
 
 impl JobsApi {
-    pub fn new(d: Arc<Dispatcher>) -> Self {
+    pub fn new(d: Arc<ApiContext>) -> Self {
         Self { d }
     }
 }
@@ -242,13 +241,8 @@ impl Jobs for JobsApi {
         let me = caller(&req)?;
         let request = req.into_inner();
         let price_limit = request.max_price_micro_mlx;
-        let job = validate_submit(
-            request,
-            &self.d.catalogue,
-            &self.d.config.limits,
-            rand::random,
-        )?;
-        if let Some(why) = self.d.never_fits(&job) {
+        let job = validate_submit(request, &self.d.catalogue, &self.d.limits, rand::random)?;
+        if let Some(why) = self.d.dispatcher.never_fits(&job) {
             return Err(ApiError::FailedPrecondition(format!(
                 "no online node or pod could ever hold this job: {why}"
             ))
@@ -261,15 +255,20 @@ impl Jobs for JobsApi {
             .queued(|| self.d.store.count_queued())
             .await
             .map_err(ApiError::from)?;
-        if queued >= self.d.config.limits.max_queued_jobs {
+        if queued >= self.d.limits.max_queued_jobs {
             return Err(ApiError::ResourceExhausted(format!(
                 "the queue is full ({queued} jobs waiting); try again later"
             ))
             .into());
         }
-        let record = self.d.submit(job, &terms).await.map_err(ApiError::from)?;
+        let record = self
+            .d
+            .dispatcher
+            .submit(job, &terms)
+            .await
+            .map_err(ApiError::from)?;
         self.d.admission.note_queued();
-        Ok(Response::new(jobs::to_proto(&record)))
+        Ok(Response::new(to_proto(&record)))
     }
 
     async fn get(&self, req: Request<GetJobRequest>) -> Result<Response<Job>, Status> {
@@ -283,7 +282,7 @@ impl Jobs for JobsApi {
             .await
             .map_err(ApiError::from)?
             .ok_or_else(|| not_found(id))?;
-        Ok(Response::new(jobs::to_proto(&job)))
+        Ok(Response::new(to_proto(&job)))
     }
 
     type WatchStream = EventStream;
@@ -320,7 +319,7 @@ impl Jobs for JobsApi {
                     event: Some(e),
                 })
             };
-            if let Some(end) = jobs::terminal_event(&job) {
+            if let Some(end) = terminal_event(&job) {
                 drop(sub);
                 d.hub.forget_if_idle(id);
                 let _ = tx.send(Ok(end)).await;
@@ -351,7 +350,7 @@ impl Jobs for JobsApi {
             let mut rx = sub.rx;
             loop {
                 let next = tokio::select! {
-                    _ = d.shutdown_token().cancelled() => {
+                    _ = d.shutdown.cancelled() => {
                         let _ = tx.send(Err(Status::unavailable("the coordinator is shutting down"))).await;
                         return;
                     }
@@ -360,7 +359,7 @@ impl Jobs for JobsApi {
                 };
                 match next {
                     Ok(e) => {
-                        let end = jobs::is_terminal_event(&e);
+                        let end = is_terminal_event(&e);
                         if tx.send(Ok(e)).await.is_err() || end {
                             return;
                         }
@@ -371,7 +370,7 @@ impl Jobs for JobsApi {
                         let now = d.store.get_job(id).await;
                         match now {
                             Ok(Some(job)) if job.state.is_terminal() => {
-                                if let Some(end) = jobs::terminal_event(&job) {
+                                if let Some(end) = terminal_event(&job) {
                                     let _ = tx.send(Ok(end)).await;
                                 }
                             }
@@ -400,7 +399,7 @@ impl Jobs for JobsApi {
         let me = caller(&req)?;
         let id = parse_id(&req.into_inner().job_id)?;
         self.check_owner(&me, id).await?;
-        match self.d.cancel(id).await.map_err(ApiError::from)? {
+        match self.d.dispatcher.cancel(id).await.map_err(ApiError::from)? {
             CancelOutcome::NotFound => return Err(not_found(id).into()),
             CancelOutcome::AlreadyFinished(state) if state != JobState::Cancelled => {
                 return Err(
@@ -416,7 +415,7 @@ impl Jobs for JobsApi {
             .await
             .map_err(ApiError::from)?
             .ok_or_else(|| not_found(id))?;
-        Ok(Response::new(jobs::to_proto(&job)))
+        Ok(Response::new(to_proto(&job)))
     }
 
     async fn list(
@@ -456,7 +455,7 @@ impl Jobs for JobsApi {
             jobs
         };
         Ok(Response::new(ListJobsResponse {
-            jobs: jobs.iter().map(jobs::to_proto).collect(),
+            jobs: jobs.iter().map(to_proto).collect(),
         }))
     }
 }

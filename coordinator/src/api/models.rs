@@ -5,14 +5,14 @@ use std::sync::Arc;
 use mlxnet_proto::v1::{models_server::Models, ListModelsRequest, ListModelsResponse, ModelInfo};
 use tonic::{Request, Response, Status};
 
-use crate::dispatch::Dispatcher;
+use super::ApiContext;
 
 pub struct ModelsApi {
-    d: Arc<Dispatcher>,
+    d: Arc<ApiContext>,
 }
 
 impl ModelsApi {
-    pub fn new(d: Arc<Dispatcher>) -> Self {
+    pub fn new(d: Arc<ApiContext>) -> Self {
         Self { d }
     }
 }

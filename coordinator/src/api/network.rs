@@ -5,14 +5,15 @@ use std::sync::Arc;
 use mlxnet_proto::v1::{network_server::Network, NetworkStats, NetworkStatsRequest};
 use tonic::{Request, Response, Status};
 
-use crate::{dispatch::Dispatcher, error::ApiError};
+use super::ApiContext;
+use crate::{api::error::ApiError, store::Store};
 
 pub struct NetworkApi {
-    d: Arc<Dispatcher>,
+    d: Arc<ApiContext>,
 }
 
 impl NetworkApi {
-    pub fn new(d: Arc<Dispatcher>) -> Self {
+    pub fn new(d: Arc<ApiContext>) -> Self {
         Self { d }
     }
 }

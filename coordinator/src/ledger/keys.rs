@@ -33,98 +33,16 @@ use std::{
 };
 
 use sha2::{Digest, Sha256};
-use sqlx::Row;
 
 use super::{AccountKind, Ledger, LedgerError};
+pub use crate::domain::{Caller, KeyInfo, KeyLimits, Scope, Scopes};
+use crate::{
+    store::{NewKey, Store},
+    util::now_ms,
+};
 
 /// Prefix of every API key.
 pub const KEY_PREFIX: &str = "mlxk_";
-
-/// What a key may do.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum Scope {
-    /// Submit and cancel jobs.
-    Submit,
-    /// Read jobs, balance, history, earnings.
-    Read,
-    /// Create accounts, grant MLX tokens, manage any account's keys.
-    Admin,
-}
-
-impl Scope {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Scope::Submit => "submit",
-            Scope::Read => "read",
-            Scope::Admin => "admin",
-        }
-    }
-
-    pub fn parse(s: &str) -> Option<Self> {
-        Some(match s.trim() {
-            "submit" => Scope::Submit,
-            "read" => Scope::Read,
-            "admin" => Scope::Admin,
-            _ => return None,
-        })
-    }
-}
-
-/// A set of scopes.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct Scopes {
-    pub submit: bool,
-    pub read: bool,
-    pub admin: bool,
-}
-
-impl Scopes {
-    pub const ALL: Scopes = Scopes {
-        submit: true,
-        read: true,
-        admin: true,
-    };
-
-    /// Whether the set allows `scope` (admin allows everything).
-    pub fn allows(&self, scope: Scope) -> bool {
-        self.admin
-            || match scope {
-                Scope::Submit => self.submit,
-                Scope::Read => self.read,
-                Scope::Admin => false,
-            }
-    }
-
-    pub fn from_list<'a>(list: impl IntoIterator<Item = &'a str>) -> Result<Self, LedgerError> {
-        let mut out = Scopes::default();
-        for s in list {
-            match Scope::parse(s) {
-                Some(Scope::Submit) => out.submit = true,
-                Some(Scope::Read) => out.read = true,
-                Some(Scope::Admin) => out.admin = true,
-                None => return Err(LedgerError::Invalid("scopes are submit, read and admin")),
-            }
-        }
-        if out == Scopes::default() {
-            return Err(LedgerError::Invalid("a key needs at least one scope"));
-        }
-        Ok(out)
-    }
-
-    pub fn names(&self) -> Vec<&'static str> {
-        let mut v = Vec::new();
-        if self.submit {
-            v.push("submit");
-        }
-        if self.read {
-            v.push("read");
-        }
-        if self.admin {
-            v.push("admin");
-        }
-        v
-    }
-}
 
 /// A key as created: the only time its secret exists outside the caller.
 pub struct IssuedKey {
@@ -151,24 +69,6 @@ impl fmt::Debug for IssuedKey {
             .field("secret", &"<redacted>")
             .finish()
     }
-}
-
-/// An authenticated caller.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Caller {
-    pub account_id: String,
-    pub key_id: String,
-    pub scopes: Scopes,
-    /// The key's own abuse limits (see [`crate::limits`]).
-    pub limits: KeyLimits,
-}
-
-/// A key's own abuse limits; `None` takes the coordinator's default, 0 is
-/// unlimited.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct KeyLimits {
-    pub requests_per_sec: Option<u32>,
-    pub max_in_flight: Option<u32>,
 }
 
 /// Longest a cached key lookup is trusted.
@@ -225,28 +125,8 @@ impl KeyCache {
     }
 }
 
-fn limit_from_db(v: Option<i64>) -> Option<u32> {
-    v.map(|n| u32::try_from(n.max(0)).unwrap_or(u32::MAX))
-}
-
-/// A key as listed (no secret, no hash).
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct KeyInfo {
-    pub id: String,
-    pub account_id: String,
-    pub scopes: Scopes,
-    pub label: String,
-    pub created_at_ms: i64,
-    pub expires_at_ms: Option<i64>,
-    pub revoked_at_ms: Option<i64>,
-}
-
 fn hash(key: &str) -> [u8; 32] {
     Sha256::digest(key.as_bytes()).into()
-}
-
-fn scopes_from_text(text: &str) -> Result<Scopes, LedgerError> {
-    Scopes::from_list(text.split(',').filter(|s| !s.is_empty()))
 }
 
 impl Ledger {
@@ -272,19 +152,17 @@ impl Ledger {
         rand::RngCore::fill_bytes(&mut rand::rngs::OsRng, &mut secret_bytes);
         let secret = format!("{KEY_PREFIX}{}", hex::encode(secret_bytes));
         let id = format!("key_{}", hex::encode(rand::random::<[u8; 6]>()));
-        sqlx::query(
-            "INSERT INTO api_keys (id, account_id, hash, scopes, label, created_at_ms, expires_at_ms) \
-             VALUES (?, ?, ?, ?, ?, ?, ?)",
-        )
-        .bind(&id)
-        .bind(account)
-        .bind(hash(&secret).to_vec())
-        .bind(scopes.names().join(","))
-        .bind(label)
-        .bind(crate::store::now_ms())
-        .bind(expires_at_ms)
-        .execute(self.pool())
-        .await?;
+        self.store()
+            .insert_key(&NewKey {
+                id: id.clone(),
+                account_id: account.to_owned(),
+                hash: hash(&secret),
+                scopes,
+                label: label.to_owned(),
+                created_at_ms: now_ms(),
+                expires_at_ms,
+            })
+            .await?;
         Ok(IssuedKey {
             id,
             account_id: account.to_owned(),
@@ -308,29 +186,12 @@ impl Ledger {
         if let Some(caller) = self.key_cache().get(&digest, now_ms) {
             return Ok(Some(caller));
         }
-        let row = sqlx::query(
-            "SELECT id, account_id, scopes, expires_at_ms, max_requests_per_sec, max_in_flight \
-             FROM api_keys WHERE hash = ? AND revoked_at_ms IS NULL \
-             AND (expires_at_ms IS NULL OR expires_at_ms > ?)",
-        )
-        .bind(digest.to_vec())
-        .bind(now_ms)
-        .fetch_optional(self.pool())
-        .await?;
-        let Some(r) = row else { return Ok(None) };
-        let scopes: String = r.try_get("scopes")?;
-        let caller = Caller {
-            account_id: r.try_get("account_id")?,
-            key_id: r.try_get("id")?,
-            scopes: scopes_from_text(&scopes)?,
-            limits: KeyLimits {
-                requests_per_sec: limit_from_db(r.try_get("max_requests_per_sec")?),
-                max_in_flight: limit_from_db(r.try_get("max_in_flight")?),
-            },
+        let Some(found) = self.store().key_by_hash(&digest, now_ms).await? else {
+            return Ok(None);
         };
         self.key_cache()
-            .put(digest, caller.clone(), r.try_get("expires_at_ms")?);
-        Ok(Some(caller))
+            .put(digest, found.caller.clone(), found.expires_at_ms);
+        Ok(Some(found.caller))
     }
 
     /// Sets key `key_id`'s own abuse limits (`None`: the coordinator's
@@ -340,17 +201,9 @@ impl Ledger {
         key_id: &str,
         limits: KeyLimits,
     ) -> Result<bool, LedgerError> {
-        let n = sqlx::query(
-            "UPDATE api_keys SET max_requests_per_sec = ?, max_in_flight = ? WHERE id = ?",
-        )
-        .bind(limits.requests_per_sec.map(i64::from))
-        .bind(limits.max_in_flight.map(i64::from))
-        .bind(key_id)
-        .execute(self.pool())
-        .await?
-        .rows_affected();
+        let found = self.store().set_key_limits(key_id, limits).await?;
         self.key_cache().forget(key_id);
-        Ok(n == 1)
+        Ok(found)
     }
 
     /// Revokes key `key_id` of `account` (any account's when `account` is
@@ -360,43 +213,14 @@ impl Ledger {
         key_id: &str,
         account: Option<&str>,
     ) -> Result<bool, LedgerError> {
-        let n = sqlx::query(
-            "UPDATE api_keys SET revoked_at_ms = ?1 WHERE id = ?2 AND revoked_at_ms IS NULL \
-             AND (?3 IS NULL OR account_id = ?3)",
-        )
-        .bind(crate::store::now_ms())
-        .bind(key_id)
-        .bind(account)
-        .execute(self.pool())
-        .await?
-        .rows_affected();
+        let revoked = self.store().revoke_key(key_id, account, now_ms()).await?;
         self.key_cache().forget(key_id);
-        Ok(n == 1)
+        Ok(revoked)
     }
 
     /// Keys of `account`, newest first.
     pub async fn list_keys(&self, account: &str) -> Result<Vec<KeyInfo>, LedgerError> {
-        let rows = sqlx::query(
-            "SELECT id, account_id, scopes, label, created_at_ms, expires_at_ms, revoked_at_ms \
-             FROM api_keys WHERE account_id = ? ORDER BY created_at_ms DESC, id",
-        )
-        .bind(account)
-        .fetch_all(self.pool())
-        .await?;
-        rows.iter()
-            .map(|r| {
-                let scopes: String = r.try_get("scopes")?;
-                Ok(KeyInfo {
-                    id: r.try_get("id")?,
-                    account_id: r.try_get("account_id")?,
-                    scopes: scopes_from_text(&scopes)?,
-                    label: r.try_get("label")?,
-                    created_at_ms: r.try_get("created_at_ms")?,
-                    expires_at_ms: r.try_get("expires_at_ms")?,
-                    revoked_at_ms: r.try_get("revoked_at_ms")?,
-                })
-            })
-            .collect()
+        Ok(self.store().list_keys(account).await?)
     }
 
     /// Creates an admin account with an admin key: how the first key comes
@@ -406,23 +230,4 @@ impl Ledger {
         self.create_key(&account.id, Scopes::ALL, "bootstrap admin", None)
             .await
     }
-}
-
-/// Opens the database `config` names (creating and migrating it if needed),
-/// creates an admin account named `name` with an admin key, and closes the
-/// database. This is how the first key of a network is made: run
-/// `mlxnet-coordinator admin-key` on the coordinator's host (whoever can read
-/// the database can already do anything). SQLite allows it while the
-/// coordinator runs.
-pub async fn bootstrap_admin_key(
-    config: &crate::config::CoordinatorConfig,
-    name: &str,
-) -> Result<IssuedKey, LedgerError> {
-    std::fs::create_dir_all(&config.data_dir)
-        .map_err(|_| LedgerError::Invalid("cannot create the data directory"))?;
-    let store = crate::store::Store::connect(&config.database_url()).await?;
-    let ledger = Ledger::new(store.pool().clone(), config.ledger.clone());
-    let key = ledger.bootstrap_admin(name).await;
-    store.close().await;
-    key
 }

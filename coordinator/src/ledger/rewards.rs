@@ -19,24 +19,15 @@
 //! # Failure
 //! [`LedgerError`]; an epoch that fails to pay stays unpaid and is retried.
 
-use sqlx::Row;
+pub use crate::domain::Availability;
 
 use super::{
-    settle::operator_of,
-    transfer::{self, NewTransfer, TransferKind},
-    Ledger, LedgerError, REWARD_POOL,
+    settle::operator_of, transfer, Ledger, LedgerError, NewTransfer, TransferKind, REWARD_POOL,
 };
+use crate::store::{Store, StoreTx};
 
 const GIB: u128 = 1 << 30;
 const HOUR_MS: u128 = 3_600_000;
-
-/// One node's availability in an epoch.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Availability {
-    pub node_id: String,
-    pub memory_bytes: u64,
-    pub online_ms: u64,
-}
 
 /// Each node's reward for an epoch: memory x time x rate, scaled down
 /// together so the sum stays within `budget`. Nodes owed nothing are left out.
@@ -78,62 +69,23 @@ impl Ledger {
         online_ms: u64,
         now_ms: i64,
     ) -> Result<(), LedgerError> {
-        sqlx::query(
-            "INSERT INTO availability (epoch, node_id, memory_bytes, online_ms) VALUES (?1, ?2, ?3, ?4) \
-             ON CONFLICT (epoch, node_id) DO UPDATE SET online_ms = online_ms + ?4, \
-             memory_bytes = MAX(memory_bytes, ?3)",
-        )
-        .bind(self.epoch_of(now_ms))
-        .bind(node_id)
-        .bind(i64::try_from(memory_bytes).unwrap_or(i64::MAX))
-        .bind(i64::try_from(online_ms).unwrap_or(i64::MAX))
-        .execute(self.pool())
-        .await?;
-        Ok(())
+        Ok(self
+            .store()
+            .record_online(self.epoch_of(now_ms), node_id, memory_bytes, online_ms)
+            .await?)
     }
 
     /// Pays every ended, unpaid epoch (before the one `now_ms` is in).
     /// Returns how many epochs were paid.
     pub async fn pay_rewards(&self, now_ms: i64) -> Result<usize, LedgerError> {
-        let current = self.epoch_of(now_ms);
-        let epochs: Vec<i64> = sqlx::query_scalar(
-            "SELECT DISTINCT a.epoch FROM availability a LEFT JOIN reward_epochs r ON r.epoch = a.epoch \
-             WHERE a.epoch < ? AND r.epoch IS NULL ORDER BY a.epoch",
-        )
-        .bind(current)
-        .fetch_all(self.pool())
-        .await?;
+        let epochs = self.store().unpaid_epochs(self.epoch_of(now_ms)).await?;
         for &epoch in &epochs {
-            let mut tx = self.write_tx().await?;
-            let paid: Option<i64> =
-                sqlx::query_scalar("SELECT epoch FROM reward_epochs WHERE epoch = ?")
-                    .bind(epoch)
-                    .fetch_optional(&mut *tx)
-                    .await?;
-            if paid.is_some() {
+            let mut tx = self.store().write().await?;
+            if tx.epoch_paid(epoch).await? {
                 continue;
             }
-            let rows = sqlx::query(
-                "SELECT node_id, memory_bytes, online_ms FROM availability WHERE epoch = ? ORDER BY node_id",
-            )
-            .bind(epoch)
-            .fetch_all(&mut *tx)
-            .await?;
-            let rows = rows
-                .iter()
-                .map(|r| {
-                    let memory: i64 = r.try_get("memory_bytes")?;
-                    let online: i64 = r.try_get("online_ms")?;
-                    Ok(Availability {
-                        node_id: r.try_get("node_id")?,
-                        memory_bytes: memory.max(0) as u64,
-                        online_ms: online.max(0) as u64,
-                    })
-                })
-                .collect::<Result<Vec<_>, LedgerError>>()?;
-            let pool = transfer::account(&mut tx, REWARD_POOL)
-                .await?
-                .map_or(0, |a| a.available());
+            let rows = tx.availability(epoch).await?;
+            let pool = tx.account(REWARD_POOL).await?.map_or(0, |a| a.available());
             let budget = pool.min(self.config().reward_pool_per_epoch);
             let mut total = 0i64;
             for (node, amount) in split(&rows, self.config().reward_per_gib_hour, budget) {
@@ -155,12 +107,7 @@ impl Ledger {
                 .await?;
                 total += amount;
             }
-            sqlx::query("INSERT INTO reward_epochs (epoch, paid_ms, total) VALUES (?, ?, ?)")
-                .bind(epoch)
-                .bind(now_ms)
-                .bind(total)
-                .execute(&mut *tx)
-                .await?;
+            tx.mark_epoch_paid(epoch, now_ms, total).await?;
             tx.commit().await?;
         }
         Ok(epochs.len())

@@ -29,14 +29,16 @@
 
 use mlxnet_proto::{
     ids::JobId,
-    v1::{job_input, JobInput, ResultClaim},
+    v1::{job_input, JobInput},
 };
-use prost::Message;
-use sqlx::{Row, SqliteConnection};
 
 use super::{
-    transfer::{self, Applied, NewTransfer, TransferKind},
-    Ledger, LedgerError, ESCROW, FEE,
+    transfer, Applied, JobTerms, Ledger, LedgerError, NewTransfer, Price, TransferKind, ESCROW, FEE,
+};
+pub use crate::domain::hold_id;
+use crate::{
+    domain::{Account, AccountKind, JobState},
+    store::{AnyTx, Store, StoreTx},
 };
 
 /// Settlement steps since the process started (for the test pause knob).
@@ -59,24 +61,6 @@ const TEMPLATE_TOKENS_PER_MESSAGE: u64 = 8;
 /// Prompt tokens a chat template may add once (a default system prompt).
 const TEMPLATE_TOKENS_FIXED: u64 = 64;
 
-/// A model's price, in micro-MLX per million tokens.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct Price {
-    pub input_per_mtok: u64,
-    pub output_per_mtok: u64,
-}
-
-impl Price {
-    /// The price of `input` prompt tokens and `output` generated tokens,
-    /// rounded up to a whole micro-MLX.
-    pub fn of(&self, input: u64, output: u64) -> i64 {
-        let total = u128::from(input) * u128::from(self.input_per_mtok)
-            + u128::from(output) * u128::from(self.output_per_mtok);
-        let micro = total.div_ceil(1_000_000);
-        i64::try_from(micro).unwrap_or(i64::MAX)
-    }
-}
-
 /// An upper bound of the prompt tokens of `input`: a byte-level tokenizer
 /// never makes more tokens than bytes, plus what the chat template adds.
 pub fn prompt_tokens_bound(input: &JobInput) -> u64 {
@@ -98,10 +82,6 @@ pub fn max_price(price: &Price, input: &JobInput, max_tokens: u32) -> i64 {
     price.of(prompt_tokens_bound(input), u64::from(max_tokens))
 }
 
-pub fn hold_id(job: &str) -> String {
-    format!("job:{job}:hold")
-}
-
 /// Verified work by one node on a job.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Share {
@@ -109,14 +89,6 @@ pub struct Share {
     pub attempt: u32,
     pub input_tokens: u64,
     pub output_tokens: u64,
-}
-
-/// Who pays for a job, and at what price.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct JobTerms {
-    pub account: String,
-    pub price: Price,
-    pub max_price: i64,
 }
 
 /// What settling a job did.
@@ -141,30 +113,18 @@ pub enum Settlement {
 impl Ledger {
     /// Who pays for `job`, if it was submitted through the ledger.
     pub async fn job_terms(&self, job: JobId) -> Result<Option<JobTerms>, LedgerError> {
-        let mut conn = self.pool().acquire().await?;
-        terms(&mut conn, &job.to_string()).await
+        Ok(self.store().job_terms(&job.to_string()).await?)
     }
 
     /// Settles `job` according to its state in the store (see [`Settlement`]).
     /// Idempotent: once the hold is resolved, it returns `NothingOpen`.
     pub async fn settle_job(&self, job: JobId, now_ms: i64) -> Result<Settlement, LedgerError> {
         let id = job.to_string();
-        let mut tx = self.write_tx().await?;
+        let mut tx = self.store().write().await?;
         step(self).await;
-        let deadline: Option<i64> =
-            sqlx::query_scalar("SELECT deadline_ms FROM open_holds WHERE transfer_id = ?")
-                .bind(hold_id(&id))
-                .fetch_optional(&mut *tx)
-                .await?;
-        let Some(deadline) = deadline else {
+        let Some(deadline) = tx.hold_deadline(&hold_id(&id)).await? else {
             return Ok(Settlement::NothingOpen);
         };
-        let row = sqlx::query(
-            "SELECT state, claim, node_id, attempt, updated_at_ms FROM jobs WHERE id = ?",
-        )
-        .bind(&id)
-        .fetch_optional(&mut *tx)
-        .await?;
         let release = |late: bool| {
             if late {
                 TransferKind::ExpirePending
@@ -173,40 +133,36 @@ impl Ledger {
             }
         };
         let late = now_ms > deadline;
-        let outcome = match row {
+        let outcome = match tx.get_job(job).await? {
             None => release_hold(&mut tx, &id, release(late), now_ms).await?,
-            Some(row) => {
-                let state: String = row.try_get("state")?;
-                let updated: i64 = row.try_get("updated_at_ms")?;
-                let audit: Option<String> =
-                    sqlx::query_scalar("SELECT state FROM audits WHERE job_id = ?")
-                        .bind(&id)
-                        .fetch_optional(&mut *tx)
-                        .await?;
+            Some(record) => {
+                let updated = record.updated_at_ms;
+                let audit = tx.audit_state(&id).await?;
                 let window = self.config().audit_window_ms;
                 let in_window = window > 0 && now_ms < updated.saturating_add(window);
-                match state.as_str() {
+                let completed = record.state == JobState::Completed;
+                match record.state {
                     // A failed audit voids the pay: the client gets the
                     // whole hold back, the operator nothing.
-                    "completed" if audit.as_deref() == Some("failed") => {
+                    _ if completed && audit.as_deref() == Some("failed") => {
                         release_hold(&mut tx, &id, TransferKind::VoidPending, now_ms).await?
                     }
                     // Pay waits for the audit window to close.
-                    "completed" if in_window && !late => Settlement::Open,
-                    "completed" if updated <= deadline => {
-                        let claim: Option<Vec<u8>> = row.try_get("claim")?;
-                        let node: Option<String> = row.try_get("node_id")?;
-                        let attempt: i64 = row.try_get("attempt")?;
-                        let claim = ResultClaim::decode(claim.unwrap_or_default().as_slice())
-                            .map_err(|e| LedgerError::Corrupt(format!("claim of job {id}: {e}")))?;
+                    _ if completed && in_window && !late => Settlement::Open,
+                    _ if completed && updated <= deadline => {
+                        let claim = record
+                            .result
+                            .as_ref()
+                            .and_then(|r| r.claim.clone())
+                            .unwrap_or_default();
                         let finisher = Share {
-                            node_id: node.unwrap_or_default(),
-                            attempt: attempt as u32,
+                            node_id: record.node_id.clone().unwrap_or_default(),
+                            attempt: record.attempt,
                             input_tokens: u64::from(claim.prompt_tokens),
                             output_tokens: u64::from(claim.completion_tokens),
                         };
                         let shares = job_shares(&mut tx, job, finisher).await?;
-                        let terms = terms(&mut tx, &id).await?.ok_or_else(|| {
+                        let terms = tx.job_terms(&id).await?.ok_or_else(|| {
                             LedgerError::Corrupt(format!("job {id} has a hold but no terms"))
                         })?;
                         post(
@@ -220,7 +176,7 @@ impl Ledger {
                         )
                         .await?
                     }
-                    "completed" | "failed" | "cancelled" => {
+                    JobState::Completed | JobState::Failed | JobState::Cancelled => {
                         release_hold(&mut tx, &id, release(late), now_ms).await?
                     }
                     _ if late => Settlement::Overdue,
@@ -244,16 +200,11 @@ impl Ledger {
         now_ms: i64,
     ) -> Result<Settlement, LedgerError> {
         let id = job.to_string();
-        let mut tx = self.write_tx().await?;
-        let Some(terms) = terms(&mut tx, &id).await? else {
+        let mut tx = self.store().write().await?;
+        let Some(terms) = tx.job_terms(&id).await? else {
             return Ok(Settlement::NothingOpen);
         };
-        let open: Option<i64> =
-            sqlx::query_scalar("SELECT deadline_ms FROM open_holds WHERE transfer_id = ?")
-                .bind(hold_id(&id))
-                .fetch_optional(&mut *tx)
-                .await?;
-        if open.is_none() {
+        if tx.hold_deadline(&hold_id(&id)).await?.is_none() {
             return Ok(Settlement::NothingOpen);
         }
         let outcome = post(
@@ -272,14 +223,7 @@ impl Ledger {
 
     /// Jobs whose hold is open and due (deadline at or before `now_ms`).
     pub async fn due_holds(&self, now_ms: i64, limit: u32) -> Result<Vec<String>, LedgerError> {
-        Ok(sqlx::query_scalar(
-            "SELECT job_id FROM open_holds WHERE deadline_ms < ? AND job_id IS NOT NULL \
-             ORDER BY deadline_ms LIMIT ?",
-        )
-        .bind(now_ms)
-        .bind(i64::from(limit))
-        .fetch_all(self.pool())
-        .await?)
+        Ok(self.store().due_holds(now_ms, limit).await?)
     }
 
     /// Jobs with an open hold that have already ended (left by a crash
@@ -290,18 +234,10 @@ impl Ledger {
         now_ms: i64,
         limit: u32,
     ) -> Result<Vec<String>, LedgerError> {
-        Ok(sqlx::query_scalar(
-            "SELECT h.job_id FROM open_holds h LEFT JOIN jobs j ON j.id = h.job_id \
-             WHERE h.job_id IS NOT NULL AND (j.id IS NULL OR j.state IN ('failed', 'cancelled') \
-             OR (j.state = 'completed' AND (?1 = 0 OR j.updated_at_ms + ?1 <= ?2 OR EXISTS \
-               (SELECT 1 FROM audits a WHERE a.job_id = j.id AND a.state = 'failed')))) \
-             LIMIT ?3",
-        )
-        .bind(self.config().audit_window_ms)
-        .bind(now_ms)
-        .bind(i64::from(limit))
-        .fetch_all(self.pool())
-        .await?)
+        Ok(self
+            .store()
+            .unsettled_jobs(now_ms, self.config().audit_window_ms, limit)
+            .await?)
     }
 }
 
@@ -320,11 +256,11 @@ impl Ledger {
 /// So a split job never costs the client more than the same job run
 /// uninterrupted, and no attempt is paid twice.
 async fn job_shares(
-    conn: &mut SqliteConnection,
+    tx: &mut AnyTx,
     job: JobId,
     mut finisher: Share,
 ) -> Result<Vec<Share>, LedgerError> {
-    let segments = crate::store::segments::segments_on(conn, job).await?;
+    let segments = tx.segments(job).await?;
     let resumed: u64 = segments.iter().map(|s| s.token_ids.len() as u64).sum();
     finisher.input_tokens = finisher.input_tokens.saturating_sub(resumed);
     let mut shares: Vec<Share> = segments
@@ -341,30 +277,8 @@ async fn job_shares(
     Ok(shares)
 }
 
-async fn terms(conn: &mut SqliteConnection, job: &str) -> Result<Option<JobTerms>, LedgerError> {
-    let row = sqlx::query(
-        "SELECT account_id, input_per_mtok, output_per_mtok, max_price FROM job_holds WHERE job_id = ?",
-    )
-    .bind(job)
-    .fetch_optional(&mut *conn)
-    .await?;
-    row.map(|r| {
-        let input: i64 = r.try_get("input_per_mtok")?;
-        let output: i64 = r.try_get("output_per_mtok")?;
-        Ok(JobTerms {
-            account: r.try_get("account_id")?,
-            price: Price {
-                input_per_mtok: input.max(0) as u64,
-                output_per_mtok: output.max(0) as u64,
-            },
-            max_price: r.try_get("max_price")?,
-        })
-    })
-    .transpose()
-}
-
 async fn release_hold(
-    conn: &mut SqliteConnection,
+    tx: &mut AnyTx,
     job: &str,
     kind: TransferKind,
     now_ms: i64,
@@ -374,7 +288,7 @@ async fn release_hold(
         _ => ("void", Settlement::Voided),
     };
     transfer::apply(
-        conn,
+        tx,
         &NewTransfer {
             id: format!("job:{job}:{suffix}"),
             kind: Some(kind),
@@ -392,14 +306,15 @@ async fn release_hold(
 /// operator its share less the fee, and the fee to the network.
 async fn post(
     ledger: &Ledger,
-    conn: &mut SqliteConnection,
+    tx: &mut AnyTx,
     job: &str,
     price: &Price,
     shares: &[Share],
     fee_bps: u32,
     now_ms: i64,
 ) -> Result<Settlement, LedgerError> {
-    let hold = transfer::get(conn, &hold_id(job))
+    let hold = tx
+        .transfer(&hold_id(job))
         .await?
         .ok_or_else(|| LedgerError::NoSuchPending(hold_id(job)))?;
     let mut remaining = hold.amount;
@@ -415,7 +330,7 @@ async fn post(
         total += p;
     }
     transfer::apply(
-        conn,
+        tx,
         &NewTransfer {
             id: format!("job:{job}:post"),
             kind: Some(TransferKind::PostPending),
@@ -432,9 +347,9 @@ async fn post(
         if pay == 0 {
             continue;
         }
-        let operator = operator_of(conn, &share.node_id).await?;
+        let operator = operator_of(tx, &share.node_id).await?;
         let applied = transfer::apply(
-            conn,
+            tx,
             &NewTransfer {
                 id: format!("job:{job}:pay:{}:{}", share.attempt, share.node_id),
                 kind: Some(TransferKind::Posted),
@@ -460,7 +375,7 @@ async fn post(
     }
     if fee_total > 0 {
         transfer::apply(
-            conn,
+            tx,
             &NewTransfer {
                 id: format!("job:{job}:fee"),
                 kind: Some(TransferKind::Posted),
@@ -483,36 +398,21 @@ async fn post(
 }
 
 /// The operator account `node_id` earns for; a node never linked gets an
-/// operator account of its own, so its pay is never lost.
-pub(crate) async fn operator_of(
-    conn: &mut SqliteConnection,
-    node_id: &str,
-) -> Result<String, LedgerError> {
-    if let Some(a) =
-        sqlx::query_scalar::<_, String>("SELECT account_id FROM node_operators WHERE node_id = ?")
-            .bind(node_id)
-            .fetch_optional(&mut *conn)
-            .await?
-    {
+/// operator account of its own (`acct_node_<id prefix>`), so its pay is
+/// never lost.
+pub(crate) async fn operator_of(tx: &mut AnyTx, node_id: &str) -> Result<String, LedgerError> {
+    if let Some(a) = tx.operator_of(node_id).await? {
         return Ok(a);
     }
     let short: String = node_id.chars().take(16).collect();
-    let account = format!("acct_node_{short}");
-    let now = crate::store::now_ms();
-    sqlx::query(
-        "INSERT OR IGNORE INTO accounts (id, name, kind, no_overdraft, created_at_ms) \
-         VALUES (?, ?, 'operator', 1, ?)",
-    )
-    .bind(&account)
-    .bind(format!("node {short}"))
-    .bind(now)
-    .execute(&mut *conn)
-    .await?;
-    sqlx::query("INSERT INTO node_operators (node_id, account_id, linked_at_ms) VALUES (?, ?, ?)")
-        .bind(node_id)
-        .bind(&account)
-        .bind(now)
-        .execute(&mut *conn)
-        .await?;
-    Ok(account)
+    let now = crate::util::now_ms();
+    let account = Account::new(
+        format!("acct_node_{short}"),
+        format!("node {short}"),
+        AccountKind::Operator,
+        now,
+    );
+    tx.insert_account_if_absent(&account).await?;
+    tx.link_operator(node_id, &account.id, now).await?;
+    Ok(account.id)
 }

@@ -1,7 +1,7 @@
 //! Submitting jobs: each job's hold and its job row, by group commit.
 //!
-//! Concurrent submits queue up; whoever takes the ledger's writer lock next
-//! runs every queued submit in one `BEGIN IMMEDIATE` transaction, so one
+//! Concurrent submits queue up; whoever opens the store's next write
+//! transaction runs every queued submit in it, so one
 //! commit (and, with `synchronous = FULL`, one fsync) serves the whole
 //! batch. There is no linger: a batch is whatever queued while the previous
 //! one was being written, so an idle ledger commits a lone submit at once
@@ -11,7 +11,7 @@
 //! lookup of already used job ids, one of the paying accounts, one balance
 //! `UPDATE` per paying account (the sum of its accepted holds) and one for
 //! escrow, and multi-row `INSERT`s into `transfers`, `open_holds`,
-//! `job_holds` and `jobs` (see [`crate::store::sqlite::insert_rows`]).
+//! `job_holds` and `jobs` (the store writes each as few multi-row statements).
 //!
 //! # Invariants
 //! - Every submit is decided in queue order against the balances as the
@@ -36,13 +36,11 @@
 
 use std::collections::{HashMap, HashSet};
 
-use sqlx::{Row, SqliteConnection};
-
-use super::{settle::hold_id, settle::JobTerms, Ledger, LedgerError, ESCROW};
-use crate::lock;
-use crate::store::{
-    sqlite::{insert_jobs_on, insert_rows},
-    JobRecord, NewJob,
+use super::{settle::hold_id, JobTerms, Ledger, LedgerError, ESCROW};
+use crate::{
+    domain::{JobRecord, NewJob, Transfer, TransferKind},
+    store::{AnyTx, OpenHold, Store, StoreTx},
+    util::lock,
 };
 
 /// A submit waiting for the next group commit.
@@ -71,23 +69,26 @@ impl Ledger {
             now_ms,
             reply,
         });
-        // Whoever gets the writer lock first writes the queue; a submit that
-        // was written by someone else meanwhile leaves the line for the lock
-        // at once (else the answered submits would each take the lock in
-        // turn, and every new submit would commit alone behind them).
-        let guard = tokio::select! {
+        // Whoever opens the next write transaction writes the queue; a
+        // submit that was written by someone else meanwhile leaves the line
+        // at once (else the answered submits would each take the store's
+        // writer in turn, and every new submit would commit alone behind
+        // them).
+        let tx = tokio::select! {
             biased;
             r = &mut answer => return r.unwrap_or_else(|_| Err(dropped())),
-            guard = self.writer_lock() => guard,
+            tx = self.store().write() => tx,
         };
         let batch = std::mem::take(&mut *lock(&self.submits));
-        if !batch.is_empty() {
+        if batch.is_empty() {
+            drop(tx);
+        } else {
             // The batch is written on a task of its own: a caller that goes
             // away (a client hanging up) must not roll back everyone else's
             // submits with it.
             let ledger = self.clone();
             tokio::spawn(async move {
-                let committed = match ledger.begin_locked(guard).await {
+                let committed = match tx {
                     Ok(mut tx) => match write_batch(&ledger, &mut tx, &batch).await {
                         Ok(verdicts) => tx
                             .commit()
@@ -104,28 +105,12 @@ impl Ledger {
         // A batch that panicked dropped its answers: each caller sees that.
         answer.await.unwrap_or_else(|_| Err(dropped()))
     }
-}
 
-impl Ledger {
-    /// The durability settings the ledger's writes run under, as SQLite
-    /// reports them on a connection of the pool (e.g. `journal_mode=wal,
-    /// synchronous=FULL`): what a benchmark states next to its figures.
+    /// The durability settings the ledger's writes run under, as the store
+    /// reports them (e.g. `journal_mode=wal, synchronous=FULL`): what a
+    /// benchmark states next to its figures.
     pub async fn durability(&self) -> Result<String, LedgerError> {
-        let mut conn = self.pool().acquire().await?;
-        let journal: String = sqlx::query_scalar("PRAGMA journal_mode")
-            .fetch_one(&mut *conn)
-            .await?;
-        let sync: i64 = sqlx::query_scalar("PRAGMA synchronous")
-            .fetch_one(&mut *conn)
-            .await?;
-        let sync = match sync {
-            0 => "OFF",
-            1 => "NORMAL",
-            2 => "FULL",
-            3 => "EXTRA",
-            _ => "unknown",
-        };
-        Ok(format!("journal_mode={journal}, synchronous={sync}"))
+        Ok(self.store().durability().await?)
     }
 }
 
@@ -140,7 +125,7 @@ fn answer_all(batch: Vec<QueuedSubmit>, committed: Result<Vec<Verdict>, String>)
         Ok(verdicts) => {
             for (q, v) in batch.into_iter().zip(verdicts) {
                 let r = match v {
-                    Verdict::Accepted => Ok(crate::store::sqlite::queued_record(&q.job, q.now_ms)),
+                    Verdict::Accepted => Ok(JobRecord::queued(&q.job, q.now_ms)),
                     Verdict::Refused(e) => Err(e),
                 };
                 let _ = q.reply.send(r);
@@ -152,16 +137,6 @@ fn answer_all(batch: Vec<QueuedSubmit>, committed: Result<Vec<Verdict>, String>)
             }
         }
     }
-}
-
-/// The pending transfer of one accepted submit.
-struct Hold<'a> {
-    id: String,
-    job: &'a str,
-    account: &'a str,
-    amount: i64,
-    deadline_ms: i64,
-    now_ms: i64,
 }
 
 /// What the batch decided for one submit.
@@ -179,38 +154,29 @@ struct Payer {
     held: i64,
 }
 
-/// Decides every submit of `batch` in order and writes the accepted ones on
-/// `conn` (inside the batch's transaction). One verdict per submit.
+/// Decides every submit of `batch` in order and writes the accepted ones in
+/// `tx` (the batch's transaction). One verdict per submit.
 async fn write_batch(
     ledger: &Ledger,
-    conn: &mut SqliteConnection,
+    tx: &mut AnyTx,
     batch: &[QueuedSubmit],
 ) -> Result<Vec<Verdict>, LedgerError> {
     let ids: Vec<String> = batch.iter().map(|q| q.job.id.to_string()).collect();
-    let used = used_job_ids(conn, &ids).await?;
-    let mut payers = payers(conn, batch).await?;
+    let used = tx.used_job_ids(&ids).await?;
+    let mut payers = payers(tx, batch).await?;
     let mut seen = HashSet::with_capacity(batch.len());
     let mut verdicts = Vec::with_capacity(batch.len());
     for (q, id) in batch.iter().zip(&ids) {
         verdicts.push(decide(q, id, &used, &mut seen, &mut payers));
     }
 
-    // Balances: one guarded UPDATE per paying account, one for escrow.
+    // Balances: one guarded debit per paying account, one credit to escrow.
     let mut escrow = 0i64;
     for (account, p) in &payers {
         if p.held == 0 {
             continue;
         }
-        let n = sqlx::query(
-            "UPDATE accounts SET debits_pending = debits_pending + ?1 WHERE id = ?2 \
-             AND (no_overdraft = 0 OR credits_posted - debits_posted - debits_pending >= ?1)",
-        )
-        .bind(p.held)
-        .bind(account)
-        .execute(&mut *conn)
-        .await?
-        .rows_affected();
-        if n != 1 {
+        if !tx.add_debit(account, p.held, true).await? {
             return Err(LedgerError::Corrupt(format!(
                 "holds of {} on {account} do not fit its balance any more",
                 p.held
@@ -221,14 +187,10 @@ async fn write_batch(
             .ok_or_else(|| LedgerError::Corrupt("the batch's holds overflow".into()))?;
     }
     if escrow > 0 {
-        sqlx::query("UPDATE accounts SET credits_pending = credits_pending + ? WHERE id = ?")
-            .bind(escrow)
-            .bind(ESCROW)
-            .execute(&mut *conn)
-            .await?;
+        tx.add_credit(ESCROW, escrow, true).await?;
     }
 
-    // Rows: multi-row INSERTs of the accepted submits.
+    // Rows: the accepted submits' holds, their open holds, terms and jobs.
     let accepted: Vec<(&QueuedSubmit, &String)> = batch
         .iter()
         .zip(&ids)
@@ -236,60 +198,41 @@ async fn write_batch(
         .filter(|(_, v)| matches!(v, Verdict::Accepted))
         .map(|(qi, _)| qi)
         .collect();
-    let holds: Vec<Hold<'_>> = accepted
+    let holds: Vec<Transfer> = accepted
         .iter()
         .filter(|(q, _)| q.terms.max_price > 0)
-        .map(|(q, id)| Hold {
+        .map(|(q, id)| Transfer {
             id: hold_id(id),
-            job: id,
-            account: &q.terms.account,
+            kind: TransferKind::Pending,
+            debit: q.terms.account.clone(),
+            credit: ESCROW.into(),
             amount: q.terms.max_price,
-            deadline_ms: q.now_ms.saturating_add(ledger.config().hold_ttl_ms),
-            now_ms: q.now_ms,
+            pending_id: None,
+            deadline_ms: Some(q.now_ms.saturating_add(ledger.config().hold_ttl_ms)),
+            job_id: Some((*id).clone()),
+            node_id: None,
+            tokens: 0,
+            memo: "hold".into(),
+            created_at_ms: q.now_ms,
         })
         .collect();
-    insert_rows(
-        conn,
-        "INSERT INTO transfers (id, kind, debit_account, credit_account, amount, pending_id, \
-         deadline_ms, job_id, node_id, tokens, memo, created_at_ms) VALUES ",
-        "(?, 'pending', ?, ?, ?, NULL, ?, ?, NULL, 0, 'hold', ?)",
-        &holds,
-        |q, h| {
-            q.bind(h.id.as_str())
-                .bind(h.account)
-                .bind(ESCROW)
-                .bind(h.amount)
-                .bind(h.deadline_ms)
-                .bind(h.job)
-                .bind(h.now_ms)
-        },
-    )
-    .await?;
-    insert_rows(
-        conn,
-        "INSERT INTO open_holds (transfer_id, job_id, deadline_ms) VALUES ",
-        "(?, ?, ?)",
-        &holds,
-        |q, h| q.bind(h.id.as_str()).bind(h.job).bind(h.deadline_ms),
-    )
-    .await?;
-    insert_rows(
-        conn,
-        "INSERT INTO job_holds (job_id, account_id, input_per_mtok, output_per_mtok, max_price) \
-         VALUES ",
-        "(?, ?, ?, ?, ?)",
-        &accepted,
-        |q, (s, id)| {
-            q.bind(id.as_str())
-                .bind(s.terms.account.as_str())
-                .bind(i64::try_from(s.terms.price.input_per_mtok).unwrap_or(i64::MAX))
-                .bind(i64::try_from(s.terms.price.output_per_mtok).unwrap_or(i64::MAX))
-                .bind(s.terms.max_price)
-        },
-    )
-    .await?;
+    tx.insert_transfers(&holds).await?;
+    let open: Vec<OpenHold> = holds
+        .iter()
+        .map(|h| OpenHold {
+            transfer_id: h.id.clone(),
+            job_id: h.job_id.clone(),
+            deadline_ms: h.deadline_ms.unwrap_or_default(),
+        })
+        .collect();
+    tx.open_holds(&open).await?;
+    let terms: Vec<(&str, &JobTerms)> = accepted
+        .iter()
+        .map(|(q, id)| (id.as_str(), &q.terms))
+        .collect();
+    tx.insert_terms(&terms).await?;
     let jobs: Vec<(&NewJob, i64)> = accepted.iter().map(|(q, _)| (&q.job, q.now_ms)).collect();
-    insert_jobs_on(conn, &jobs).await?;
+    tx.insert_jobs(&jobs).await?;
     Ok(verdicts)
 }
 
@@ -335,55 +278,28 @@ fn decide(
     Verdict::Accepted
 }
 
-/// The job ids among `ids` that already have a job, terms or a hold.
-async fn used_job_ids(
-    conn: &mut SqliteConnection,
-    ids: &[String],
-) -> Result<HashSet<String>, LedgerError> {
-    let list = serde_json::to_string(ids)
-        .map_err(|e| LedgerError::Corrupt(format!("job ids do not encode: {e}")))?;
-    let rows = sqlx::query(
-        "SELECT value FROM json_each(?1) WHERE value IN (SELECT id FROM jobs) \
-         OR value IN (SELECT job_id FROM job_holds) \
-         OR 'job:' || value || ':hold' IN (SELECT id FROM transfers)",
-    )
-    .bind(list)
-    .fetch_all(&mut *conn)
-    .await?;
-    rows.iter()
-        .map(|r| Ok(r.try_get::<String, _>(0)?))
-        .collect()
-}
-
 /// The accounts paying for `batch`, as stored now (an unknown account is
 /// missing from the map).
 async fn payers(
-    conn: &mut SqliteConnection,
+    tx: &mut AnyTx,
     batch: &[QueuedSubmit],
 ) -> Result<HashMap<String, Payer>, LedgerError> {
     let mut accounts: Vec<&str> = batch.iter().map(|q| q.terms.account.as_str()).collect();
     accounts.sort_unstable();
     accounts.dedup();
-    let list = serde_json::to_string(&accounts)
-        .map_err(|e| LedgerError::Corrupt(format!("account ids do not encode: {e}")))?;
-    let rows = sqlx::query(
-        "SELECT id, no_overdraft, credits_posted - debits_posted - debits_pending FROM accounts \
-         WHERE id IN (SELECT value FROM json_each(?1))",
-    )
-    .bind(list)
-    .fetch_all(&mut *conn)
-    .await?;
-    rows.iter()
-        .map(|r| {
-            let no_overdraft: i64 = r.try_get(1)?;
-            Ok((
-                r.try_get(0)?,
+    Ok(tx
+        .payers(&accounts)
+        .await?
+        .into_iter()
+        .map(|(id, b)| {
+            (
+                id,
                 Payer {
-                    no_overdraft: no_overdraft != 0,
-                    available: r.try_get(2)?,
+                    no_overdraft: b.no_overdraft,
+                    available: b.available,
                     held: 0,
                 },
-            ))
+            )
         })
-        .collect()
+        .collect())
 }

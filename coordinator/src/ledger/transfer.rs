@@ -1,5 +1,5 @@
 //! The transfer engine: applies one transfer to the account balances and
-//! records it, on a connection that is inside a transaction the caller owns.
+//! records it, inside a write transaction the caller owns.
 //!
 //! # Invariants
 //! - Every transfer adds its amount to the debits of one account and the
@@ -8,162 +8,22 @@
 //! - A transfer id is its idempotency key: the same transfer again is
 //!   [`Applied::AlreadyExists`] and changes nothing; another transfer under a
 //!   used id is [`LedgerError::ExistsWithDifferentFields`].
-//! - A pending transfer is resolved (post, void, expire) at most once: the
-//!   `open_holds` row is the proof it is still open, and the schema's unique
-//!   index on `pending_id` backs it.
+//! - A pending transfer is resolved (post, void, expire) at most once: its
+//!   open hold is the proof it is still open, and the store's unique
+//!   resolution per pending transfer backs it.
 //! - A post moves at most the pending amount and never after the deadline.
 //!
 //! # Failure
 //! Any error leaves partial updates in the caller's transaction, which must
 //! then be dropped (rolled back), never committed.
 
-use sqlx::{sqlite::SqliteRow, Row, SqliteConnection};
-
-use super::{Account, LedgerError};
-
-/// What kind of movement a transfer is.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum TransferKind {
-    /// Moves the amount at once.
-    Posted,
-    /// Reserves the amount (a hold) until posted, voided or expired.
-    Pending,
-    /// Posts part or all of a pending transfer; the rest is released.
-    PostPending,
-    /// Releases a pending transfer.
-    VoidPending,
-    /// Releases a pending transfer whose deadline passed.
-    ExpirePending,
-}
-
-impl TransferKind {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            TransferKind::Posted => "posted",
-            TransferKind::Pending => "pending",
-            TransferKind::PostPending => "post_pending",
-            TransferKind::VoidPending => "void_pending",
-            TransferKind::ExpirePending => "expire_pending",
-        }
-    }
-
-    fn parse(s: &str) -> Option<Self> {
-        Some(match s {
-            "posted" => TransferKind::Posted,
-            "pending" => TransferKind::Pending,
-            "post_pending" => TransferKind::PostPending,
-            "void_pending" => TransferKind::VoidPending,
-            "expire_pending" => TransferKind::ExpirePending,
-            _ => return None,
-        })
-    }
-
-    /// Post, void or expire: refers to a pending transfer.
-    pub fn resolves(self) -> bool {
-        matches!(
-            self,
-            TransferKind::PostPending | TransferKind::VoidPending | TransferKind::ExpirePending
-        )
-    }
-}
-
-/// A transfer as recorded.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Transfer {
-    pub id: String,
-    pub kind: TransferKind,
-    pub debit: String,
-    pub credit: String,
-    pub amount: i64,
-    pub pending_id: Option<String>,
-    pub deadline_ms: Option<i64>,
-    pub job_id: Option<String>,
-    pub node_id: Option<String>,
-    /// Model tokens a payout pays for.
-    pub tokens: i64,
-    pub memo: String,
-    pub created_at_ms: i64,
-}
-
-/// A transfer to make. For a resolution (post, void, expire) `debit` and
-/// `credit` are taken from the pending transfer and may be left empty;
-/// `amount` is the amount to post (ignored by void and expire).
-#[derive(Clone, Debug, Default)]
-pub struct NewTransfer {
-    pub id: String,
-    pub kind: Option<TransferKind>,
-    pub debit: String,
-    pub credit: String,
-    pub amount: i64,
-    pub pending_id: Option<String>,
-    pub deadline_ms: Option<i64>,
-    pub job_id: Option<String>,
-    pub node_id: Option<String>,
-    pub tokens: i64,
-    pub memo: String,
-}
-
-/// What applying a transfer did.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Applied {
-    Created,
-    /// A transfer with this id and the same fields was already recorded.
-    AlreadyExists,
-}
-
-const TRANSFER_COLUMNS: &str = "id, kind, debit_account, credit_account, amount, pending_id, \
-     deadline_ms, job_id, node_id, tokens, memo, created_at_ms";
-
-pub(crate) fn transfer_from_row(row: &SqliteRow) -> Result<Transfer, LedgerError> {
-    let kind: String = row.try_get("kind")?;
-    Ok(Transfer {
-        id: row.try_get("id")?,
-        kind: TransferKind::parse(&kind)
-            .ok_or_else(|| LedgerError::Corrupt(format!("unknown transfer kind {kind:?}")))?,
-        debit: row.try_get("debit_account")?,
-        credit: row.try_get("credit_account")?,
-        amount: row.try_get("amount")?,
-        pending_id: row.try_get("pending_id")?,
-        deadline_ms: row.try_get("deadline_ms")?,
-        job_id: row.try_get("job_id")?,
-        node_id: row.try_get("node_id")?,
-        tokens: row.try_get("tokens")?,
-        memo: row.try_get("memo")?,
-        created_at_ms: row.try_get("created_at_ms")?,
-    })
-}
-
-pub(crate) async fn get(
-    conn: &mut SqliteConnection,
-    id: &str,
-) -> Result<Option<Transfer>, LedgerError> {
-    let row = sqlx::query(&format!(
-        "SELECT {TRANSFER_COLUMNS} FROM transfers WHERE id = ?"
-    ))
-    .bind(id)
-    .fetch_optional(&mut *conn)
-    .await?;
-    row.map(|r| transfer_from_row(&r)).transpose()
-}
-
-pub(crate) async fn account(
-    conn: &mut SqliteConnection,
-    id: &str,
-) -> Result<Option<Account>, LedgerError> {
-    let row = sqlx::query(
-        "SELECT id, name, kind, no_overdraft, debits_pending, debits_posted, credits_pending, \
-         credits_posted, created_at_ms FROM accounts WHERE id = ?",
-    )
-    .bind(id)
-    .fetch_optional(&mut *conn)
-    .await?;
-    row.map(|r| super::account_from_row(&r)).transpose()
-}
+use super::{Applied, LedgerError, NewTransfer, Transfer, TransferKind};
+use crate::store::{AnyTx, OpenHold, Side, StoreTx};
 
 /// Applies `t` at time `now_ms` (for a post, `now_ms` is also the moment
 /// checked against the pending deadline).
 pub(crate) async fn apply(
-    conn: &mut SqliteConnection,
+    tx: &mut AnyTx,
     t: &NewTransfer,
     now_ms: i64,
 ) -> Result<Applied, LedgerError> {
@@ -176,7 +36,7 @@ pub(crate) async fn apply(
     if t.amount < 0 || t.tokens < 0 {
         return Err(LedgerError::Invalid("amounts are never negative"));
     }
-    if let Some(existing) = get(conn, &t.id).await? {
+    if let Some(existing) = tx.transfer(&t.id).await? {
         return if same(&existing, kind, t) {
             Ok(Applied::AlreadyExists)
         } else {
@@ -184,7 +44,7 @@ pub(crate) async fn apply(
         };
     }
     let recorded = if kind.resolves() {
-        resolve(conn, kind, t, now_ms).await?
+        resolve(tx, kind, t, now_ms).await?
     } else {
         if t.amount == 0 {
             return Err(LedgerError::Invalid("a transfer moves a positive amount"));
@@ -198,21 +58,8 @@ pub(crate) async fn apply(
             return Err(LedgerError::Invalid("a pending transfer needs a deadline"));
         }
         let pending = kind == TransferKind::Pending;
-        debit(conn, &t.debit, t.amount, pending).await?;
-        let (col, amount) = if pending {
-            ("credits_pending", t.amount)
-        } else {
-            ("credits_posted", t.amount)
-        };
-        let n = sqlx::query(&format!(
-            "UPDATE accounts SET {col} = {col} + ? WHERE id = ?"
-        ))
-        .bind(amount)
-        .bind(&t.credit)
-        .execute(&mut *conn)
-        .await?
-        .rows_affected();
-        if n != 1 {
+        debit(tx, &t.debit, t.amount, pending).await?;
+        if !tx.add_credit(&t.credit, t.amount, pending).await? {
             return Err(LedgerError::NoSuchAccount(t.credit.clone()));
         }
         Transfer {
@@ -230,14 +77,14 @@ pub(crate) async fn apply(
             created_at_ms: now_ms,
         }
     };
-    insert(conn, &recorded).await?;
-    if kind == TransferKind::Pending {
-        sqlx::query("INSERT INTO open_holds (transfer_id, job_id, deadline_ms) VALUES (?, ?, ?)")
-            .bind(&recorded.id)
-            .bind(&recorded.job_id)
-            .bind(recorded.deadline_ms)
-            .execute(&mut *conn)
-            .await?;
+    tx.insert_transfers(std::slice::from_ref(&recorded)).await?;
+    if let (TransferKind::Pending, Some(deadline_ms)) = (kind, recorded.deadline_ms) {
+        tx.open_holds(&[OpenHold {
+            transfer_id: recorded.id.clone(),
+            job_id: recorded.job_id.clone(),
+            deadline_ms,
+        }])
+        .await?;
     }
     Ok(Applied::Created)
 }
@@ -261,30 +108,11 @@ fn same(existing: &Transfer, kind: TransferKind, t: &NewTransfer) -> bool {
 
 /// Adds `amount` to the debits (posted or pending) of `id`, refusing to
 /// overdraw an account that forbids it.
-async fn debit(
-    conn: &mut SqliteConnection,
-    id: &str,
-    amount: i64,
-    pending: bool,
-) -> Result<(), LedgerError> {
-    let col = if pending {
-        "debits_pending"
-    } else {
-        "debits_posted"
-    };
-    let n = sqlx::query(&format!(
-        "UPDATE accounts SET {col} = {col} + ?1 WHERE id = ?2 \
-         AND (no_overdraft = 0 OR credits_posted - debits_posted - debits_pending >= ?1)"
-    ))
-    .bind(amount)
-    .bind(id)
-    .execute(&mut *conn)
-    .await?
-    .rows_affected();
-    if n == 1 {
+async fn debit(tx: &mut AnyTx, id: &str, amount: i64, pending: bool) -> Result<(), LedgerError> {
+    if tx.add_debit(id, amount, pending).await? {
         return Ok(());
     }
-    match account(conn, id).await? {
+    match tx.account(id).await? {
         None => Err(LedgerError::NoSuchAccount(id.to_owned())),
         Some(a) => Err(LedgerError::InsufficientFunds {
             account: id.to_owned(),
@@ -295,7 +123,7 @@ async fn debit(
 }
 
 async fn resolve(
-    conn: &mut SqliteConnection,
+    tx: &mut AnyTx,
     kind: TransferKind,
     t: &NewTransfer,
     now_ms: i64,
@@ -303,16 +131,11 @@ async fn resolve(
     let pending_id = t.pending_id.as_deref().ok_or(LedgerError::Invalid(
         "a resolution names its pending transfer",
     ))?;
-    let pending = match get(conn, pending_id).await? {
+    let pending = match tx.transfer(pending_id).await? {
         Some(p) if p.kind == TransferKind::Pending => p,
         _ => return Err(LedgerError::NoSuchPending(pending_id.to_owned())),
     };
-    let open: Option<i64> =
-        sqlx::query_scalar("SELECT deadline_ms FROM open_holds WHERE transfer_id = ?")
-            .bind(pending_id)
-            .fetch_optional(&mut *conn)
-            .await?;
-    let Some(deadline_ms) = open else {
+    let Some(deadline_ms) = tx.hold_deadline(pending_id).await? else {
         return Err(LedgerError::AlreadyResolved(pending_id.to_owned()));
     };
     let posted = match kind {
@@ -338,35 +161,18 @@ async fn resolve(
         }
         _ => 0,
     };
-    let n = sqlx::query(
-        "UPDATE accounts SET debits_pending = debits_pending - ?1, debits_posted = debits_posted + ?2 \
-         WHERE id = ?3 AND debits_pending >= ?1",
-    )
-    .bind(pending.amount)
-    .bind(posted)
-    .bind(&pending.debit)
-    .execute(&mut *conn)
-    .await?
-    .rows_affected();
-    let m = sqlx::query(
-        "UPDATE accounts SET credits_pending = credits_pending - ?1, credits_posted = credits_posted + ?2 \
-         WHERE id = ?3 AND credits_pending >= ?1",
-    )
-    .bind(pending.amount)
-    .bind(posted)
-    .bind(&pending.credit)
-    .execute(&mut *conn)
-    .await?
-    .rows_affected();
-    if n != 1 || m != 1 {
+    let debited = tx
+        .resolve_pending(&pending.debit, Side::Debit, pending.amount, posted)
+        .await?;
+    let credited = tx
+        .resolve_pending(&pending.credit, Side::Credit, pending.amount, posted)
+        .await?;
+    if !debited || !credited {
         return Err(LedgerError::Corrupt(format!(
             "pending balances of transfer {pending_id} do not match its accounts"
         )));
     }
-    sqlx::query("DELETE FROM open_holds WHERE transfer_id = ?")
-        .bind(pending_id)
-        .execute(&mut *conn)
-        .await?;
+    tx.close_hold(pending_id).await?;
     Ok(Transfer {
         id: t.id.clone(),
         kind,
@@ -385,25 +191,4 @@ async fn resolve(
         memo: t.memo.clone(),
         created_at_ms: now_ms,
     })
-}
-
-async fn insert(conn: &mut SqliteConnection, t: &Transfer) -> Result<(), LedgerError> {
-    sqlx::query(&format!(
-        "INSERT INTO transfers ({TRANSFER_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
-    ))
-    .bind(&t.id)
-    .bind(t.kind.as_str())
-    .bind(&t.debit)
-    .bind(&t.credit)
-    .bind(t.amount)
-    .bind(&t.pending_id)
-    .bind(t.deadline_ms)
-    .bind(&t.job_id)
-    .bind(&t.node_id)
-    .bind(t.tokens)
-    .bind(&t.memo)
-    .bind(t.created_at_ms)
-    .execute(&mut *conn)
-    .await?;
-    Ok(())
 }

@@ -218,7 +218,7 @@ async fn refused_claims_change_no_balance_and_the_honest_one_is_paid() {
     }
     assert!(app
         .ledger
-        .violations(crate::store::now_ms())
+        .violations(crate::util::now_ms())
         .await
         .unwrap()
         .is_empty());

@@ -24,7 +24,7 @@ use mlxnet_proto::{
 };
 use rand::RngCore;
 
-use crate::{catalogue::Catalogue, store::NodeRecord};
+use crate::{catalogue::Catalogue, domain::NodeRecord};
 
 /// Why a node was not admitted.
 #[derive(Debug, thiserror::Error)]

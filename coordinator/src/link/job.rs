@@ -20,7 +20,7 @@ use mlxnet_proto::{
     v1::{Assignment, JobUpdate, SignedClaim},
 };
 
-use crate::store::segments::Segment;
+use crate::domain::Segment;
 
 /// Stream error code: the coordinator cancelled the job.
 pub const CODE_CANCELLED: u32 = 1;

@@ -6,52 +6,78 @@
 //! loss, not only a crash of the process. The ledger's group commit makes
 //! that one fsync per batch of submits, not one per submit.
 //!
+//! Write transactions ([`SqliteStore::write`], and every job transition)
+//! begin with `BEGIN IMMEDIATE`, taking SQLite's write lock up front: a
+//! deferred transaction that reads before it writes cannot upgrade its read
+//! lock while another connection writes, and SQLite answers SQLITE_BUSY at
+//! once instead of waiting `busy_timeout` (that lost job completions under
+//! concurrent submits). [`StoreTx`] writers also queue on an in-process lock
+//! first, so they never meet in SQLite's busy handler (which sleeps for
+//! milliseconds).
+//!
 //! Binary columns hold prost encodings of `JobInput`, `SamplingParams` and
 //! `ResultClaim`; the claim's signature sits in its own column.
+//!
+//! # Layout
+//! - [`jobs`]: jobs, attempts and hand-off segments.
+//! - [`nodes`]: registered nodes.
+//! - [`ledger`]: accounts, transfers, holds, terms, operators, rewards.
+//! - [`keys`]: API keys (hashes only).
+//! - [`audits`]: audits and node records.
 
-use std::{str::FromStr, time::Duration};
+mod audits;
+mod jobs;
+mod keys;
+mod ledger;
+mod nodes;
 
-use mlxnet_proto::{
-    ids::JobId,
-    v1::{JobInput, ResultClaim, SamplingParams, SignedClaim},
+use std::{
+    collections::{HashMap, HashSet},
+    str::FromStr,
+    sync::Arc,
+    time::Duration,
 };
-use prost::Message;
+
+use mlxnet_proto::ids::JobId;
 use sqlx::{
-    sqlite::{
-        SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteRow, SqliteSynchronous,
-    },
-    Row, SqliteConnection, SqlitePool,
+    sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteSynchronous},
+    SqliteConnection, SqlitePool,
 };
 
-use super::{
-    now_ms,
-    segments::{self, StreamedEnd},
-    AttemptEnd, CancelOutcome, Completion, JobRecord, JobStats, NewJob, NodeRecord, StoreError,
+use super::{Anomaly, NewKey, OpenHold, PayerBalance, Result, Side, Store, StoreTx};
+use crate::{
+    domain::{
+        Account, AttemptEnd, AuditRecord, Availability, CancelOutcome, Completion, JobRecord,
+        JobStats, JobTerms, KeyInfo, KeyLimits, NewJob, NodeEarnings, NodeRecord, Segment,
+        StoredKey, StreamedEnd, Totals, Transfer,
+    },
+    util::now_ms,
 };
-use crate::jobs::JobState;
 
 static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("../migrations/sqlite");
 
-/// How every write transaction of the store begins: with the write lock
-/// taken up front. A deferred transaction that reads before it writes (as
-/// completing a job reads its streamed segments first) cannot upgrade its
-/// read lock while another connection writes, and SQLite answers
-/// SQLITE_BUSY at once instead of waiting `busy_timeout`; that lost job
-/// completions under concurrent submits.
-pub(crate) const IMMEDIATE: &str = "BEGIN IMMEDIATE";
+/// How every write transaction of the store begins (see the module docs).
+const IMMEDIATE: &str = "BEGIN IMMEDIATE";
 
-const JOB_COLUMNS: &str = "id, model, input, sampling, state, attempt, node_id, output_text, \
-     completion_tokens, claim, signature, error, created_at_ms, updated_at_ms, priority";
-
-/// Jobs and nodes in SQLite.
+/// The SQLite database: a pool of four connections.
 #[derive(Clone, Debug)]
 pub struct SqliteStore {
     pool: SqlitePool,
+    /// One [`SqliteTx`] at a time (see the module docs).
+    writer: Arc<tokio::sync::Mutex<()>>,
+}
+
+/// A write transaction holding the in-process writer lock; commit with
+/// [`StoreTx::commit`], drop to roll back.
+#[derive(Debug)]
+pub struct SqliteTx {
+    tx: sqlx::Transaction<'static, sqlx::Sqlite>,
+    _writer: tokio::sync::OwnedMutexGuard<()>,
 }
 
 impl SqliteStore {
     /// Opens (creating if missing) the database at `url` and applies migrations.
-    pub async fn connect(url: &str) -> Result<Self, StoreError> {
+    pub async fn connect(url: &str) -> Result<Self> {
         let options = SqliteConnectOptions::from_str(url)?
             .create_if_missing(true)
             .journal_mode(SqliteJournalMode::Wal)
@@ -63,890 +89,483 @@ impl SqliteStore {
             .connect_with(options)
             .await?;
         MIGRATOR.run(&pool).await?;
-        Ok(Self { pool })
+        Ok(Self {
+            pool,
+            writer: Arc::default(),
+        })
     }
 
-    /// Closes every connection; the file can be reopened afterwards.
-    pub async fn close(&self) {
-        self.pool.close().await;
-    }
-
-    /// Checks the database answers.
-    pub async fn ping(&self) -> Result<(), StoreError> {
-        sqlx::query("SELECT 1").execute(&self.pool).await?;
-        Ok(())
-    }
-
-    // ---- jobs ----
-
-    /// Inserts a queued job (attempt 1).
-    pub async fn insert_job(&self, job: &NewJob) -> Result<JobRecord, StoreError> {
-        let mut conn = self.pool.acquire().await?;
-        insert_job_on(&mut conn, job, now_ms()).await
-    }
-
-    /// The connection pool, for the ledger's tables in the same database.
+    /// The connection pool, for the backend's own tests (schema checks).
+    #[cfg(test)]
     pub(crate) fn pool(&self) -> &SqlitePool {
         &self.pool
     }
 
-    pub async fn get_job(&self, id: JobId) -> Result<Option<JobRecord>, StoreError> {
-        let row = sqlx::query(&format!("SELECT {JOB_COLUMNS} FROM jobs WHERE id = ?"))
-            .bind(id.to_string())
-            .fetch_optional(&self.pool)
+    async fn conn(&self) -> Result<sqlx::pool::PoolConnection<sqlx::Sqlite>> {
+        Ok(self.pool.acquire().await?)
+    }
+
+    /// A job transition's own transaction (no writer lock: one statement
+    /// guards it, see the module docs).
+    async fn begin(&self) -> Result<sqlx::Transaction<'static, sqlx::Sqlite>> {
+        Ok(self.pool.begin_with(IMMEDIATE).await?)
+    }
+}
+
+fn conn(tx: &mut SqliteTx) -> &mut SqliteConnection {
+    &mut tx.tx
+}
+
+impl Store for SqliteStore {
+    type Tx = SqliteTx;
+
+    async fn close(&self) {
+        self.pool.close().await;
+    }
+
+    async fn ping(&self) -> Result<()> {
+        sqlx::query("SELECT 1").execute(&self.pool).await?;
+        Ok(())
+    }
+
+    async fn durability(&self) -> Result<String> {
+        let mut conn = self.conn().await?;
+        let journal: String = sqlx::query_scalar("PRAGMA journal_mode")
+            .fetch_one(&mut *conn)
             .await?;
-        row.map(|r| job_from_row(&r)).transpose()
-    }
-
-    /// Newest first.
-    pub async fn list_jobs(&self, limit: u32) -> Result<Vec<JobRecord>, StoreError> {
-        let rows = sqlx::query(&format!(
-            "SELECT {JOB_COLUMNS} FROM jobs ORDER BY created_at_ms DESC, id DESC LIMIT ?"
-        ))
-        .bind(i64::from(limit))
-        .fetch_all(&self.pool)
-        .await?;
-        rows.iter().map(job_from_row).collect()
-    }
-
-    /// Queued jobs, oldest first.
-    pub async fn queued_jobs(&self, limit: u32) -> Result<Vec<JobRecord>, StoreError> {
-        let rows = sqlx::query(&format!(
-            "SELECT {JOB_COLUMNS} FROM jobs WHERE state = 'queued' ORDER BY created_at_ms, id LIMIT ?"
-        ))
-        .bind(i64::from(limit))
-        .fetch_all(&self.pool)
-        .await?;
-        rows.iter().map(job_from_row).collect()
-    }
-
-    /// The paying account of each of `jobs` that has a hold (jobs from before
-    /// the ledger have none), for fair share across accounts.
-    pub async fn job_accounts(
-        &self,
-        jobs: &[JobId],
-    ) -> Result<std::collections::HashMap<JobId, String>, StoreError> {
-        let mut out = std::collections::HashMap::with_capacity(jobs.len());
-        if jobs.is_empty() {
-            return Ok(out);
-        }
-        let marks = vec!["?"; jobs.len()].join(",");
-        let sql = format!("SELECT job_id, account_id FROM job_holds WHERE job_id IN ({marks})");
-        let mut query = sqlx::query_as::<_, (String, String)>(&sql);
-        for id in jobs {
-            query = query.bind(id.to_string());
-        }
-        for (job, account) in query.fetch_all(&self.pool).await? {
-            if let Ok(id) = job.parse::<JobId>() {
-                out.insert(id, account);
-            }
-        }
-        Ok(out)
-    }
-
-    pub async fn count_queued(&self) -> Result<u64, StoreError> {
-        let n: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM jobs WHERE state = 'queued'")
-            .fetch_one(&self.pool)
+        let sync: i64 = sqlx::query_scalar("PRAGMA synchronous")
+            .fetch_one(&mut *conn)
             .await?;
-        Ok(n as u64)
+        let sync = match sync {
+            0 => "OFF",
+            1 => "NORMAL",
+            2 => "FULL",
+            3 => "EXTRA",
+            _ => "unknown",
+        };
+        Ok(format!("journal_mode={journal}, synchronous={sync}"))
     }
 
-    /// [`SqliteStore::assign`] for a batch of placements (job, attempt, node)
-    /// in one transaction; one flag per entry, false where the job was not
-    /// queued at that attempt any more.
-    pub async fn assign_many(
-        &self,
-        batch: &[(JobId, u32, String)],
-    ) -> Result<Vec<bool>, StoreError> {
+    async fn write(&self) -> Result<SqliteTx> {
+        let writer = Arc::clone(&self.writer).lock_owned().await;
+        let tx = self.begin().await?;
+        Ok(SqliteTx {
+            tx,
+            _writer: writer,
+        })
+    }
+
+    async fn insert_job(&self, job: &NewJob) -> Result<JobRecord> {
         let now = now_ms();
-        let mut tx = self.pool.begin_with(IMMEDIATE).await?;
+        jobs::insert(&mut *self.conn().await?, &[(job, now)]).await?;
+        Ok(JobRecord::queued(job, now))
+    }
+
+    async fn get_job(&self, id: JobId) -> Result<Option<JobRecord>> {
+        jobs::get(&mut *self.conn().await?, id).await
+    }
+
+    async fn list_jobs(&self, limit: u32) -> Result<Vec<JobRecord>> {
+        jobs::list(&mut *self.conn().await?, limit).await
+    }
+
+    async fn queued_jobs(&self, limit: u32) -> Result<Vec<JobRecord>> {
+        jobs::queued(&mut *self.conn().await?, limit).await
+    }
+
+    async fn job_accounts(&self, ids: &[JobId]) -> Result<HashMap<JobId, String>> {
+        jobs::accounts(&mut *self.conn().await?, ids).await
+    }
+
+    async fn count_queued(&self) -> Result<u64> {
+        jobs::count_queued(&mut *self.conn().await?).await
+    }
+
+    async fn job_stats(&self) -> Result<JobStats> {
+        jobs::stats(&mut *self.conn().await?).await
+    }
+
+    async fn assign(&self, id: JobId, attempt: u32, node_id: &str) -> Result<bool> {
+        let mut tx = self.begin().await?;
+        let done = jobs::assign(&mut tx, id, attempt, node_id, now_ms()).await?;
+        tx.commit().await?;
+        Ok(done)
+    }
+
+    async fn assign_many(&self, batch: &[(JobId, u32, String)]) -> Result<Vec<bool>> {
+        let now = now_ms();
+        let mut tx = self.begin().await?;
         let mut done = Vec::with_capacity(batch.len());
         for (id, attempt, node_id) in batch {
-            let ok = sqlx::query(
-                "UPDATE jobs SET state = 'assigned', node_id = ?, error = NULL, updated_at_ms = ? \
-                 WHERE id = ? AND state = 'queued' AND attempt = ?",
-            )
-            .bind(node_id)
-            .bind(now)
-            .bind(id.to_string())
-            .bind(i64::from(*attempt))
-            .execute(&mut *tx)
-            .await?
-            .rows_affected()
-                == 1;
-            if ok {
-                sqlx::query(
-                    "INSERT OR REPLACE INTO job_attempts (job_id, attempt, node_id, outcome, started_at_ms) \
-                     VALUES (?, ?, ?, 'assigned', ?)",
-                )
-                .bind(id.to_string())
-                .bind(i64::from(*attempt))
-                .bind(node_id)
-                .bind(now)
-                .execute(&mut *tx)
-                .await?;
-            }
-            done.push(ok);
+            done.push(jobs::assign(&mut tx, *id, *attempt, node_id, now).await?);
         }
         tx.commit().await?;
         Ok(done)
     }
 
-    /// `queued -> assigned` to `node_id` for `attempt`. False if the job is not
-    /// queued at that attempt any more.
-    pub async fn assign(&self, id: JobId, attempt: u32, node_id: &str) -> Result<bool, StoreError> {
-        let now = now_ms();
-        let mut tx = self.pool.begin_with(IMMEDIATE).await?;
-        let done = sqlx::query(
-            "UPDATE jobs SET state = 'assigned', node_id = ?, error = NULL, updated_at_ms = ? \
-             WHERE id = ? AND state = 'queued' AND attempt = ?",
-        )
-        .bind(node_id)
-        .bind(now)
-        .bind(id.to_string())
-        .bind(i64::from(attempt))
-        .execute(&mut *tx)
-        .await?
-        .rows_affected()
-            == 1;
-        if done {
-            sqlx::query(
-                "INSERT OR REPLACE INTO job_attempts (job_id, attempt, node_id, outcome, started_at_ms) \
-                 VALUES (?, ?, ?, 'assigned', ?)",
-            )
-            .bind(id.to_string())
-            .bind(i64::from(attempt))
-            .bind(node_id)
-            .bind(now)
-            .execute(&mut *tx)
-            .await?;
-        }
+    async fn mark_running(&self, id: JobId, attempt: u32, node_id: &str) -> Result<bool> {
+        let mut tx = self.begin().await?;
+        let done = jobs::mark_running(&mut tx, id, attempt, node_id, now_ms()).await?;
         tx.commit().await?;
         Ok(done)
     }
 
-    /// `assigned -> running` when the node says it started.
-    pub async fn mark_running(
+    async fn complete(&self, c: &Completion) -> Result<bool> {
+        let mut tx = self.begin().await?;
+        let done = jobs::complete(&mut tx, c, now_ms()).await?;
+        tx.commit().await?;
+        Ok(done)
+    }
+
+    async fn end_attempt_streamed(
         &self,
-        id: JobId,
-        attempt: u32,
-        node_id: &str,
-    ) -> Result<bool, StoreError> {
-        let now = now_ms();
-        let mut tx = self.pool.begin_with(IMMEDIATE).await?;
-        let done = sqlx::query(
-            "UPDATE jobs SET state = 'running', updated_at_ms = ? \
-             WHERE id = ? AND state = 'assigned' AND attempt = ? AND node_id = ?",
-        )
-        .bind(now)
-        .bind(id.to_string())
-        .bind(i64::from(attempt))
-        .bind(node_id)
-        .execute(&mut *tx)
-        .await?
-        .rows_affected()
-            == 1;
-        if done {
-            sqlx::query(
-                "UPDATE job_attempts SET outcome = 'running' WHERE job_id = ? AND attempt = ?",
-            )
-            .bind(id.to_string())
-            .bind(i64::from(attempt))
-            .execute(&mut *tx)
-            .await?;
-        }
-        tx.commit().await?;
-        Ok(done)
-    }
-
-    /// `assigned | running -> completed` with the verified claim. Only the
-    /// node holding this attempt can complete it, once; anything else
-    /// returns false and changes nothing. A resumed job's output is what
-    /// its earlier attempts streamed followed by the claim's.
-    pub async fn complete(&self, c: &Completion) -> Result<bool, StoreError> {
-        let now = now_ms();
-        let claim = c.result.claim.clone().unwrap_or_default();
-        let mut tx = self.pool.begin_with(IMMEDIATE).await?;
-        let before = segments::Streamed::of(&segments::segments_on(&mut tx, c.job_id).await?);
-        let output_text = before.text + &claim.output_text;
-        let completion_tokens = before.token_ids.len() as i64 + i64::from(claim.completion_tokens);
-        let done = sqlx::query(
-            "UPDATE jobs SET state = 'completed', output_text = ?, completion_tokens = ?, \
-             claim = ?, signature = ?, error = NULL, updated_at_ms = ? \
-             WHERE id = ? AND state IN ('assigned', 'running') AND attempt = ? AND node_id = ?",
-        )
-        .bind(&output_text)
-        .bind(completion_tokens)
-        .bind(claim.encode_to_vec())
-        .bind(&c.result.signature)
-        .bind(now)
-        .bind(c.job_id.to_string())
-        .bind(i64::from(c.attempt))
-        .bind(&c.node_id)
-        .execute(&mut *tx)
-        .await?
-        .rows_affected()
-            == 1;
-        if done {
-            sqlx::query(
-                "UPDATE job_attempts SET outcome = 'completed', ended_at_ms = ? WHERE job_id = ? AND attempt = ?",
-            )
-            .bind(now)
-            .bind(c.job_id.to_string())
-            .bind(i64::from(c.attempt))
-            .execute(&mut *tx)
-            .await?;
-        }
-        tx.commit().await?;
-        Ok(done)
-    }
-
-    /// Ends `attempt` (held by `node_id`) as failed: requeued as `attempt + 1`
-    /// when `retryable` and attempts remain, else failed for good. `None` if
-    /// the job is not at that attempt on that node any more.
-    pub async fn fail_attempt(
-        &self,
-        id: JobId,
-        attempt: u32,
-        node_id: &str,
-        reason: &str,
-        retryable: bool,
-        max_attempts: u32,
-    ) -> Result<Option<AttemptEnd>, StoreError> {
-        let end = StreamedEnd {
-            job: id,
-            attempt,
-            node_id,
-            reason,
-            retryable,
-            max_attempts,
-        };
-        let mut tx = self.pool.begin_with(IMMEDIATE).await?;
-        let ended = fail_attempt_on(&mut tx, &end, now_ms()).await?;
+        end: &StreamedEnd<'_>,
+        segment: &Segment,
+    ) -> Result<Option<AttemptEnd>> {
+        let mut tx = self.begin().await?;
+        let ended = jobs::end_attempt(&mut tx, end, segment, now_ms()).await?;
         tx.commit().await?;
         Ok(ended)
     }
 
-    /// Cancels a job that has not finished.
-    pub async fn cancel(&self, id: JobId) -> Result<CancelOutcome, StoreError> {
-        let now = now_ms();
-        let mut tx = self.pool.begin_with(IMMEDIATE).await?;
-        let row = sqlx::query(
-            "UPDATE jobs SET state = 'cancelled', updated_at_ms = ? \
-             WHERE id = ? AND state IN ('queued', 'assigned', 'running') RETURNING attempt",
-        )
-        .bind(now)
-        .bind(id.to_string())
-        .fetch_optional(&mut *tx)
-        .await?;
-        let outcome = match row {
-            Some(row) => {
-                let attempt: i64 = row.try_get("attempt")?;
-                sqlx::query(
-                    "UPDATE job_attempts SET outcome = 'cancelled', ended_at_ms = ? \
-                     WHERE job_id = ? AND attempt = ? AND outcome IN ('assigned', 'running')",
-                )
-                .bind(now)
-                .bind(id.to_string())
-                .bind(attempt)
-                .execute(&mut *tx)
-                .await?;
-                CancelOutcome::Cancelled
-            }
-            None => {
-                let state: Option<String> =
-                    sqlx::query_scalar("SELECT state FROM jobs WHERE id = ?")
-                        .bind(id.to_string())
-                        .fetch_optional(&mut *tx)
-                        .await?;
-                match state {
-                    None => CancelOutcome::NotFound,
-                    Some(s) => CancelOutcome::AlreadyFinished(parse_state(&id.to_string(), &s)?),
-                }
-            }
-        };
+    async fn segments(&self, job: JobId) -> Result<Vec<Segment>> {
+        jobs::segments(&mut *self.conn().await?, job).await
+    }
+
+    async fn cancel(&self, id: JobId) -> Result<CancelOutcome> {
+        let mut tx = self.begin().await?;
+        let outcome = jobs::cancel(&mut tx, id, now_ms()).await?;
         tx.commit().await?;
         Ok(outcome)
     }
 
-    /// At start-up no node session exists, so every assigned or running job
-    /// lost its node: requeue each (bounded by `max_attempts`). Returns how many.
-    pub async fn requeue_orphans(&self, max_attempts: u32) -> Result<u64, StoreError> {
-        let now = now_ms();
-        let mut tx = self.pool.begin_with(IMMEDIATE).await?;
-        sqlx::query(
-            "UPDATE job_attempts SET outcome = 'failed', error = 'coordinator restarted', ended_at_ms = ? \
-             WHERE outcome IN ('assigned', 'running')",
-        )
-        .bind(now)
-        .execute(&mut *tx)
-        .await?;
-        let n = sqlx::query(
-            "UPDATE jobs SET \
-               state = CASE WHEN attempt < ?1 THEN 'queued' ELSE 'failed' END, \
-               attempt = CASE WHEN attempt < ?1 THEN attempt + 1 ELSE attempt END, \
-               node_id = CASE WHEN attempt < ?1 THEN NULL ELSE node_id END, \
-               error = 'coordinator restarted while the job ran', updated_at_ms = ?2 \
-             WHERE state IN ('assigned', 'running')",
-        )
-        .bind(i64::from(max_attempts))
-        .bind(now)
-        .execute(&mut *tx)
-        .await?
-        .rows_affected();
+    async fn requeue_orphans(&self, max_attempts: u32) -> Result<u64> {
+        let mut tx = self.begin().await?;
+        let n = jobs::requeue_orphans(&mut tx, max_attempts, now_ms()).await?;
         tx.commit().await?;
         Ok(n)
     }
 
-    pub async fn job_stats(&self) -> Result<JobStats, StoreError> {
-        let rows = sqlx::query(
-            "SELECT state, COUNT(*) AS n, COALESCE(SUM(completion_tokens), 0) AS tokens FROM jobs GROUP BY state",
+    async fn upsert_node(&self, node: &NodeRecord) -> Result<()> {
+        nodes::upsert(&mut *self.conn().await?, node, now_ms()).await
+    }
+
+    async fn touch_node(&self, id: &str) -> Result<()> {
+        nodes::touch(&mut *self.conn().await?, id, now_ms()).await
+    }
+
+    async fn set_node_offline(&self, id: &str) -> Result<()> {
+        nodes::set_offline(&mut *self.conn().await?, id).await
+    }
+
+    async fn mark_all_nodes_offline(&self) -> Result<()> {
+        nodes::all_offline(&mut *self.conn().await?).await
+    }
+
+    async fn get_node(&self, id: &str) -> Result<Option<(NodeRecord, String)>> {
+        nodes::get(&mut *self.conn().await?, id).await
+    }
+
+    async fn count_nodes(&self) -> Result<u64> {
+        nodes::count(&mut *self.conn().await?).await
+    }
+
+    async fn insert_account(&self, account: &Account) -> Result<()> {
+        ledger::insert_account(&mut *self.conn().await?, account, false).await
+    }
+
+    async fn account(&self, id: &str) -> Result<Option<Account>> {
+        ledger::account(&mut *self.conn().await?, id).await
+    }
+
+    async fn transfer(&self, id: &str) -> Result<Option<Transfer>> {
+        ledger::transfer(&mut *self.conn().await?, id).await
+    }
+
+    async fn job_terms(&self, job: &str) -> Result<Option<JobTerms>> {
+        ledger::job_terms(&mut *self.conn().await?, job).await
+    }
+
+    async fn jobs_of(&self, account: &str, limit: u32) -> Result<Vec<String>> {
+        ledger::jobs_of(&mut *self.conn().await?, account, limit).await
+    }
+
+    async fn history(&self, account: &str, limit: u32) -> Result<Vec<Transfer>> {
+        ledger::history(&mut *self.conn().await?, account, limit).await
+    }
+
+    async fn job_transfers(&self, job: &str) -> Result<Vec<Transfer>> {
+        ledger::job_transfers(&mut *self.conn().await?, job).await
+    }
+
+    async fn earnings(&self, account: &str, since_ms: i64) -> Result<Vec<NodeEarnings>> {
+        ledger::earnings(&mut *self.conn().await?, account, since_ms).await
+    }
+
+    async fn nodes_of(&self, account: &str) -> Result<Vec<String>> {
+        ledger::nodes_of(&mut *self.conn().await?, account).await
+    }
+
+    async fn totals(&self) -> Result<Totals> {
+        ledger::totals(&mut *self.conn().await?).await
+    }
+
+    async fn balance_mismatches(&self) -> Result<Vec<String>> {
+        ledger::balance_mismatches(&mut *self.conn().await?).await
+    }
+
+    async fn ledger_anomalies(
+        &self,
+        now_ms: i64,
+        audit_window_ms: i64,
+    ) -> Result<Vec<(Anomaly, String)>> {
+        ledger::anomalies(&mut *self.conn().await?, now_ms, audit_window_ms).await
+    }
+
+    async fn due_holds(&self, now_ms: i64, limit: u32) -> Result<Vec<String>> {
+        ledger::due_holds(&mut *self.conn().await?, now_ms, limit).await
+    }
+
+    async fn unsettled_jobs(
+        &self,
+        now_ms: i64,
+        audit_window_ms: i64,
+        limit: u32,
+    ) -> Result<Vec<String>> {
+        ledger::unsettled_jobs(&mut *self.conn().await?, now_ms, audit_window_ms, limit).await
+    }
+
+    async fn record_online(
+        &self,
+        epoch: i64,
+        node_id: &str,
+        memory_bytes: u64,
+        online_ms: u64,
+    ) -> Result<()> {
+        ledger::record_online(
+            &mut *self.conn().await?,
+            epoch,
+            node_id,
+            memory_bytes,
+            online_ms,
         )
-        .fetch_all(&self.pool)
-        .await?;
-        let mut stats = JobStats::default();
-        for row in rows {
-            let state: String = row.try_get("state")?;
-            let n: i64 = row.try_get("n")?;
-            let n = n as u64;
-            match state.as_str() {
-                "queued" => stats.queued += n,
-                "assigned" | "running" => stats.running += n,
-                "completed" => {
-                    stats.completed += n;
-                    let tokens: i64 = row.try_get("tokens")?;
-                    stats.tokens_generated = tokens as u64;
-                }
-                "failed" => stats.failed += n,
-                "cancelled" => stats.cancelled += n,
-                _ => {}
-            }
-        }
-        Ok(stats)
+        .await
     }
 
-    // ---- nodes ----
-
-    /// Records a node that completed the handshake, online.
-    pub async fn upsert_node(&self, node: &NodeRecord) -> Result<(), StoreError> {
-        let now = now_ms();
-        sqlx::query(
-            "INSERT INTO nodes (id, name, hardware, models, version, status, first_seen_ms, last_seen_ms) \
-             VALUES (?1, ?2, ?3, ?4, ?5, 'online', ?6, ?6) \
-             ON CONFLICT (id) DO UPDATE SET name = ?2, hardware = ?3, models = ?4, version = ?5, \
-               status = 'online', last_seen_ms = ?6",
-        )
-        .bind(&node.id)
-        .bind(&node.name)
-        .bind(&node.hardware)
-        .bind(&node.models)
-        .bind(&node.version)
-        .bind(now)
-        .execute(&self.pool)
-        .await?;
-        Ok(())
+    async fn unpaid_epochs(&self, current: i64) -> Result<Vec<i64>> {
+        ledger::unpaid_epochs(&mut *self.conn().await?, current).await
     }
 
-    pub async fn touch_node(&self, id: &str) -> Result<(), StoreError> {
-        sqlx::query("UPDATE nodes SET last_seen_ms = ? WHERE id = ?")
-            .bind(now_ms())
-            .bind(id)
-            .execute(&self.pool)
-            .await?;
-        Ok(())
+    async fn insert_key(&self, key: &NewKey) -> Result<()> {
+        keys::insert(&mut *self.conn().await?, key).await
     }
 
-    pub async fn set_node_offline(&self, id: &str) -> Result<(), StoreError> {
-        sqlx::query("UPDATE nodes SET status = 'offline' WHERE id = ?")
-            .bind(id)
-            .execute(&self.pool)
-            .await?;
-        Ok(())
+    async fn key_by_hash(&self, hash: &[u8; 32], now_ms: i64) -> Result<Option<StoredKey>> {
+        keys::by_hash(&mut *self.conn().await?, hash, now_ms).await
     }
 
-    /// At start-up no session exists yet.
-    pub async fn mark_all_nodes_offline(&self) -> Result<(), StoreError> {
-        sqlx::query("UPDATE nodes SET status = 'offline'")
-            .execute(&self.pool)
-            .await?;
-        Ok(())
+    async fn set_key_limits(&self, key_id: &str, limits: KeyLimits) -> Result<bool> {
+        keys::set_limits(&mut *self.conn().await?, key_id, limits).await
     }
 
-    pub async fn get_node(&self, id: &str) -> Result<Option<(NodeRecord, String)>, StoreError> {
-        let row = sqlx::query(
-            "SELECT id, name, hardware, models, version, status FROM nodes WHERE id = ?",
-        )
-        .bind(id)
-        .fetch_optional(&self.pool)
-        .await?;
-        row.map(|r| {
-            Ok((
-                NodeRecord {
-                    id: r.try_get("id")?,
-                    name: r.try_get("name")?,
-                    hardware: r.try_get("hardware")?,
-                    models: r.try_get("models")?,
-                    version: r.try_get("version")?,
-                },
-                r.try_get("status")?,
-            ))
-        })
-        .transpose()
+    async fn revoke_key(&self, key_id: &str, account: Option<&str>, now_ms: i64) -> Result<bool> {
+        keys::revoke(&mut *self.conn().await?, key_id, account, now_ms).await
     }
 
-    pub async fn count_nodes(&self) -> Result<u64, StoreError> {
-        let n: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM nodes")
-            .fetch_one(&self.pool)
-            .await?;
-        Ok(n as u64)
+    async fn list_keys(&self, account: &str) -> Result<Vec<KeyInfo>> {
+        keys::list(&mut *self.conn().await?, account).await
+    }
+
+    async fn banned_nodes(&self) -> Result<Vec<String>> {
+        audits::banned(&mut *self.conn().await?).await
+    }
+
+    async fn audit_record(&self, node: &str) -> Result<AuditRecord> {
+        audits::record(&mut *self.conn().await?, node).await
+    }
+
+    async fn begin_audit(&self, job: &str, node: &str, now_ms: i64) -> Result<bool> {
+        audits::begin(&mut *self.conn().await?, job, node, now_ms).await
+    }
+
+    async fn miss_audit(&self, job: &str, now_ms: i64) -> Result<()> {
+        audits::miss(&mut *self.conn().await?, job, now_ms).await
+    }
+
+    async fn audit_state(&self, job: &str) -> Result<Option<String>> {
+        audits::state(&mut *self.conn().await?, job).await
     }
 }
 
-/// Inserts a queued job (attempt 1) on `conn`, which may be inside the
-/// caller's transaction (the ledger places the job's hold in the same one).
-pub(crate) async fn insert_job_on(
-    conn: &mut SqliteConnection,
-    job: &NewJob,
-    now: i64,
-) -> Result<JobRecord, StoreError> {
-    insert_jobs_on(conn, &[(job, now)]).await?;
-    Ok(queued_record(job, now))
-}
-
-/// Inserts queued jobs (attempt 1), each created at its own time, with
-/// multi-row INSERTs on `conn` (see [`insert_rows`]).
-pub(crate) async fn insert_jobs_on(
-    conn: &mut SqliteConnection,
-    jobs: &[(&NewJob, i64)],
-) -> Result<(), StoreError> {
-    insert_rows(
-        conn,
-        "INSERT INTO jobs (id, model, input, sampling, state, attempt, created_at_ms, \
-         updated_at_ms, priority) VALUES ",
-        "(?, ?, ?, ?, 'queued', 1, ?, ?, ?)",
-        jobs,
-        |q, (job, now)| {
-            q.bind(job.id.to_string())
-                .bind(job.model.as_str())
-                .bind(job.input.encode_to_vec())
-                .bind(job.sampling.encode_to_vec())
-                .bind(*now)
-                .bind(*now)
-                .bind(i64::from(job.priority))
-        },
-    )
-    .await?;
-    Ok(())
-}
-
-/// The record of a job just inserted by [`insert_jobs_on`].
-pub(crate) fn queued_record(job: &NewJob, now: i64) -> JobRecord {
-    JobRecord {
-        id: job.id,
-        model: job.model.clone(),
-        input: job.input.clone(),
-        sampling: job.sampling.clone(),
-        priority: job.priority,
-        state: JobState::Queued,
-        attempt: 1,
-        node_id: None,
-        output_text: String::new(),
-        completion_tokens: 0,
-        result: None,
-        error: None,
-        created_at_ms: now,
-        updated_at_ms: now,
+impl StoreTx for SqliteTx {
+    async fn commit(self) -> Result<()> {
+        Ok(self.tx.commit().await?)
     }
-}
 
-/// Most rows in one multi-row INSERT of [`insert_rows`].
-const MAX_ROWS_PER_INSERT: usize = 128;
-
-/// Inserts one row per item with as few statements as it takes: `head`
-/// (`INSERT INTO t (cols) VALUES `) followed by `row` (`(?, ?, ...)`) once
-/// per item, `bind` binding one item's values in the order of `row`. The
-/// items go in chunks whose sizes are powers of two (at most
-/// [`MAX_ROWS_PER_INSERT`]), so each table has at most eight distinct
-/// statements and they all stay in the connection's prepared-statement
-/// cache.
-pub(crate) async fn insert_rows<T>(
-    conn: &mut SqliteConnection,
-    head: &str,
-    row: &str,
-    items: &[T],
-    bind: impl for<'q> Fn(
-        sqlx::query::Query<'q, sqlx::Sqlite, sqlx::sqlite::SqliteArguments<'q>>,
-        &'q T,
-    )
-        -> sqlx::query::Query<'q, sqlx::Sqlite, sqlx::sqlite::SqliteArguments<'q>>,
-) -> Result<(), sqlx::Error> {
-    let mut rest = items;
-    while !rest.is_empty() {
-        let n = MAX_ROWS_PER_INSERT.min(1 << rest.len().ilog2());
-        let (chunk, tail) = rest.split_at(n);
-        rest = tail;
-        let mut sql = String::with_capacity(head.len() + n * (row.len() + 1));
-        sql.push_str(head);
-        for i in 0..n {
-            if i > 0 {
-                sql.push(',');
-            }
-            sql.push_str(row);
-        }
-        let mut query = sqlx::query(&sql);
-        for item in chunk {
-            query = bind(query, item);
-        }
-        query.execute(&mut *conn).await?;
+    async fn account(&mut self, id: &str) -> Result<Option<Account>> {
+        ledger::account(conn(self), id).await
     }
-    Ok(())
-}
 
-fn parse_state(id: &str, s: &str) -> Result<JobState, StoreError> {
-    s.parse().map_err(|_| StoreError::Corrupt {
-        id: id.to_owned(),
-        what: format!("unknown state {s:?}"),
-    })
-}
+    async fn transfer(&mut self, id: &str) -> Result<Option<Transfer>> {
+        ledger::transfer(conn(self), id).await
+    }
 
-/// The guarded end of an attempt (see [`SqliteStore::fail_attempt`]) on
-/// `conn`, inside the caller's transaction.
-pub(crate) async fn fail_attempt_on(
-    conn: &mut SqliteConnection,
-    end: &StreamedEnd<'_>,
-    now: i64,
-) -> Result<Option<AttemptEnd>, StoreError> {
-    let row = sqlx::query(
-        "UPDATE jobs SET \
-           state = CASE WHEN ?1 AND attempt < ?2 THEN 'queued' ELSE 'failed' END, \
-           attempt = CASE WHEN ?1 AND attempt < ?2 THEN attempt + 1 ELSE attempt END, \
-           node_id = CASE WHEN ?1 AND attempt < ?2 THEN NULL ELSE node_id END, \
-           error = ?3, updated_at_ms = ?4 \
-         WHERE id = ?5 AND state IN ('assigned', 'running') AND attempt = ?6 AND node_id = ?7 \
-         RETURNING state, attempt",
-    )
-    .bind(end.retryable)
-    .bind(i64::from(end.max_attempts))
-    .bind(end.reason)
-    .bind(now)
-    .bind(end.job.to_string())
-    .bind(i64::from(end.attempt))
-    .bind(end.node_id)
-    .fetch_optional(&mut *conn)
-    .await?;
-    let Some(row) = row else {
-        return Ok(None);
-    };
-    sqlx::query(
-        "UPDATE job_attempts SET outcome = 'failed', error = ?, ended_at_ms = ? WHERE job_id = ? AND attempt = ?",
-    )
-    .bind(end.reason)
-    .bind(now)
-    .bind(end.job.to_string())
-    .bind(i64::from(end.attempt))
-    .execute(&mut *conn)
-    .await?;
-    let state: String = row.try_get("state")?;
-    let new_attempt: i64 = row.try_get("attempt")?;
-    Ok(Some(if state == "queued" {
-        AttemptEnd::Requeued {
-            attempt: new_attempt as u32,
-        }
-    } else {
-        AttemptEnd::Failed
-    }))
-}
+    async fn hold_deadline(&mut self, transfer_id: &str) -> Result<Option<i64>> {
+        ledger::hold_deadline(conn(self), transfer_id).await
+    }
 
-fn job_from_row(row: &SqliteRow) -> Result<JobRecord, StoreError> {
-    let id_text: String = row.try_get("id")?;
-    let corrupt = |what: String| StoreError::Corrupt {
-        id: id_text.clone(),
-        what,
-    };
-    let id: JobId = id_text.parse().map_err(|e| corrupt(format!("{e}")))?;
-    let input: Vec<u8> = row.try_get("input")?;
-    let sampling: Vec<u8> = row.try_get("sampling")?;
-    let state: String = row.try_get("state")?;
-    let attempt: i64 = row.try_get("attempt")?;
-    let completion_tokens: i64 = row.try_get("completion_tokens")?;
-    let claim: Option<Vec<u8>> = row.try_get("claim")?;
-    let signature: Option<Vec<u8>> = row.try_get("signature")?;
-    let result = match (claim, signature) {
-        (Some(c), Some(signature)) => Some(SignedClaim {
-            claim: Some(
-                ResultClaim::decode(c.as_slice()).map_err(|e| corrupt(format!("claim: {e}")))?,
-            ),
-            signature,
-        }),
-        _ => None,
-    };
-    Ok(JobRecord {
-        id,
-        model: row.try_get("model")?,
-        input: JobInput::decode(input.as_slice()).map_err(|e| corrupt(format!("input: {e}")))?,
-        sampling: SamplingParams::decode(sampling.as_slice())
-            .map_err(|e| corrupt(format!("sampling: {e}")))?,
-        state: parse_state(&id_text, &state)?,
-        priority: row.try_get::<i64, _>("priority")?.clamp(0, 3) as u8,
-        attempt: attempt as u32,
-        node_id: row.try_get("node_id")?,
-        output_text: row.try_get("output_text")?,
-        completion_tokens: completion_tokens as u32,
-        result,
-        error: row.try_get("error")?,
-        created_at_ms: row.try_get("created_at_ms")?,
-        updated_at_ms: row.try_get("updated_at_ms")?,
-    })
+    async fn job_terms(&mut self, job: &str) -> Result<Option<JobTerms>> {
+        ledger::job_terms(conn(self), job).await
+    }
+
+    async fn get_job(&mut self, id: JobId) -> Result<Option<JobRecord>> {
+        jobs::get(conn(self), id).await
+    }
+
+    async fn segments(&mut self, job: JobId) -> Result<Vec<Segment>> {
+        jobs::segments(conn(self), job).await
+    }
+
+    async fn audit_state(&mut self, job: &str) -> Result<Option<String>> {
+        audits::state(conn(self), job).await
+    }
+
+    async fn operator_of(&mut self, node_id: &str) -> Result<Option<String>> {
+        ledger::operator_of(conn(self), node_id).await
+    }
+
+    async fn add_debit(&mut self, account: &str, amount: i64, pending: bool) -> Result<bool> {
+        ledger::add_debit(conn(self), account, amount, pending).await
+    }
+
+    async fn add_credit(&mut self, account: &str, amount: i64, pending: bool) -> Result<bool> {
+        ledger::add_credit(conn(self), account, amount, pending).await
+    }
+
+    async fn resolve_pending(
+        &mut self,
+        account: &str,
+        side: Side,
+        pending: i64,
+        posted: i64,
+    ) -> Result<bool> {
+        ledger::resolve_pending(conn(self), account, side, pending, posted).await
+    }
+
+    async fn insert_transfers(&mut self, transfers: &[Transfer]) -> Result<()> {
+        ledger::insert_transfers(conn(self), transfers).await
+    }
+
+    async fn open_holds(&mut self, holds: &[OpenHold]) -> Result<()> {
+        ledger::open_holds(conn(self), holds).await
+    }
+
+    async fn close_hold(&mut self, transfer_id: &str) -> Result<()> {
+        ledger::close_hold(conn(self), transfer_id).await
+    }
+
+    async fn used_job_ids(&mut self, ids: &[String]) -> Result<HashSet<String>> {
+        ledger::used_job_ids(conn(self), ids).await
+    }
+
+    async fn payers(&mut self, accounts: &[&str]) -> Result<HashMap<String, PayerBalance>> {
+        ledger::payers(conn(self), accounts).await
+    }
+
+    async fn insert_terms(&mut self, terms: &[(&str, &JobTerms)]) -> Result<()> {
+        ledger::insert_terms(conn(self), terms).await
+    }
+
+    async fn insert_jobs(&mut self, jobs: &[(&NewJob, i64)]) -> Result<()> {
+        jobs::insert(conn(self), jobs).await
+    }
+
+    async fn insert_account_if_absent(&mut self, account: &Account) -> Result<()> {
+        ledger::insert_account(conn(self), account, true).await
+    }
+
+    async fn link_operator(&mut self, node_id: &str, account: &str, now_ms: i64) -> Result<()> {
+        ledger::link_operator(conn(self), node_id, account, now_ms).await
+    }
+
+    async fn epoch_paid(&mut self, epoch: i64) -> Result<bool> {
+        ledger::epoch_paid(conn(self), epoch).await
+    }
+
+    async fn availability(&mut self, epoch: i64) -> Result<Vec<Availability>> {
+        ledger::availability(conn(self), epoch).await
+    }
+
+    async fn mark_epoch_paid(&mut self, epoch: i64, paid_ms: i64, total: i64) -> Result<()> {
+        ledger::mark_epoch_paid(conn(self), epoch, paid_ms, total).await
+    }
+
+    async fn end_audit(
+        &mut self,
+        job: &str,
+        passed: bool,
+        auditor: &str,
+        verdict: &[u8],
+        now_ms: i64,
+    ) -> Result<Option<String>> {
+        audits::end(conn(self), job, passed, auditor, verdict, now_ms).await
+    }
+
+    async fn count_audit(&mut self, node: &str, passed: bool) -> Result<()> {
+        audits::count(conn(self), node, passed).await
+    }
+
+    async fn audit_record(&mut self, node: &str) -> Result<AuditRecord> {
+        audits::record(conn(self), node).await
+    }
+
+    async fn ban_node(&mut self, node: &str, now_ms: i64) -> Result<()> {
+        audits::ban(conn(self), node, now_ms).await
+    }
 }
 
 #[cfg(test)]
-pub(crate) mod tests {
+mod tests {
     use super::*;
-    use mlxnet_proto::v1::job_input;
+    use crate::domain::TransferKind;
 
-    pub(crate) async fn fresh() -> (tempfile::TempDir, SqliteStore) {
+    /// The schema's triggers keep transfer rows immutable, whatever the
+    /// caller (moved from the ledger's
+    /// `transfers_are_idempotent_two_phase_and_never_overdraw`).
+    #[tokio::test]
+    async fn transfer_rows_are_immutable_whatever_the_caller() {
         let dir = tempfile::tempdir().unwrap();
         let url = format!("sqlite://{}", dir.path().join("t.db").display());
-        let store = SqliteStore::connect(&url).await.unwrap();
-        (dir, store)
-    }
+        let ledger = SqliteStore::connect(&url).await.unwrap();
+        let mut tx = ledger.write().await.unwrap();
+        tx.insert_transfers(&[Transfer {
+            id: "p1".into(),
+            kind: TransferKind::Posted,
+            debit: "system:treasury".into(),
+            credit: "system:fee".into(),
+            amount: 5,
+            pending_id: None,
+            deadline_ms: None,
+            job_id: None,
+            node_id: None,
+            tokens: 0,
+            memo: "test".into(),
+            created_at_ms: 1,
+        }])
+        .await
+        .unwrap();
+        tx.commit().await.unwrap();
 
-    pub(crate) async fn queued(store: &SqliteStore) -> JobRecord {
-        store
-            .insert_job(&NewJob {
-                id: JobId::new(),
-                model: "m".into(),
-                input: JobInput {
-                    kind: Some(job_input::Kind::Prompt("hello".into())),
-                },
-                sampling: SamplingParams {
-                    seed: Some(7),
-                    max_tokens: 16,
-                    ..Default::default()
-                },
-                priority: 0,
-            })
-            .await
-            .unwrap()
-    }
-
-    pub(crate) fn completion(job: &JobRecord, attempt: u32, node: &str, text: &str) -> Completion {
-        Completion {
-            job_id: job.id,
-            attempt,
-            node_id: node.into(),
-            result: SignedClaim {
-                claim: Some(ResultClaim {
-                    job_id: job.id.to_string(),
-                    attempt,
-                    output_text: text.into(),
-                    completion_tokens: 3,
-                    ..Default::default()
-                }),
-                signature: vec![1; 64],
-            },
-        }
-    }
-
-    #[tokio::test]
-    async fn a_job_runs_through_its_states_and_reads_back_as_stored() {
-        let (_dir, store) = fresh().await;
-        let job = queued(&store).await;
-        assert_eq!(store.get_job(job.id).await.unwrap().unwrap(), job);
-        assert_eq!(store.count_queued().await.unwrap(), 1);
-
-        assert!(store.assign(job.id, 1, "n1").await.unwrap());
+        // Rows are immutable, whatever the caller.
         assert!(
-            !store.assign(job.id, 1, "n2").await.unwrap(),
-            "already assigned"
-        );
-        assert!(
-            !store.mark_running(job.id, 1, "n2").await.unwrap(),
-            "other node"
-        );
-        assert!(store.mark_running(job.id, 1, "n1").await.unwrap());
-        assert!(store
-            .complete(&completion(&job, 1, "n1", "Paris"))
-            .await
-            .unwrap());
-
-        let done = store.get_job(job.id).await.unwrap().unwrap();
-        assert_eq!(done.state, JobState::Completed);
-        assert_eq!(done.output_text, "Paris");
-        assert_eq!(done.node_id.as_deref(), Some("n1"));
-        let result = done.result.unwrap();
-        assert_eq!(result.signature, vec![1; 64]);
-        assert_eq!(result.claim.unwrap().output_text, "Paris");
-        let stats = store.job_stats().await.unwrap();
-        assert_eq!(
-            (stats.completed, stats.tokens_generated, stats.queued),
-            (1, 3, 0)
-        );
-    }
-
-    #[tokio::test]
-    async fn completion_is_accepted_once_and_only_from_the_holder() {
-        let (_dir, store) = fresh().await;
-        let job = queued(&store).await;
-        assert!(
-            !store
-                .complete(&completion(&job, 1, "n1", "x"))
+            sqlx::query("UPDATE transfers SET amount = 1 WHERE id = 'p1'")
+                .execute(ledger.pool())
                 .await
-                .unwrap(),
-            "not assigned yet"
+                .is_err()
         );
-        assert!(store.assign(job.id, 1, "n1").await.unwrap());
-        assert!(
-            !store
-                .complete(&completion(&job, 1, "n2", "x"))
-                .await
-                .unwrap(),
-            "foreign node"
-        );
-        assert!(
-            !store
-                .complete(&completion(&job, 2, "n1", "x"))
-                .await
-                .unwrap(),
-            "wrong attempt"
-        );
-        assert!(store
-            .complete(&completion(&job, 1, "n1", "first"))
+        assert!(sqlx::query("DELETE FROM transfers WHERE id = 'p1'")
+            .execute(ledger.pool())
             .await
-            .unwrap());
-        assert!(
-            !store
-                .complete(&completion(&job, 1, "n1", "second"))
-                .await
-                .unwrap(),
-            "duplicate"
-        );
-        assert!(
-            store
-                .fail_attempt(job.id, 1, "n1", "late", true, 3)
-                .await
-                .unwrap()
-                .is_none(),
-            "a late failure changes nothing"
-        );
-        let done = store.get_job(job.id).await.unwrap().unwrap();
-        assert_eq!(
-            (done.state, done.output_text.as_str()),
-            (JobState::Completed, "first")
-        );
-    }
-
-    #[tokio::test]
-    async fn failed_attempts_requeue_until_the_bound_then_fail() {
-        let (_dir, store) = fresh().await;
-        let job = queued(&store).await;
-        for attempt in 1..=2 {
-            assert!(store.assign(job.id, attempt, "n1").await.unwrap());
-            let end = store
-                .fail_attempt(job.id, attempt, "n1", "lost", true, 3)
-                .await
-                .unwrap();
-            assert_eq!(
-                end,
-                Some(AttemptEnd::Requeued {
-                    attempt: attempt + 1
-                })
-            );
-            let j = store.get_job(job.id).await.unwrap().unwrap();
-            assert_eq!(
-                (j.state, j.attempt, j.node_id),
-                (JobState::Queued, attempt + 1, None)
-            );
-        }
-        assert!(
-            !store.assign(job.id, 2, "n1").await.unwrap(),
-            "stale attempt number"
-        );
-        assert!(store.assign(job.id, 3, "n1").await.unwrap());
-        let end = store
-            .fail_attempt(job.id, 3, "n1", "lost again", true, 3)
-            .await
-            .unwrap();
-        assert_eq!(end, Some(AttemptEnd::Failed));
-        let j = store.get_job(job.id).await.unwrap().unwrap();
-        assert_eq!(
-            (j.state, j.error.as_deref()),
-            (JobState::Failed, Some("lost again"))
-        );
-
-        // A non-retryable failure fails at once.
-        let job = queued(&store).await;
-        assert!(store.assign(job.id, 1, "n1").await.unwrap());
-        let end = store
-            .fail_attempt(job.id, 1, "n1", "prompt too long", false, 3)
-            .await
-            .unwrap();
-        assert_eq!(end, Some(AttemptEnd::Failed));
-    }
-
-    #[tokio::test]
-    async fn cancel_stops_unfinished_jobs_and_blocks_later_results() {
-        let (_dir, store) = fresh().await;
-        let job = queued(&store).await;
-        assert!(store.assign(job.id, 1, "n1").await.unwrap());
-        assert_eq!(
-            store.cancel(job.id).await.unwrap(),
-            CancelOutcome::Cancelled
-        );
-        assert!(!store
-            .complete(&completion(&job, 1, "n1", "x"))
-            .await
-            .unwrap());
-        assert_eq!(
-            store.cancel(job.id).await.unwrap(),
-            CancelOutcome::AlreadyFinished(JobState::Cancelled)
-        );
-        assert_eq!(
-            store.cancel(JobId::new()).await.unwrap(),
-            CancelOutcome::NotFound
-        );
-    }
-
-    #[tokio::test]
-    async fn restart_requeues_orphans_and_keeps_finished_jobs() {
-        let dir = tempfile::tempdir().unwrap();
-        let url = format!("sqlite://{}", dir.path().join("t.db").display());
-        let store = SqliteStore::connect(&url).await.unwrap();
-        let done = queued(&store).await;
-        assert!(store.assign(done.id, 1, "n1").await.unwrap());
-        assert!(store
-            .complete(&completion(&done, 1, "n1", "kept"))
-            .await
-            .unwrap());
-        let orphan = queued(&store).await;
-        assert!(store.assign(orphan.id, 1, "n1").await.unwrap());
-        store
-            .upsert_node(&NodeRecord {
-                id: "n1".into(),
-                name: "mac".into(),
-                hardware: "{}".into(),
-                models: "[]".into(),
-                version: "0.1.0".into(),
-            })
-            .await
-            .unwrap();
-        store.close().await;
-
-        let store = SqliteStore::connect(&url).await.unwrap();
-        store.mark_all_nodes_offline().await.unwrap();
-        assert_eq!(store.requeue_orphans(3).await.unwrap(), 1);
-        let o = store.get_job(orphan.id).await.unwrap().unwrap();
-        assert_eq!((o.state, o.attempt), (JobState::Queued, 2));
-        let d = store.get_job(done.id).await.unwrap().unwrap();
-        assert_eq!(
-            (d.state, d.output_text.as_str()),
-            (JobState::Completed, "kept")
-        );
-        let (node, status) = store.get_node("n1").await.unwrap().unwrap();
-        assert_eq!((node.name.as_str(), status.as_str()), ("mac", "offline"));
-        assert_eq!(store.count_nodes().await.unwrap(), 1);
-        let listed = store.list_jobs(10).await.unwrap();
-        assert_eq!(listed.len(), 2);
-        assert_eq!(listed[0].id, orphan.id, "newest first");
+            .is_err());
     }
 }

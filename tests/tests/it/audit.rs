@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use mlxnet_coordinator::{
     audit::{AuditConfig, Audits},
-    store::Store,
+    store::{AnyStore, Store},
 };
 use mlxnet_proto::v1::{BalanceRequest, JobState};
 use mlxnet_tests::{
@@ -43,7 +43,7 @@ async fn balance(client: &mut Client) -> anyhow::Result<(i64, i64)> {
     Ok((b.balance_micro_mlx, b.held_micro_mlx))
 }
 
-async fn audit_state(store: &Store, job: &str) -> anyhow::Result<Option<String>> {
+async fn audit_state(store: &AnyStore, job: &str) -> anyhow::Result<Option<String>> {
     let audits = Audits::of_store(store, AuditConfig::default()).await?;
     Ok(audits.state(job).await?)
 }
@@ -63,7 +63,7 @@ async fn a_cheaters_job_fails_its_audit_and_is_refunded_an_honest_one_is_paid_af
     };
     config.ledger.sweep_interval_ms = 100;
     let coord = spawn_coordinator(config).await?;
-    let store = Store::connect(&coord.config.database_url()).await?;
+    let store = AnyStore::connect(&coord.config.database_url()).await?;
     let mut client = coord.client().await?;
     let mut operator = coord
         .client_with(Some(&coord.accounts.operator_key))
@@ -135,7 +135,8 @@ async fn a_cheaters_job_fails_its_audit_and_is_refunded_an_honest_one_is_paid_af
     let three = client.run_job(chat_job("What is 2 + 2?", 4)).await?;
     assert_eq!(three.job.node_id, honest.id.to_string());
 
-    let ledger = mlxnet_coordinator::ledger::Ledger::of_store(&store, coord.config.ledger_config());
+    let ledger =
+        mlxnet_coordinator::ledger::Ledger::new(store.clone(), coord.config.ledger_config());
     let broken = ledger.violations(now_ms()).await?;
     assert!(broken.is_empty(), "{broken:?}");
     store.close().await;

@@ -22,7 +22,7 @@ use ed25519_dalek::{Signer, SigningKey};
 use mlxnet_coordinator::{
     config::CoordinatorConfig,
     ledger::{Ledger, LedgerConfig},
-    store::Store,
+    store::{AnyStore, Store},
 };
 use mlxnet_proto::{
     auth, claim,
@@ -246,7 +246,7 @@ async fn settlement_survives_sigkill_at_any_step() -> anyhow::Result<()> {
     let config = CoordinatorConfig::for_data_dir(data.clone());
     // The first key and the accounts, made the way an operator of the
     // network would: in the database, before the coordinator first runs.
-    let admin = mlxnet_coordinator::ledger::keys::bootstrap_admin_key(&config, "admin").await?;
+    let admin = mlxnet_coordinator::app::bootstrap_admin_key(&config, "admin").await?;
     let (store, ledger) = open(&config).await?;
     let operator = ledger
         .create_account(
@@ -345,9 +345,9 @@ async fn settlement_survives_sigkill_at_any_step() -> anyhow::Result<()> {
     Ok(())
 }
 
-async fn open(config: &CoordinatorConfig) -> anyhow::Result<(Store, Ledger)> {
-    let store = Store::connect(&config.database_url()).await?;
-    let ledger = Ledger::of_store(&store, LedgerConfig::default());
+async fn open(config: &CoordinatorConfig) -> anyhow::Result<(AnyStore, Ledger)> {
+    let store = AnyStore::connect(&config.database_url()).await?;
+    let ledger = Ledger::new(store.clone(), LedgerConfig::default());
     Ok((store, ledger))
 }
 

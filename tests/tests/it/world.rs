@@ -14,16 +14,14 @@
 //! notifications (`window.__world.subscribe`) or DOM mutations, bounded by
 //! WebDriver's script timeout.
 
-mod webdriver;
-
 use std::{net::SocketAddr, path::PathBuf, time::Duration};
 
 use anyhow::{ensure, Context};
 use mlx_node::config::Location;
+use mlxnet_coordinator::test_utils::webdriver::{http_get, Browser};
 use mlxnet_coordinator::world::{self, grid, NodeView, Status, World};
 use mlxnet_tests::{coordinator_config, repo_root, spawn_coordinator, spawn_node, test_model};
 use serde_json::{json, Value};
-use webdriver::{http_get, Browser};
 
 /// The page must show a stopped node as offline within this long.
 const OFFLINE_WITHIN: Duration = Duration::from_secs(5);

@@ -7,12 +7,19 @@
 //!
 //! Amounts print in MLX with six decimals (1 MLX = 1,000,000 micro-MLX).
 //!
+//! One function per subcommand, each given the connection (a channel whose
+//! calls carry the API key); `main` parses the flags, connects and calls it.
+//!
 //! Exits non-zero with the gRPC status message on any error.
 
 use std::{io::Write, process::ExitCode};
 
 use anyhow::{bail, Context};
 use clap::{Parser, Subcommand};
+use mlxnet_proto::{
+    bearer::{Authed, Bearer},
+    money::mlx,
+};
 use mlxnet_proto::{
     claim,
     v1::{
@@ -24,12 +31,7 @@ use mlxnet_proto::{
         SubmitJobRequest, WatchJobRequest,
     },
 };
-use tonic::{
-    metadata::AsciiMetadataValue,
-    service::{interceptor::InterceptedService, Interceptor},
-    transport::Channel,
-    Request, Status,
-};
+use tonic::{transport::Channel, Status};
 
 #[derive(Parser)]
 #[command(name = "mlxnet", version, about = "mlx-network client")]
@@ -169,20 +171,6 @@ enum KeysCommand {
     },
 }
 
-#[derive(Clone)]
-struct Auth(Option<AsciiMetadataValue>);
-
-impl Interceptor for Auth {
-    fn call(&mut self, mut req: Request<()>) -> Result<Request<()>, Status> {
-        if let Some(v) = &self.0 {
-            req.metadata_mut().insert("authorization", v.clone());
-        }
-        Ok(req)
-    }
-}
-
-type Svc = InterceptedService<Channel, Auth>;
-
 #[tokio::main]
 async fn main() -> ExitCode {
     let cli = Cli::parse();
@@ -198,21 +186,43 @@ async fn main() -> ExitCode {
     }
 }
 
+/// A connection to the coordinator: the channel, and the same channel with
+/// the API key on every call.
+struct Conn {
+    channel: Channel,
+    authed: Authed,
+}
+
+impl Conn {
+    async fn open(cli: &Cli) -> anyhow::Result<Self> {
+        let bearer = Bearer::for_key(cli.api_key.as_deref())
+            .context("the API key must be printable ASCII")?;
+        let channel = Channel::from_shared(cli.coordinator.clone())
+            .with_context(|| format!("invalid coordinator address {:?}", cli.coordinator))?
+            .connect()
+            .await
+            .with_context(|| format!("cannot reach the coordinator at {}", cli.coordinator))?;
+        Ok(Self {
+            authed: mlxnet_proto::bearer::authed(channel.clone(), bearer),
+            channel,
+        })
+    }
+
+    fn jobs(&self) -> JobsClient<Authed> {
+        JobsClient::new(self.authed.clone())
+    }
+
+    fn models(&self) -> ModelsClient<Authed> {
+        ModelsClient::new(self.authed.clone())
+    }
+
+    fn accounts(&self) -> AccountsClient<Authed> {
+        AccountsClient::new(self.authed.clone())
+    }
+}
+
 async fn run(cli: Cli) -> anyhow::Result<()> {
-    let auth = match &cli.api_key {
-        Some(k) => Some(
-            format!("Bearer {k}")
-                .parse::<AsciiMetadataValue>()
-                .context("the API key must be printable ASCII")?,
-        ),
-        None => None,
-    };
-    let channel = Channel::from_shared(cli.coordinator.clone())
-        .with_context(|| format!("invalid coordinator address {:?}", cli.coordinator))?
-        .connect()
-        .await
-        .with_context(|| format!("cannot reach the coordinator at {}", cli.coordinator))?;
-    let auth = Auth(auth);
+    let conn = Conn::open(&cli).await?;
     match cli.command {
         Command::Submit {
             model,
@@ -238,263 +248,310 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 max_price_micro_mlx: max_price,
                 priority,
             };
-            submit(JobsClient::with_interceptor(channel, auth), request, &input).await
+            submit(conn.jobs(), request, &input).await
         }
-        Command::Job { id } => {
-            let job = JobsClient::with_interceptor(channel, auth)
-                .get(GetJobRequest { job_id: id })
-                .await?
-                .into_inner();
-            print_job(&job);
-            if !job.output_text.is_empty() {
-                println!("output: {}", job.output_text);
-            }
-            if let Some(signed) = &job.result {
-                match claim::verify(signed) {
-                    Ok(signer) => println!("verified: signed by {signer}"),
-                    Err(e) => println!("NOT VERIFIED: {e}"),
-                }
-            }
-            Ok(())
-        }
+        Command::Job { id } => job(&conn, id).await,
         Command::Verify {
             job,
             prompt,
             raw,
             system,
-        } => {
-            let job = JobsClient::with_interceptor(channel.clone(), auth)
-                .get(GetJobRequest { job_id: job })
-                .await?
-                .into_inner();
-            let models = ModelsClient::new(channel)
-                .list(ListModelsRequest {})
-                .await?
-                .into_inner()
-                .models;
-            let catalogue = models
-                .iter()
-                .find(|m| m.id == job.model)
-                .map(|m| m.sha256.clone());
-            let sent = match prompt {
-                Some(p) => job_input_of(p, raw, system),
-                None => job.input.clone().unwrap_or_default(),
-            };
-            print_job(&job);
-            let signer = verify_job(&job, &sent, catalogue.as_deref())?;
-            let c = job.result.as_ref().and_then(|r| r.claim.as_ref());
-            if let Some(c) = c {
-                println!(
-                    "claim: attempt {}, {} prompt + {} completion tokens, finish {}",
-                    c.attempt, c.prompt_tokens, c.completion_tokens, c.finish_reason
-                );
-            }
-            if catalogue.is_none() {
-                println!(
-                    "model {} is no longer in the catalogue: its digest was not checked",
-                    job.model
-                );
-            }
-            println!("verified: signed by {signer}");
-            Ok(())
-        }
-        Command::Jobs { limit } => {
-            let jobs = JobsClient::with_interceptor(channel, auth)
-                .list(ListJobsRequest { limit })
-                .await?
-                .into_inner()
-                .jobs;
-            println!("{:<36}  {:<10}  {:<24}  node", "job", "state", "model");
-            for j in jobs {
-                println!(
-                    "{:<36}  {:<10}  {:<24}  {}",
-                    j.id,
-                    state_name(j.state),
-                    j.model,
-                    short(&j.node_id)
-                );
-            }
-            Ok(())
-        }
-        Command::Models => {
-            let models = ModelsClient::with_interceptor(channel, auth)
-                .list(ListModelsRequest {})
-                .await?
-                .into_inner()
-                .models;
-            println!(
-                "{:<28}  {:<8}  {:>10}  {:>5}  {:>14}  {:>14}  sha256",
-                "model", "arch", "size", "nodes", "MLX/M in", "MLX/M out"
-            );
-            for m in models {
-                println!(
-                    "{:<28}  {:<8}  {:>7} MB  {:>5}  {:>14}  {:>14}  {}",
-                    m.id,
-                    m.architecture,
-                    m.size_bytes / 1_000_000,
-                    m.nodes_serving,
-                    mlx(m.price_input_micro_mlx_per_mtok as i64),
-                    mlx(m.price_output_micro_mlx_per_mtok as i64),
-                    hex::encode(&m.sha256)
-                );
-            }
-            Ok(())
-        }
-        Command::Network => {
-            let s = NetworkClient::with_interceptor(channel, auth)
-                .stats(NetworkStatsRequest {})
-                .await?
-                .into_inner();
-            println!("nodes online     {} of {}", s.nodes_online, s.nodes_total);
-            println!(
-                "memory online    {:.1} GiB",
-                s.memory_bytes_online as f64 / (1u64 << 30) as f64
-            );
-            println!("jobs queued      {}", s.jobs_queued);
-            println!("jobs running     {}", s.jobs_running);
-            println!("jobs completed   {}", s.jobs_completed);
-            println!("jobs failed      {}", s.jobs_failed);
-            println!("tokens generated {}", s.tokens_generated);
-            Ok(())
-        }
-        Command::Balance => {
-            let b = AccountsClient::with_interceptor(channel, auth)
-                .balance(BalanceRequest {})
-                .await?
-                .into_inner();
-            println!("account    {} ({})", b.account_id, b.account);
-            println!("balance    {} MLX", mlx(b.balance_micro_mlx));
-            println!("held       {} MLX", mlx(b.held_micro_mlx));
-            println!("available  {} MLX", mlx(b.available_micro_mlx));
-            Ok(())
-        }
-        Command::History { limit } => {
-            let entries = AccountsClient::with_interceptor(channel, auth)
-                .history(HistoryRequest { limit })
-                .await?
-                .into_inner()
-                .entries;
-            println!(
-                "{:<24}  {:<8}  {:>16}  {:<36}  {:>6}  counterparty",
-                "when (UTC)", "what", "MLX", "job", "tokens"
-            );
-            for e in entries {
-                println!(
-                    "{:<24}  {:<8}  {:>16}  {:<36}  {:>6}  {}",
-                    utc(e.created_at_ms),
-                    e.memo,
-                    mlx(e.amount_micro_mlx),
-                    e.job_id,
-                    e.tokens,
-                    e.counterparty
-                );
-            }
-            Ok(())
-        }
+        } => verify(&conn, job, prompt.map(|p| job_input_of(p, raw, system))).await,
+        Command::Jobs { limit } => jobs(&conn, limit).await,
+        Command::Models => models(&conn).await,
+        Command::Network => network(&conn).await,
+        Command::Balance => balance(&conn).await,
+        Command::History { limit } => history(&conn, limit).await,
         Command::Keys(KeysCommand::Create {
             account,
             scopes,
             label,
             ttl_seconds,
-        }) => {
-            let k = AccountsClient::with_interceptor(channel, auth)
-                .create_api_key(CreateApiKeyRequest {
-                    account_id: account,
-                    scopes: scopes.split(',').map(|s| s.trim().to_owned()).collect(),
-                    label,
-                    ttl_seconds,
-                })
-                .await?
-                .into_inner();
-            println!("key id   {}", k.key_id);
-            println!("account  {}", k.account_id);
-            println!("scopes   {}", k.scopes.join(","));
-            if k.expires_at_ms > 0 {
-                println!("expires  {}", utc(k.expires_at_ms));
-            }
-            println!("api key  {}", k.api_key);
-            eprintln!("(the key is shown this once; only its hash is kept)");
-            Ok(())
-        }
-        Command::Keys(KeysCommand::Revoke { key_id }) => {
-            AccountsClient::with_interceptor(channel, auth)
-                .revoke_api_key(RevokeApiKeyRequest {
-                    key_id: key_id.clone(),
-                })
-                .await?;
-            println!("revoked {key_id}");
-            Ok(())
-        }
-        Command::Keys(KeysCommand::List { account }) => {
-            let keys = AccountsClient::with_interceptor(channel, auth)
-                .list_api_keys(ListApiKeysRequest {
-                    account_id: account,
-                })
-                .await?
-                .into_inner()
-                .keys;
-            println!(
-                "{:<18}  {:<18}  {:<24}  {:<10}  label",
-                "key", "scopes", "created (UTC)", "status"
-            );
-            for k in keys {
-                let status = if k.revoked_at_ms > 0 {
-                    "revoked"
-                } else if k.expires_at_ms > 0 && k.expires_at_ms <= now_ms() {
-                    "expired"
-                } else {
-                    "active"
-                };
-                println!(
-                    "{:<18}  {:<18}  {:<24}  {:<10}  {}",
-                    k.key_id,
-                    k.scopes.join(","),
-                    utc(k.created_at_ms),
-                    status,
-                    k.label
-                );
-            }
-            Ok(())
-        }
-        Command::CreateAccount { name, kind } => {
-            let a = AccountsClient::with_interceptor(channel, auth)
-                .create_account(CreateAccountRequest { name, kind })
-                .await?
-                .into_inner();
-            println!("account {} ({}, {})", a.account_id, a.name, a.kind);
-            Ok(())
-        }
+        }) => create_key(&conn, account, scopes, label, ttl_seconds).await,
+        Command::Keys(KeysCommand::Revoke { key_id }) => revoke_key(&conn, key_id).await,
+        Command::Keys(KeysCommand::List { account }) => list_keys(&conn, account).await,
+        Command::CreateAccount { name, kind } => create_account(&conn, name, kind).await,
         Command::Grant {
             account,
             micro_mlx,
             idempotency_key,
             memo,
-        } => {
-            let g = AccountsClient::with_interceptor(channel, auth)
-                .grant(GrantRequest {
-                    account_id: account.clone(),
-                    amount_micro_mlx: micro_mlx,
-                    idempotency_key,
-                    memo,
-                })
-                .await?
-                .into_inner();
-            if !g.created {
-                println!(
-                    "(a grant with this idempotency key was already made; nothing more moved)"
-                );
-            }
-            println!("{account} balance {} MLX", mlx(g.balance_micro_mlx));
-            Ok(())
-        }
+        } => grant(&conn, account, micro_mlx, idempotency_key, memo).await,
     }
 }
 
-/// `micro` micro-MLX as MLX with six decimals.
-fn mlx(micro: i64) -> String {
-    let sign = if micro < 0 { "-" } else { "" };
-    let m = micro.unsigned_abs();
-    format!("{sign}{}.{:06}", m / 1_000_000, m % 1_000_000)
+/// `mlxnet job <id>`: the job, its output, and whether its claim verifies.
+async fn job(conn: &Conn, id: String) -> anyhow::Result<()> {
+    let job = conn
+        .jobs()
+        .get(GetJobRequest { job_id: id })
+        .await?
+        .into_inner();
+    print_job(&job);
+    if !job.output_text.is_empty() {
+        println!("output: {}", job.output_text);
+    }
+    if let Some(signed) = &job.result {
+        match claim::verify(signed) {
+            Ok(signer) => println!("verified: signed by {signer}"),
+            Err(e) => println!("NOT VERIFIED: {e}"),
+        }
+    }
+    Ok(())
+}
+
+/// `mlxnet verify <job>`: checks the stored signed result offline against
+/// `sent` (or the job's own input) and the catalogue's model digest.
+async fn verify(conn: &Conn, job: String, sent: Option<JobInput>) -> anyhow::Result<()> {
+    let job = conn
+        .jobs()
+        .get(GetJobRequest { job_id: job })
+        .await?
+        .into_inner();
+    let models = ModelsClient::new(conn.channel.clone())
+        .list(ListModelsRequest {})
+        .await?
+        .into_inner()
+        .models;
+    let catalogue = models
+        .iter()
+        .find(|m| m.id == job.model)
+        .map(|m| m.sha256.clone());
+    let sent = sent.unwrap_or_else(|| job.input.clone().unwrap_or_default());
+    print_job(&job);
+    let signer = verify_job(&job, &sent, catalogue.as_deref())?;
+    let c = job.result.as_ref().and_then(|r| r.claim.as_ref());
+    if let Some(c) = c {
+        println!(
+            "claim: attempt {}, {} prompt + {} completion tokens, finish {}",
+            c.attempt, c.prompt_tokens, c.completion_tokens, c.finish_reason
+        );
+    }
+    if catalogue.is_none() {
+        println!(
+            "model {} is no longer in the catalogue: its digest was not checked",
+            job.model
+        );
+    }
+    println!("verified: signed by {signer}");
+    Ok(())
+}
+
+/// `mlxnet jobs`: recent jobs.
+async fn jobs(conn: &Conn, limit: u32) -> anyhow::Result<()> {
+    let jobs = conn
+        .jobs()
+        .list(ListJobsRequest { limit })
+        .await?
+        .into_inner()
+        .jobs;
+    println!("{:<36}  {:<10}  {:<24}  node", "job", "state", "model");
+    for j in jobs {
+        println!(
+            "{:<36}  {:<10}  {:<24}  {}",
+            j.id,
+            state_name(j.state),
+            j.model,
+            short(&j.node_id)
+        );
+    }
+    Ok(())
+}
+
+/// `mlxnet models`: the catalogue with prices and how many nodes serve each.
+async fn models(conn: &Conn) -> anyhow::Result<()> {
+    let models = conn
+        .models()
+        .list(ListModelsRequest {})
+        .await?
+        .into_inner()
+        .models;
+    println!(
+        "{:<28}  {:<8}  {:>10}  {:>5}  {:>14}  {:>14}  sha256",
+        "model", "arch", "size", "nodes", "MLX/M in", "MLX/M out"
+    );
+    for m in models {
+        println!(
+            "{:<28}  {:<8}  {:>7} MB  {:>5}  {:>14}  {:>14}  {}",
+            m.id,
+            m.architecture,
+            m.size_bytes / 1_000_000,
+            m.nodes_serving,
+            mlx(m.price_input_micro_mlx_per_mtok as i64),
+            mlx(m.price_output_micro_mlx_per_mtok as i64),
+            hex::encode(&m.sha256)
+        );
+    }
+    Ok(())
+}
+
+/// `mlxnet network`: totals over nodes and jobs.
+async fn network(conn: &Conn) -> anyhow::Result<()> {
+    let s = NetworkClient::new(conn.authed.clone())
+        .stats(NetworkStatsRequest {})
+        .await?
+        .into_inner();
+    println!("nodes online     {} of {}", s.nodes_online, s.nodes_total);
+    println!(
+        "memory online    {:.1} GiB",
+        s.memory_bytes_online as f64 / (1u64 << 30) as f64
+    );
+    println!("jobs queued      {}", s.jobs_queued);
+    println!("jobs running     {}", s.jobs_running);
+    println!("jobs completed   {}", s.jobs_completed);
+    println!("jobs failed      {}", s.jobs_failed);
+    println!("tokens generated {}", s.tokens_generated);
+    Ok(())
+}
+
+/// `mlxnet balance`: the account's balance, holds and what is available.
+async fn balance(conn: &Conn) -> anyhow::Result<()> {
+    let b = conn
+        .accounts()
+        .balance(BalanceRequest {})
+        .await?
+        .into_inner();
+    println!("account    {} ({})", b.account_id, b.account);
+    println!("balance    {} MLX", mlx(b.balance_micro_mlx));
+    println!("held       {} MLX", mlx(b.held_micro_mlx));
+    println!("available  {} MLX", mlx(b.available_micro_mlx));
+    Ok(())
+}
+
+/// `mlxnet history`: the account's transfers, newest first.
+async fn history(conn: &Conn, limit: u32) -> anyhow::Result<()> {
+    let entries = conn
+        .accounts()
+        .history(HistoryRequest { limit })
+        .await?
+        .into_inner()
+        .entries;
+    println!(
+        "{:<24}  {:<8}  {:>16}  {:<36}  {:>6}  counterparty",
+        "when (UTC)", "what", "MLX", "job", "tokens"
+    );
+    for e in entries {
+        println!(
+            "{:<24}  {:<8}  {:>16}  {:<36}  {:>6}  {}",
+            utc(e.created_at_ms),
+            e.memo,
+            mlx(e.amount_micro_mlx),
+            e.job_id,
+            e.tokens,
+            e.counterparty
+        );
+    }
+    Ok(())
+}
+
+/// `mlxnet keys create`: a new key, printed once.
+async fn create_key(
+    conn: &Conn,
+    account: String,
+    scopes: String,
+    label: String,
+    ttl_seconds: u64,
+) -> anyhow::Result<()> {
+    let k = conn
+        .accounts()
+        .create_api_key(CreateApiKeyRequest {
+            account_id: account,
+            scopes: scopes.split(',').map(|s| s.trim().to_owned()).collect(),
+            label,
+            ttl_seconds,
+        })
+        .await?
+        .into_inner();
+    println!("key id   {}", k.key_id);
+    println!("account  {}", k.account_id);
+    println!("scopes   {}", k.scopes.join(","));
+    if k.expires_at_ms > 0 {
+        println!("expires  {}", utc(k.expires_at_ms));
+    }
+    println!("api key  {}", k.api_key);
+    eprintln!("(the key is shown this once; only its hash is kept)");
+    Ok(())
+}
+
+/// `mlxnet keys revoke`.
+async fn revoke_key(conn: &Conn, key_id: String) -> anyhow::Result<()> {
+    conn.accounts()
+        .revoke_api_key(RevokeApiKeyRequest {
+            key_id: key_id.clone(),
+        })
+        .await?;
+    println!("revoked {key_id}");
+    Ok(())
+}
+
+/// `mlxnet keys list`: an account's keys, never their secrets.
+async fn list_keys(conn: &Conn, account: String) -> anyhow::Result<()> {
+    let keys = conn
+        .accounts()
+        .list_api_keys(ListApiKeysRequest {
+            account_id: account,
+        })
+        .await?
+        .into_inner()
+        .keys;
+    println!(
+        "{:<18}  {:<18}  {:<24}  {:<10}  label",
+        "key", "scopes", "created (UTC)", "status"
+    );
+    for k in keys {
+        let status = if k.revoked_at_ms > 0 {
+            "revoked"
+        } else if k.expires_at_ms > 0 && k.expires_at_ms <= now_ms() {
+            "expired"
+        } else {
+            "active"
+        };
+        println!(
+            "{:<18}  {:<18}  {:<24}  {:<10}  {}",
+            k.key_id,
+            k.scopes.join(","),
+            utc(k.created_at_ms),
+            status,
+            k.label
+        );
+    }
+    Ok(())
+}
+
+/// `mlxnet create-account` (admin key).
+async fn create_account(conn: &Conn, name: String, kind: String) -> anyhow::Result<()> {
+    let a = conn
+        .accounts()
+        .create_account(CreateAccountRequest { name, kind })
+        .await?
+        .into_inner();
+    println!("account {} ({}, {})", a.account_id, a.name, a.kind);
+    Ok(())
+}
+
+/// `mlxnet grant` (admin key): MLX tokens from the treasury to an account.
+async fn grant(
+    conn: &Conn,
+    account: String,
+    micro_mlx: u64,
+    idempotency_key: String,
+    memo: String,
+) -> anyhow::Result<()> {
+    let g = conn
+        .accounts()
+        .grant(GrantRequest {
+            account_id: account.clone(),
+            amount_micro_mlx: micro_mlx,
+            idempotency_key,
+            memo,
+        })
+        .await?
+        .into_inner();
+    if !g.created {
+        println!("(a grant with this idempotency key was already made; nothing more moved)");
+    }
+    println!("{account} balance {} MLX", mlx(g.balance_micro_mlx));
+    Ok(())
 }
 
 fn now_ms() -> i64 {
@@ -526,8 +583,9 @@ fn utc(ms: i64) -> String {
     )
 }
 
+/// `mlxnet submit`: submits, streams the tokens, and verifies the result.
 async fn submit(
-    mut client: JobsClient<Svc>,
+    mut client: JobsClient<Authed>,
     request: SubmitJobRequest,
     sent: &JobInput,
 ) -> anyhow::Result<()> {

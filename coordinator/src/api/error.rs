@@ -1,15 +1,13 @@
-//! Errors at the coordinator's edges, and their one mapping to the wire.
+//! What a client request can end in, and its one mapping to the wire
+//! (`From<ApiError> for tonic::Status`).
 //!
-//! [`ApiError`] is what a client request can end in. Client mistakes carry a
-//! message meant for the client; [`ApiError::Internal`] is logged with its
+//! Client mistakes carry a message meant for the client;
+//! [`ApiError::Internal`] and [`ApiError::Ledger`] are logged with their
 //! whole chain and sent as a generic message, so database text never leaks.
-//! [`AppError`] is what starting or running the application can end in.
 
-use std::{io, net::SocketAddr};
+use mlxnet_proto::money::mlx;
 
-use crate::{
-    catalogue::CatalogueError, ledger::LedgerError, link::tls::TlsError, store::StoreError,
-};
+use crate::{ledger::LedgerError, store::StoreError, util::error_chain};
 
 /// Why a client request failed.
 #[derive(Debug, thiserror::Error)]
@@ -59,11 +57,10 @@ impl From<LedgerError> for ApiError {
     }
 }
 
-/// `micro` micro-MLX as MLX with six decimals.
-pub fn mlx(micro: i64) -> String {
-    let sign = if micro < 0 { "-" } else { "" };
-    let m = micro.unsigned_abs();
-    format!("{sign}{}.{:06}", m / 1_000_000, m % 1_000_000)
+impl From<crate::domain::InvalidScopes> for ApiError {
+    fn from(e: crate::domain::InvalidScopes) -> Self {
+        ApiError::InvalidArgument(e.0.to_owned())
+    }
 }
 
 impl From<ApiError> for tonic::Status {
@@ -85,48 +82,4 @@ impl From<ApiError> for tonic::Status {
             }
         }
     }
-}
-
-/// Why the application could not start or stopped with an error.
-#[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
-pub enum AppError {
-    #[error("invalid configuration: {0}")]
-    Config(String),
-    #[error("creating data directory {path}")]
-    DataDir { path: String, source: io::Error },
-    #[error("opening the database")]
-    Store(#[from] StoreError),
-    #[error("recovering the ledger")]
-    Ledger(#[source] Box<crate::ledger::LedgerError>),
-    #[error(transparent)]
-    Catalogue(#[from] CatalogueError),
-    #[error("node-link certificate")]
-    Tls(#[from] TlsError),
-    #[error("binding {what} on {addr}")]
-    Bind {
-        what: &'static str,
-        addr: SocketAddr,
-        source: io::Error,
-    },
-    #[error("gRPC reflection descriptors")]
-    Reflection(#[from] tonic_reflection::server::Error),
-    #[error("gRPC server failed")]
-    Grpc(#[from] tonic::transport::Error),
-    #[error("HTTP server failed")]
-    Http(#[source] io::Error),
-    #[error("a server task panicked")]
-    Panicked(#[from] tokio::task::JoinError),
-}
-
-/// `err` and all its sources, joined by ": ".
-pub fn error_chain(err: &dyn std::error::Error) -> String {
-    let mut out = err.to_string();
-    let mut source = err.source();
-    while let Some(s) = source {
-        out.push_str(": ");
-        out.push_str(&s.to_string());
-        source = s.source();
-    }
-    out
 }

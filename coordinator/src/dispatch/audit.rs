@@ -24,17 +24,17 @@ use mlxnet_proto::{
 };
 use tracing::{debug, info, warn};
 
-use super::{audit_rate, Ended};
+use super::{input_bytes, Dispatcher};
 use crate::{
+    audit::{audit_rate, Ended},
     catalogue::Model,
-    dispatch::{input_bytes, Dispatcher},
-    error::error_chain,
+    domain::JobRecord,
     ledger,
     link::{
         job::{JobStream, CODE_REFUSED},
         session::Session,
     },
-    store::{now_ms, JobRecord},
+    util::{error_chain, now_ms},
 };
 
 /// How often a pending audit looks for a free auditor.

@@ -2,9 +2,9 @@
 //! overload at once, and per-API-key request-rate and in-flight caps.
 //!
 //! Every gRPC request but the health check takes a [`Permit`] before its
-//! handler runs ([`Admission::admit`], called by [`crate::api::auth`]); the
+//! handler runs ([`Admission::admit_anonymous`], called by [`super::auth`]); the
 //! permit lives until the response body has been sent (a Watch stream keeps
-//! its permit while it is open), see [`Held`]. A request that finds no room is
+//! its permit while it is open), see [`crate::util::net::Held`]. A request that finds no room is
 //! answered RESOURCE_EXHAUSTED at once, without touching the database: the
 //! server never queues work without bound.
 //!
@@ -26,20 +26,84 @@
 
 use std::{
     collections::HashMap,
-    pin::Pin,
     sync::{Arc, Mutex},
-    task::{Context, Poll},
     time::Instant,
 };
 
-use bytes::Bytes;
-use tokio::{
-    net::{TcpListener, TcpStream},
-    sync::{OwnedSemaphorePermit, Semaphore},
-};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
-use crate::lock;
-use crate::{config::Limits, error::ApiError, ledger::keys::Caller};
+use serde::Deserialize;
+
+use crate::{api::error::ApiError, domain::Caller, util::lock};
+
+/// Bounds on client input and on queued work.
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct Limits {
+    /// Bytes of prompt text (sum of message contents for chat).
+    pub max_prompt_bytes: usize,
+    /// Largest `max_tokens` a job may ask for.
+    pub max_tokens: u32,
+    /// `max_tokens` used when a job asks for 0.
+    pub default_max_tokens: u32,
+    /// Largest gRPC request message the server decodes.
+    pub max_request_bytes: usize,
+    /// Submit is refused with RESOURCE_EXHAUSTED beyond this many queued jobs.
+    pub max_queued_jobs: u64,
+    /// Attempts per job before it fails for good.
+    pub max_attempts: u32,
+    /// Stop strings per job, and bytes per stop string.
+    pub max_stop_strings: usize,
+    pub max_stop_bytes: usize,
+    /// Chat messages per job.
+    pub max_chat_messages: usize,
+    /// gRPC requests in flight at once (all keys); more are refused with
+    /// RESOURCE_EXHAUSTED at once .
+    pub max_in_flight_requests: usize,
+    /// Requests per second per API key (burst: twice that), unless the key
+    /// has its own limit. 0 = unlimited.
+    pub key_requests_per_sec: u32,
+    /// Requests (open Watch streams included) in flight per API key, unless
+    /// the key has its own limit. 0 = unlimited.
+    pub key_max_in_flight: u32,
+    /// Open connections per TCP listener (gRPC, HTTP); more are closed at
+    /// accept.
+    pub max_connections: usize,
+    /// A gRPC request must be read and answered (a stream: started) within
+    /// this; an HTTP request's headers must arrive within it.
+    pub request_timeout_ms: u64,
+    /// Largest HTTP request body (the HTTP API reads none larger); checked
+    /// on `content-length` before anything is read.
+    pub max_http_body_bytes: usize,
+    /// HTTP requests in flight at once; more get 429.
+    pub max_http_in_flight: usize,
+    /// Node-link connections (QUIC) at once, handshakes included.
+    pub max_node_connections: usize,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Self {
+            max_prompt_bytes: 64 * 1024,
+            max_tokens: 4096,
+            default_max_tokens: 256,
+            max_request_bytes: 1 << 20,
+            max_queued_jobs: 10_000,
+            max_attempts: 3,
+            max_stop_strings: 8,
+            max_stop_bytes: 64,
+            max_chat_messages: 64,
+            max_in_flight_requests: 512,
+            key_requests_per_sec: 200,
+            key_max_in_flight: 64,
+            max_connections: 4096,
+            request_timeout_ms: 30_000,
+            max_http_body_bytes: 64 * 1024,
+            max_http_in_flight: 256,
+            max_node_connections: 10_000,
+        }
+    }
+}
 
 /// Per-key entries kept before idle ones are dropped.
 pub const MAX_TRACKED_KEYS: usize = 100_000;
@@ -272,146 +336,6 @@ impl Admission {
     /// Most admitted requests ever in flight at once.
     pub fn peak_in_flight(&self) -> usize {
         self.peak.load(std::sync::atomic::Ordering::Relaxed)
-    }
-}
-
-/// A response body that keeps its request's permit (a [`Permit`], or any
-/// guard `P`) until the body ends or is dropped.
-#[derive(Debug)]
-pub struct Held<B, P = Permit> {
-    inner: B,
-    permit: Option<P>,
-}
-
-impl<B: Default, P> Default for Held<B, P> {
-    fn default() -> Self {
-        Self {
-            inner: B::default(),
-            permit: None,
-        }
-    }
-}
-
-impl<B, P> Held<B, P> {
-    pub fn new(inner: B, permit: Option<P>) -> Self {
-        Self { inner, permit }
-    }
-}
-
-impl<B, P> http_body::Body for Held<B, P>
-where
-    B: http_body::Body<Data = Bytes> + Unpin,
-    P: Unpin,
-{
-    type Data = Bytes;
-    type Error = B::Error;
-
-    fn poll_frame(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<http_body::Frame<Bytes>, Self::Error>>> {
-        let this = self.get_mut();
-        let r = Pin::new(&mut this.inner).poll_frame(cx);
-        if let Poll::Ready(None) = r {
-            this.permit = None;
-        }
-        r
-    }
-
-    fn is_end_stream(&self) -> bool {
-        self.inner.is_end_stream()
-    }
-
-    fn size_hint(&self) -> http_body::SizeHint {
-        self.inner.size_hint()
-    }
-}
-
-/// A connection of a TCP listener, holding one of the listener's
-/// connection slots until it closes.
-#[derive(Debug)]
-pub struct Capped {
-    io: TcpStream,
-    _slot: OwnedSemaphorePermit,
-}
-
-/// Accepts connections from `listener`, at most `max` open at once: a
-/// connection beyond that is closed at once (the peer sees a reset), so idle
-/// or slow clients cannot pile up sockets and buffers without bound.
-/// Accepted sockets get `TCP_NODELAY` (responses are small and latency
-/// matters more than packet count).
-pub fn capped_incoming(
-    listener: TcpListener,
-    max: usize,
-) -> impl futures::Stream<Item = std::io::Result<Capped>> {
-    let slots = Arc::new(Semaphore::new(max.max(1)));
-    futures::stream::unfold((listener, slots), |(listener, slots)| async move {
-        loop {
-            let (io, _) = match listener.accept().await {
-                Ok(c) => c,
-                // Per-connection errors (reset before accept, out of file
-                // descriptors): back off briefly, keep the listener.
-                Err(e) => {
-                    tracing::debug!(error = %e, "accept failed");
-                    tokio::time::sleep(std::time::Duration::from_millis(10)).await;
-                    continue;
-                }
-            };
-            let Ok(slot) = Arc::clone(&slots).try_acquire_owned() else {
-                tracing::debug!("connection refused: listener at its connection cap");
-                continue;
-            };
-            let _ = io.set_nodelay(true);
-            return Some((Ok(Capped { io, _slot: slot }), (listener, slots)));
-        }
-    })
-}
-
-impl tokio::io::AsyncRead for Capped {
-    fn poll_read(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &mut tokio::io::ReadBuf<'_>,
-    ) -> Poll<std::io::Result<()>> {
-        Pin::new(&mut self.get_mut().io).poll_read(cx, buf)
-    }
-}
-
-impl tokio::io::AsyncWrite for Capped {
-    fn poll_write(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &[u8],
-    ) -> Poll<std::io::Result<usize>> {
-        Pin::new(&mut self.get_mut().io).poll_write(cx, buf)
-    }
-
-    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
-        Pin::new(&mut self.get_mut().io).poll_flush(cx)
-    }
-
-    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
-        Pin::new(&mut self.get_mut().io).poll_shutdown(cx)
-    }
-
-    fn poll_write_vectored(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        bufs: &[std::io::IoSlice<'_>],
-    ) -> Poll<std::io::Result<usize>> {
-        Pin::new(&mut self.get_mut().io).poll_write_vectored(cx, bufs)
-    }
-
-    fn is_write_vectored(&self) -> bool {
-        self.io.is_write_vectored()
-    }
-}
-
-impl tonic::transport::server::Connected for Capped {
-    type ConnectInfo = tonic::transport::server::TcpConnectInfo;
-
-    fn connect_info(&self) -> Self::ConnectInfo {
-        self.io.connect_info()
     }
 }
 
