@@ -18,6 +18,11 @@
 //! Run: `cargo bench -p mlxnet-coordinator --bench placement` (optionally
 //! `-- --nodes 10000,100000 --jobs 100000`).
 
+#![allow(
+    clippy::expect_used,
+    reason = "a bench binary: a failed step ends the run"
+)]
+
 use std::time::{Duration, Instant};
 
 use anyhow::Context;

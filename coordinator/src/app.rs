@@ -123,7 +123,7 @@ impl Application {
             addr: config.quic_addr,
             source,
         })?;
-        let store = match AnyStore::connect(&config.database_url()).await {
+        let store = match AnyStore::connect_with(&config.database_url(), &config.store).await {
             Ok(s) => s,
             Err(e) => {
                 endpoint.close(0u32.into(), b"");
@@ -361,7 +361,7 @@ pub async fn bootstrap_admin_key(
         path: config.data_dir.display().to_string(),
         source,
     })?;
-    let store = AnyStore::connect(&config.database_url()).await?;
+    let store = AnyStore::connect_with(&config.database_url(), &config.store).await?;
     let ledger = Ledger::new(store.clone(), config.ledger.clone());
     let key = ledger.bootstrap_admin(name).await;
     store.close().await;

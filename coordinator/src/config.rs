@@ -45,8 +45,10 @@ pub struct CoordinatorConfig {
     pub quic_addr: SocketAddr,
     /// `/healthz`, `/readyz`, `/metrics`.
     pub http_addr: SocketAddr,
-    /// Default: `sqlite://<data_dir>/coordinator.db`.
+    /// Default: `[store] url`, else `sqlite://<data_dir>/coordinator.db`.
     pub database_url: Option<String>,
+    /// The database and its pool (see [`crate::store::StoreConfig`]).
+    pub store: crate::store::StoreConfig,
     pub catalogue: Vec<CatalogueModel>,
     pub limits: Limits,
     /// How often nodes are told to heartbeat.
@@ -82,6 +84,7 @@ impl Default for CoordinatorConfig {
             quic_addr: any_addr(7071),
             http_addr: any_addr(7080),
             database_url: None,
+            store: crate::store::StoreConfig::default(),
             catalogue: vec![smollm2_135m_instruct()],
             limits: Limits::default(),
             heartbeat_interval_ms: 5_000,
@@ -106,6 +109,13 @@ impl fmt::Debug for CoordinatorConfig {
                 "database_url",
                 &self.database_url.as_ref().map(|_| "<redacted>"),
             )
+            .field("store.url", &self.store.url.as_ref().map(|_| "<redacted>"))
+            .field("store.max_connections", &self.store.max_connections)
+            .field(
+                "store.statement_timeout_ms",
+                &self.store.statement_timeout_ms,
+            )
+            .field("store.acquire_timeout_ms", &self.store.acquire_timeout_ms)
             .field("catalogue", &self.catalogue)
             .field("limits", &self.limits)
             .field("heartbeat_interval_ms", &self.heartbeat_interval_ms)
@@ -243,14 +253,18 @@ impl CoordinatorConfig {
         Ok(())
     }
 
-    /// The database URL in effect.
+    /// The database URL in effect: `database_url`, else `[store] url`,
+    /// else the SQLite file in the data directory.
     pub fn database_url(&self) -> String {
-        self.database_url.clone().unwrap_or_else(|| {
-            format!(
-                "sqlite://{}",
-                self.data_dir.join("coordinator.db").display()
-            )
-        })
+        self.database_url
+            .clone()
+            .or_else(|| self.store.url.clone())
+            .unwrap_or_else(|| {
+                format!(
+                    "sqlite://{}",
+                    self.data_dir.join("coordinator.db").display()
+                )
+            })
     }
 }
 
@@ -282,6 +296,26 @@ mod tests {
     }
 
     #[test]
+    fn the_store_section_picks_the_database_and_sizes_the_pool() {
+        let env = [
+            ("MLXNET__STORE__URL", "postgres://mlx@db:5432/mlx"),
+            ("MLXNET__STORE__MAX_CONNECTIONS", "40"),
+            ("MLXNET__STORE__STATEMENT_TIMEOUT_MS", "2500"),
+        ];
+        let c = CoordinatorConfig::load(None, env).unwrap();
+        assert_eq!(c.database_url(), "postgres://mlx@db:5432/mlx");
+        assert_eq!(
+            (c.store.max_connections, c.store.statement_timeout_ms),
+            (40, 2500)
+        );
+        let mut c = CoordinatorConfig::load(None, env).unwrap();
+        c.database_url = Some("sqlite:///srv/x.db".into());
+        assert_eq!(c.database_url(), "sqlite:///srv/x.db", "database_url wins");
+        let c = CoordinatorConfig::for_data_dir("/srv/mlx".into());
+        assert_eq!(c.database_url(), "sqlite:///srv/mlx/coordinator.db");
+    }
+
+    #[test]
     fn bad_values_are_reported_not_ignored() {
         let err =
             CoordinatorConfig::load(None, [("MLXNET__LIMITS__MAX_TOKENS", "lots")]).unwrap_err();
@@ -294,7 +328,9 @@ mod tests {
     fn database_url_is_redacted_in_debug() {
         let mut c = CoordinatorConfig::for_data_dir("/tmp/x".into());
         c.database_url = Some("postgres://u:hunter2@db/mlx".into());
-        assert!(!format!("{c:?}").contains("hunter2"));
+        c.store.url = Some("postgres://u:swordfish@db/mlx".into());
+        let shown = format!("{c:?}");
+        assert!(!shown.contains("hunter2") && !shown.contains("swordfish"));
         assert_eq!(c.grpc_addr.port(), 0);
     }
 }

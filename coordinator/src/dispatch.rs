@@ -39,7 +39,7 @@ use std::{
 use mlxnet_proto::{
     claim,
     frame::FrameError,
-    ids::JobId,
+    ids::{JobId, NodeId},
     v1::{job_event, job_input, job_update, Assignment, JobInput, Resume, SignedClaim},
 };
 use tokio::sync::Notify;
@@ -76,6 +76,17 @@ use crate::{
 const PLACEMENT_TICK: Duration = Duration::from_secs(2);
 /// Queued jobs considered per placement pass.
 const PLACEMENT_BATCH: u32 = 256;
+
+/// A job a placement pass picked, its node's memory reserved.
+struct Planned {
+    job: JobRecord,
+    node: NodeId,
+    model: Model,
+    reservation: Reservation,
+    /// The reservations on a pod's other members.
+    held: Vec<Reservation>,
+    reason: String,
+}
 
 /// The dispatcher's settings (top-level keys of the coordinator's config
 /// file, gathered by `config`).
@@ -248,13 +259,15 @@ impl Dispatcher {
         }
     }
 
-    /// One pass: the oldest queued jobs, in the scheduler's priority and
-    /// fair-share order, each onto the node the cost model picks.
+    /// One pass: the oldest queued jobs this replica claims (see
+    /// [`Store::claim_queued`]: another replica's pass never sees the same
+    /// jobs at once), in the scheduler's priority and fair-share order, each
+    /// onto the node the cost model picks among this replica's sessions. The
+    /// node's memory is reserved before the claim commits its assignment.
     async fn place_queued(self: &Arc<Self>) -> Result<(), StoreError> {
         if self.sessions.is_empty() {
             return Ok(());
         }
-        let queued = self.store.queued_jobs(PLACEMENT_BATCH).await?;
         // A node banned after failed audits is never placed.
         let sessions: Vec<_> = self
             .sessions
@@ -262,14 +275,63 @@ impl Dispatcher {
             .into_iter()
             .filter(|s| !self.audits.is_banned(&s.node_id))
             .collect();
-        let mut fleet = Sessions::fleet(&sessions);
-        let ids: Vec<JobId> = queued.iter().map(|j| j.id).collect();
-        let accounts = self.store.job_accounts(&ids).await?;
-        let mut queue = Queue::new(queued.len());
-        for job in queued {
+        let mut plan = Vec::new();
+        let assigned = self
+            .store
+            .claim_queued(PLACEMENT_BATCH, |claimed| {
+                plan = self.plan(&sessions, claimed);
+                plan.iter()
+                    .map(|p| (p.job.id, p.job.attempt, p.node.to_string()))
+                    .collect()
+            })
+            .await?;
+        for (p, assigned) in plan.into_iter().zip(assigned) {
+            if !assigned || self.shutdown.is_cancelled() {
+                continue;
+            }
+            let Planned {
+                job,
+                node,
+                model,
+                reservation,
+                held,
+                reason,
+            } = p;
+            let token = self.shutdown.child_token();
+            lock(&self.running).insert(job.id, token.clone());
+            self.hub.publish(
+                job.id,
+                job_event::Event::Assigned(job_event::Assigned {
+                    node_id: node.to_string(),
+                    attempt: job.attempt,
+                }),
+            );
+            debug!(job_id = %job.id, node = %node.short(), attempt = job.attempt, reason = %reason, "assigned");
+            let this = Arc::clone(self);
+            self.spawn(async move {
+                let wake = Arc::clone(&this);
+                this.run_attempt(job, model, reservation, token).await;
+                drop(held);
+                wake.wake();
+            });
+        }
+        Ok(())
+    }
+
+    /// Places `claimed` (each job with its paying account) onto `sessions`,
+    /// reserving each pick's memory on its node (and on a pod's other
+    /// members).
+    fn plan(
+        &self,
+        sessions: &[Arc<Session>],
+        claimed: Vec<(JobRecord, Option<String>)>,
+    ) -> Vec<Planned> {
+        let mut fleet = Sessions::fleet(sessions);
+        let mut queue = Queue::new(claimed.len());
+        for (job, account) in claimed {
             // Fair share across the accounts that pay (the ledger's holds);
             // a job's priority orders only its own account's jobs.
-            let account = accounts.get(&job.id).cloned().unwrap_or_default();
+            let account = account.unwrap_or_default();
             let level = if job.attempt > 1 { RESUME_LEVEL } else { 0 };
             let _ = queue.push_ranked(&account, level, job.priority, job);
         }
@@ -277,9 +339,10 @@ impl Dispatcher {
             let model = self.catalogue.get(&job.model)?;
             Some(model.job(input_bytes(&job.input), job.sampling.max_tokens))
         });
+        let mut plan = Vec::with_capacity(placed.len());
         for (job, placement) in placed {
             if self.shutdown.is_cancelled() {
-                return Ok(());
+                break;
             }
             let Some(model) = self.catalogue.get(&job.model).cloned() else {
                 continue;
@@ -308,33 +371,16 @@ impl Dispatcher {
             if held.len() != others.len() {
                 continue;
             }
-            let reservation = session.reserve(placement.memory_per_member);
-            if !self
-                .store
-                .assign(job.id, job.attempt, &node.to_string())
-                .await?
-            {
-                continue;
-            }
-            let token = self.shutdown.child_token();
-            lock(&self.running).insert(job.id, token.clone());
-            self.hub.publish(
-                job.id,
-                job_event::Event::Assigned(job_event::Assigned {
-                    node_id: node.to_string(),
-                    attempt: job.attempt,
-                }),
-            );
-            debug!(job_id = %job.id, node = %node.short(), attempt = job.attempt, reason = %placement.reason, "assigned");
-            let this = Arc::clone(self);
-            self.spawn(async move {
-                let wake = Arc::clone(&this);
-                this.run_attempt(job, model, reservation, token).await;
-                drop(held);
-                wake.wake();
+            plan.push(Planned {
+                reservation: session.reserve(placement.memory_per_member),
+                job,
+                node,
+                model,
+                held,
+                reason: placement.reason,
             });
         }
-        Ok(())
+        plan
     }
 
     /// Why no online node could ever hold `job` (None if one could, or if no

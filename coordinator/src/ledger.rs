@@ -148,6 +148,8 @@ pub struct Ledger {
     config: LedgerConfig,
     /// Submits waiting for the next group commit (see [`Ledger::submit_job`]).
     submits: std::sync::Arc<std::sync::Mutex<Vec<submit::QueuedSubmit>>>,
+    /// Held by the submit that writes the queue, until its batch committed.
+    batch_writer: std::sync::Arc<tokio::sync::Mutex<()>>,
     /// Recently authenticated keys (see [`keys`]).
     keys: std::sync::Arc<keys::KeyCache>,
 }
@@ -159,6 +161,7 @@ impl Ledger {
             store,
             config,
             submits: std::sync::Arc::default(),
+            batch_writer: std::sync::Arc::default(),
             keys: std::sync::Arc::default(),
         }
     }

@@ -42,6 +42,10 @@ pub mod metrics;
 pub mod scheduler;
 pub mod store;
 #[cfg(any(test, feature = "test-utils"))]
+#[allow(
+    clippy::unwrap_used,
+    reason = "test harness: a failed unwrap is a failed test"
+)]
 pub mod test_utils;
 pub mod util;
 pub mod world;

@@ -21,6 +21,10 @@ struct Args {
     quic_addr: Option<SocketAddr>,
     #[arg(long)]
     http_addr: Option<SocketAddr>,
+    /// `sqlite://PATH` or `postgres://USER:PASSWORD@HOST:PORT/DB` (default:
+    /// the SQLite file in the data directory).
+    #[arg(long)]
+    database_url: Option<String>,
     #[command(subcommand)]
     command: Option<Command>,
 }
@@ -59,6 +63,9 @@ async fn main() -> anyhow::Result<()> {
     }
     if let Some(a) = args.http_addr {
         config.http_addr = a;
+    }
+    if let Some(url) = args.database_url {
+        config.database_url = Some(url);
     }
     if let Some(Command::AdminKey { name }) = args.command {
         let key = mlxnet_coordinator::app::bootstrap_admin_key(&config, &name)

@@ -5,10 +5,11 @@
 //! (`ledger`, `audit`), written once.
 //!
 //! Backends: [`sqlite::SqliteStore`] (the default, a file in the data
-//! directory); a PostgreSQL backend plugs in beside it as a variant of
-//! [`AnyStore`], the closed set the application picks from by the
-//! database URL's scheme (so no generic parameter reaches the dispatcher or
-//! the API). [`tests`] is the conformance suite every backend passes.
+//! directory) and [`postgres::PgStore`] (one database several replicas
+//! share), the variants of [`AnyStore`], the closed set the application
+//! picks from by the database URL's scheme (so no generic parameter reaches
+//! the dispatcher or the API). [`rows`] decodes rows for both; [`tests`] is
+//! the conformance suite every backend passes.
 //!
 //! # Invariants (every backend)
 //! - Every job transition is guarded by the expected current state,
@@ -19,9 +20,10 @@
 //!   only while `attempt < max_attempts`, else the job fails for good.
 //! - A segment is written in the same transaction as its attempt's end, and
 //!   only when that end was accepted; a job's segments are contiguous.
-//! - One [`StoreTx`] is open at a time per store (SQLite: an in-process
-//!   writer lock, then `BEGIN IMMEDIATE`); its reads and writes see one
-//!   state; dropping it without [`StoreTx::commit`] changes nothing.
+//! - One [`StoreTx`] is open at a time per database (SQLite: an in-process
+//!   writer lock, then `BEGIN IMMEDIATE`; PostgreSQL: an in-process lock,
+//!   then an advisory lock every replica takes); its reads and writes see
+//!   one state; dropping it without [`StoreTx::commit`] changes nothing.
 //! - Transfer rows are never updated or deleted; a pending transfer's
 //!   `open_holds` row exists until it is resolved, at most once.
 //!
@@ -30,6 +32,9 @@
 //! clients), rows that do not decode (a corrupt or foreign database), and a
 //! database URL no compiled-in backend serves.
 
+mod backend;
+pub mod postgres;
+mod rows;
 pub mod sqlite;
 #[cfg(test)]
 pub(crate) mod tests;
@@ -44,7 +49,37 @@ use crate::domain::{
     StreamedEnd, Totals, Transfer,
 };
 
+pub use postgres::PgStore;
 pub use sqlite::SqliteStore;
+
+/// The `[store]` section: which database, and how the pool reaches it.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct StoreConfig {
+    /// `sqlite://PATH` or `postgres://USER:PASSWORD@HOST:PORT/DB`. Unset:
+    /// the SQLite file in the data directory. May hold a password: never
+    /// printed.
+    pub url: Option<String>,
+    /// Most connections this replica opens (PostgreSQL; SQLite keeps 4).
+    pub max_connections: u32,
+    /// Longest a statement may run before the server cancels it
+    /// (PostgreSQL's `statement_timeout`).
+    pub statement_timeout_ms: u64,
+    /// Longest a caller waits for a free connection before its operation
+    /// fails.
+    pub acquire_timeout_ms: u64,
+}
+
+impl Default for StoreConfig {
+    fn default() -> Self {
+        Self {
+            url: None,
+            max_connections: 16,
+            statement_timeout_ms: 5_000,
+            acquire_timeout_ms: 5_000,
+        }
+    }
+}
 
 /// Why a store operation failed.
 #[derive(Debug, thiserror::Error)]
@@ -56,7 +91,9 @@ pub enum StoreError {
     Migrate(#[from] sqlx::migrate::MigrateError),
     #[error("stored row of {id} does not decode: {what}")]
     Corrupt { id: String, what: String },
-    #[error("no store backend serves database URL scheme {scheme:?} (compiled in: sqlite)")]
+    #[error(
+        "no store backend serves database URL scheme {scheme:?} (compiled in: sqlite, postgres)"
+    )]
     UnsupportedUrl { scheme: String },
 }
 
@@ -158,6 +195,18 @@ pub trait Store: Clone + Send + Sync + 'static {
     /// [`Store::assign`] for a batch (job, attempt, node) in one
     /// transaction; one flag per entry.
     async fn assign_many(&self, batch: &[(JobId, u32, String)]) -> Result<Vec<bool>>;
+    /// Claims up to `limit` queued jobs, oldest first, each with its paying
+    /// account (if it has terms), for one placement pass; `place` picks
+    /// `(job, attempt, node)` among them, and each pick is assigned (as
+    /// [`Store::assign`]) in the claim's transaction. One flag per pick.
+    ///
+    /// Claims of several replicas on one database never see the same job
+    /// at once (PostgreSQL: `FOR UPDATE SKIP LOCKED`; SQLite: one writer),
+    /// so a pick of a claimed job is assigned unless it was not claimed;
+    /// jobs `place` leaves are free again when the claim ends.
+    async fn claim_queued<F>(&self, limit: u32, place: F) -> Result<Vec<bool>>
+    where
+        F: FnOnce(Vec<(JobRecord, Option<String>)>) -> Vec<(JobId, u32, String)> + Send;
     /// `assigned -> running` when the node says it started.
     async fn mark_running(&self, id: JobId, attempt: u32, node_id: &str) -> Result<bool>;
     /// `assigned | running -> completed` with the verified claim, only from
@@ -392,6 +441,7 @@ pub trait StoreTx: Send {
 #[non_exhaustive]
 pub enum AnyStore {
     Sqlite(SqliteStore),
+    Postgres(PgStore),
 }
 
 /// A write transaction of an [`AnyStore`].
@@ -399,6 +449,7 @@ pub enum AnyStore {
 #[non_exhaustive]
 pub enum AnyTx {
     Sqlite(sqlite::SqliteTx),
+    Postgres(postgres::PgTx),
 }
 
 /// Runs `$body` with `$s` bound to the backend inside `$any` (an
@@ -407,17 +458,26 @@ macro_rules! on_backend {
     ($any:expr, $s:ident => $body:expr) => {
         match $any {
             Self::Sqlite($s) => $body,
+            Self::Postgres($s) => $body,
         }
     };
 }
 
 impl AnyStore {
     /// Opens (creating and migrating if needed) the database at `url`, with
-    /// the backend its scheme names (`sqlite:`).
+    /// the backend its scheme names (`sqlite:`, `postgres:`), and the
+    /// default pool settings.
     pub async fn connect(url: &str) -> Result<Self> {
+        Self::connect_with(url, &StoreConfig::default()).await
+    }
+
+    /// [`AnyStore::connect`] with `config`'s pool size and timeouts (its
+    /// `url` is not read: `url` is).
+    pub async fn connect_with(url: &str, config: &StoreConfig) -> Result<Self> {
         let scheme = url.split(':').next().unwrap_or_default();
         match scheme {
             "sqlite" => Ok(Self::Sqlite(SqliteStore::connect(url).await?)),
+            "postgres" | "postgresql" => Ok(Self::Postgres(PgStore::connect(url, config).await?)),
             other => Err(StoreError::UnsupportedUrl {
                 scheme: other.to_owned(),
             }),
@@ -443,6 +503,7 @@ impl Store for AnyStore {
     async fn write(&self) -> Result<Self::Tx> {
         match self {
             Self::Sqlite(s) => Ok(AnyTx::Sqlite(s.write().await?)),
+            Self::Postgres(s) => Ok(AnyTx::Postgres(s.write().await?)),
         }
     }
 
@@ -480,6 +541,13 @@ impl Store for AnyStore {
 
     async fn assign_many(&self, batch: &[(JobId, u32, String)]) -> Result<Vec<bool>> {
         on_backend!(self, s => s.assign_many(batch).await)
+    }
+
+    async fn claim_queued<F>(&self, limit: u32, place: F) -> Result<Vec<bool>>
+    where
+        F: FnOnce(Vec<(JobRecord, Option<String>)>) -> Vec<(JobId, u32, String)> + Send,
+    {
+        on_backend!(self, s => s.claim_queued(limit, place).await)
     }
 
     async fn mark_running(&self, id: JobId, attempt: u32, node_id: &str) -> Result<bool> {

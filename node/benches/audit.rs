@@ -27,6 +27,11 @@
 //! default `models/SmolLM2-135M-Instruct.Q4_1.gguf` in the workspace),
 //! `MLXNET_AUDIT_JOBS` (jobs per row, default 200).
 
+#![allow(
+    clippy::expect_used,
+    reason = "a bench binary: a failed step ends the run"
+)]
+
 use std::io::{BufRead, Write};
 use std::ops::ControlFlow;
 use std::path::{Path, PathBuf};

@@ -12,6 +12,11 @@
 //!
 //! Goals (issue 4): latency <= 0.5x MLX ring; within 1.5x of the ping-pong floor.
 
+#![allow(
+    clippy::expect_used,
+    reason = "a bench binary: a failed step ends the run"
+)]
+
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::path::PathBuf;

@@ -33,7 +33,29 @@
 //! before any synchronisation. A pod steps at its slower rank, so the
 //! 1-rank step over the slower of these is the most 2 ranks can reach here
 //! (the "ceiling"), and the pod's speed-up over it is what the
-//! synchronisation costs.
+//! synchronisation costs. And each share once more alone on the machine
+//! (the other core idle, `Mode::Solo`): what the share itself costs, so
+//! work every rank repeats shows apart from the host's contention.
+//!
+//! Every step is broken down per rank ([`mlx_node::engine::profile`]):
+//! matmuls, attention, norms (and the other element-wise work), activation
+//! quantization, collectives, other; each part is printed against the
+//! 1-rank step's same part (50%: split cleanly; 100%: repeated by every
+//! rank).
+//!
+//! **Pipeline prefill** (`MLXNET_POD_TP_MODE=prefill`, and last in the
+//! default run): SmolLM2-135M on a 2,048-token prompt, one node (one core,
+//! the engine's 256-token prefill chunks) against a 2-stage pipeline (one
+//! core each, the prompt in micro-batches flowing through both stages),
+//! alternating over rounds; prints both prefill times, the speed-up (goal:
+//! at least 1.6x) and whether the outputs are equal (the prompt's logits bit for
+//! bit, and 8 greedy tokens after it). `MLXNET_POD_PP_MICRO=N` fixes the
+//! micro-batch.
+
+#![allow(
+    clippy::expect_used,
+    reason = "a bench binary: a failed step ends the run"
+)]
 
 use std::net::{SocketAddr, TcpListener};
 use std::path::{Path, PathBuf};
@@ -43,7 +65,9 @@ use std::time::{Duration, Instant};
 use candle_core::quantized::GgmlDType;
 use mlx_node::collectives::tcp::{TcpOptions, TcpTransport};
 use mlx_node::collectives::{all_reduce, Collective, CollectiveError, DType, Group, GroupOptions};
+use mlx_node::engine::profile::{self, Breakdown, Part};
 use mlx_node::engine::sharded::{Compute, PodModel, PodPlan};
+use mlx_node::engine::{PromptInput, TextSide};
 
 use mlx_node::test_utils::{self as testutil, setting, GgufTweaks, TinySpec};
 
@@ -114,21 +138,21 @@ fn ensure_model(path: &Path) -> Result<(), String> {
 
 /// A collective that counts the time spent inside it (waiting for peers and
 /// moving bytes): rank 0's step splits into this and compute.
-struct Timed<C> {
-    inner: C,
+struct Timed {
+    inner: Box<dyn Collective>,
     spent: Duration,
 }
 
-impl<C: Collective> Timed<C> {
-    fn time<R>(&mut self, f: impl FnOnce(&mut C) -> R) -> R {
+impl Timed {
+    fn time<R>(&mut self, f: impl FnOnce(&mut dyn Collective) -> R) -> R {
         let start = Instant::now();
-        let r = f(&mut self.inner);
+        let r = f(self.inner.as_mut());
         self.spent += start.elapsed();
         r
     }
 }
 
-impl<C: Collective> Collective for Timed<C> {
+impl Collective for Timed {
     fn rank(&self) -> usize {
         self.inner.rank()
     }
@@ -193,15 +217,24 @@ impl Collective for Detached {
 /// One rank: loads its shard, runs prefill + STEPS greedy steps; rank 0
 /// prints the decode time per token and the part spent in collectives.
 fn rank_main(rank: usize, addrs: Vec<SocketAddr>) {
-    let listener = TcpListener::bind(addrs[rank]).expect("bind");
+    // Solo: this rank's share alone in the whole machine, nobody to talk to.
+    let solo = std::env::var_os("POD_TP_SOLO").is_some();
     let spin = setting("MLXNET_POD_TP_SPIN_US").and_then(|s| s.parse().ok());
     let opts = TcpOptions {
         spin: spin.map_or(TcpOptions::default().spin, Duration::from_micros),
         ..TcpOptions::default()
     };
-    let t = TcpTransport::connect(rank, listener, &addrs, opts).expect("pod");
     let mut comm = Timed {
-        inner: Group::new(t, GroupOptions::default()),
+        inner: if solo {
+            Box::new(Detached {
+                rank,
+                size: addrs.len(),
+            })
+        } else {
+            let listener = TcpListener::bind(addrs[rank]).expect("bind");
+            let t = TcpTransport::connect(rank, listener, &addrs, opts).expect("pod");
+            Box::new(Group::new(t, GroupOptions::default()))
+        },
         spent: Duration::ZERO,
     };
     let path = model_path();
@@ -217,13 +250,14 @@ fn rank_main(rank: usize, addrs: Vec<SocketAddr>) {
     let mut lat: Vec<Duration> = (0..200)
         .map(|_| {
             let start = Instant::now();
-            all_reduce(&mut comm.inner, &mut hidden).expect("all-reduce");
+            all_reduce(comm.inner.as_mut(), &mut hidden).expect("all-reduce");
             start.elapsed()
         })
         .collect();
     lat.sort();
     let mut tokens = prompt.to_vec();
     let (mut decode, mut waiting) = (Duration::ZERO, Duration::ZERO);
+    let mut parts = Breakdown::default();
     let mut detached = std::env::var_os("POD_TP_DETACHED").map(|_| Detached {
         rank,
         size: addrs.len(),
@@ -231,6 +265,7 @@ fn rank_main(rank: usize, addrs: Vec<SocketAddr>) {
     for step in 0..=STEPS {
         let start = Instant::now();
         let before = comm.spent;
+        profile::start();
         let logits = match &mut detached {
             Some(d) => m.forward(&tokens, d),
             None => m.forward(&tokens, &mut comm),
@@ -247,37 +282,93 @@ fn rank_main(rank: usize, addrs: Vec<SocketAddr>) {
                 )
                 .0 as u32;
         }
-        if detached.is_none() {
-            comm.broadcast(bytemuck::cast_slice_mut(&mut next), 0)
-                .expect("broadcast");
+        if detached.is_none() && !solo {
+            profile::time(Part::Collective, || {
+                comm.broadcast(bytemuck::cast_slice_mut(&mut next), 0)
+            })
+            .expect("broadcast");
         } else {
             next[0] = 1 + step as u32;
         }
+        let b = profile::take();
         if step > 0 {
             decode += start.elapsed();
             waiting += comm.spent - before;
+            parts.add(&b);
         }
         tokens = vec![next[0]];
     }
+    let per_step = |d: Duration| d.as_secs_f64() / STEPS as f64;
     println!(
-        "RESULT {} {} {}",
-        decode.as_secs_f64() / STEPS as f64,
-        waiting.as_secs_f64() / STEPS as f64,
-        lat[lat.len() / 2].as_secs_f64()
+        "RESULT {} {} {} {}",
+        per_step(decode),
+        per_step(waiting),
+        lat[lat.len() / 2].as_secs_f64(),
+        Part::ALL
+            .iter()
+            .map(|&p| per_step(parts.get(p)).to_string())
+            .collect::<Vec<_>>()
+            .join(" ")
     );
+}
+
+/// How the rank processes of one run relate.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Mode {
+    /// A pod: every rank's collectives reach the others.
+    Synced,
+    /// Every rank at once, nothing sent between them (see [`Detached`]).
+    Detached,
+    /// Only the given rank's share, alone on the machine (the other core
+    /// idle): what the share itself costs, without the host's contention.
+    Solo(usize),
+}
+
+/// What one run measured, per rank, in seconds per step.
+#[derive(Debug, Clone)]
+struct Run {
+    step: Vec<f64>,
+    wait: Vec<f64>,
+    /// Rank 0's all-reduce of one hidden state alone.
+    wire: f64,
+    /// Per rank: seconds per step in each [`Part`].
+    parts: Vec<[f64; 6]>,
 }
 
 /// Per-step decode time (rank 0), each rank's time in collectives per step,
 /// and the median all-reduce of one hidden state (rank 0), in seconds.
-fn run_pod(ranks: usize) -> Result<(f64, Vec<f64>, f64), String> {
-    let (steps, waits, wire) = spawn_ranks(ranks, false)?;
-    Ok((steps[0], waits, wire))
+fn run_pod(ranks: usize) -> Result<Run, String> {
+    spawn_ranks(ranks, Mode::Synced)
 }
 
-/// Runs `ranks` rank processes; with `detached` they move nothing between
-/// them (see [`Detached`]). Each rank's step time and time in collectives,
-/// and rank 0's all-reduce alone.
-fn spawn_ranks(ranks: usize, detached: bool) -> Result<(Vec<f64>, Vec<f64>, f64), String> {
+/// Runs `ranks` rank processes (or, solo, the one share) in `mode`.
+fn spawn_ranks(ranks: usize, mode: Mode) -> Result<Run, String> {
+    let (which, env): (Vec<usize>, &[(&str, &str)]) = match mode {
+        Mode::Solo(r) => (vec![r], &[("POD_TP_SOLO", "1")]),
+        Mode::Detached => ((0..ranks).collect(), &[("POD_TP_DETACHED", "1")]),
+        Mode::Synced => ((0..ranks).collect(), &[]),
+    };
+    let results = spawn(ranks, &which, env)?;
+    let results = results
+        .iter()
+        .map(|v| {
+            let parts: [f64; 6] = v.get(3..9)?.try_into().ok()?;
+            Some((v[0], v[1], v[2], parts))
+        })
+        .collect::<Option<Vec<_>>>()
+        .ok_or("a rank printed a short result")?;
+    Ok(Run {
+        step: results.iter().map(|r| r.0).collect(),
+        wait: results.iter().map(|r| r.1).collect(),
+        wire: results[0].2,
+        parts: results.iter().map(|r| r.3).collect(),
+    })
+}
+
+/// Starts this bench again as ranks `which` of a pod of `ranks` (each
+/// pinned to its core, one thread, with `env`), waits for them, and returns
+/// the numbers each printed on its `RESULT` line.
+fn spawn(ranks: usize, which: &[usize], env: &[(&str, &str)]) -> Result<Vec<Vec<f64>>, String> {
     let ports: Vec<SocketAddr> = (0..ranks)
         .map(|_| {
             TcpListener::bind("127.0.0.1:0")
@@ -291,13 +382,12 @@ fn spawn_ranks(ranks: usize, detached: bool) -> Result<(Vec<f64>, Vec<f64>, f64)
         .collect::<Vec<_>>()
         .join(",");
     let exe = std::env::current_exe().map_err(|e| e.to_string())?;
-    let children: Vec<_> = (0..ranks)
-        .map(|r| {
+    let children: Vec<_> = which
+        .iter()
+        .map(|&r| {
             let mut c = Command::new("taskset");
-            if detached {
-                c.env("POD_TP_DETACHED", "1");
-            }
-            c.args(["-c", &core_of(r).to_string()])
+            c.envs(env.iter().copied())
+                .args(["-c", &core_of(r).to_string()])
                 .arg(&exe)
                 .env("POD_TP_RANK", r.to_string())
                 .env("POD_TP_ADDRS", &list)
@@ -314,7 +404,7 @@ fn spawn_ranks(ranks: usize, detached: bool) -> Result<(Vec<f64>, Vec<f64>, f64)
         .map(|c| c.wait_with_output())
         .collect::<Result<_, _>>()
         .map_err(|e| format!("waiting for a rank: {e}"))?;
-    let results = children
+    children
         .iter()
         .enumerate()
         .map(|(r, c)| {
@@ -322,8 +412,9 @@ fn spawn_ranks(ranks: usize, detached: bool) -> Result<(Vec<f64>, Vec<f64>, f64)
                 .lines()
                 .find_map(|l| l.strip_prefix("RESULT "))
                 .and_then(|v| {
-                    let mut it = v.split_whitespace().map(|x| x.parse::<f64>().ok());
-                    Some((it.next()??, it.next()??, it.next()??))
+                    v.split_whitespace()
+                        .map(|x| x.parse::<f64>().ok())
+                        .collect::<Option<Vec<f64>>>()
                 })
                 .ok_or_else(|| {
                     format!(
@@ -332,12 +423,202 @@ fn spawn_ranks(ranks: usize, detached: bool) -> Result<(Vec<f64>, Vec<f64>, f64)
                     )
                 })
         })
-        .collect::<Result<Vec<_>, _>>()?;
-    Ok((
-        results.iter().map(|r| r.0).collect(),
-        results.iter().map(|r| r.1).collect(),
-        results[0].2,
-    ))
+        .collect()
+}
+
+// ---- pipeline prefill ----
+
+/// Prompt tokens of the pipeline-prefill run, and greedy tokens after it.
+const PREFILL_TOKENS: usize = 2048;
+const PREFILL_STEPS: usize = 8;
+const PREFILL_GOAL: f64 = 1.6;
+
+/// The real test model (SmolLM2-135M, 30 layers), fetched by
+/// `scripts/fetch-test-model.sh`.
+fn smollm() -> PathBuf {
+    testutil::workspace().join("models/SmolLM2-135M-Instruct.Q4_1.gguf")
+}
+
+/// A 2,048-token prompt: the bench's 128-token text, tokenized by the
+/// model's own tokenizer, repeated.
+fn prefill_prompt(path: &Path) -> Vec<u32> {
+    let text = std::fs::read_to_string(testutil::workspace().join("node/benches/prompt-128.txt"))
+        .expect("prompt-128.txt");
+    let base = TextSide::load_gguf(path)
+        .expect("tokenizer")
+        .prompt_tokens(&PromptInput::Text(text))
+        .expect("tokens");
+    base.iter().copied().cycle().take(PREFILL_TOKENS).collect()
+}
+
+/// FNV-1a over the bits of `v`, as two exact 32-bit halves.
+fn fingerprint(v: &[f32]) -> (u32, u32) {
+    let h = v.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, x| {
+        (h ^ u64::from(x.to_bits())).wrapping_mul(0x1000_0000_01b3)
+    });
+    ((h >> 32) as u32, h as u32)
+}
+
+fn argmax(l: &[f32]) -> u32 {
+    l.iter()
+        .enumerate()
+        .fold(
+            (0, f32::NEG_INFINITY),
+            |b, (i, &v)| if v > b.1 { (i, v) } else { b },
+        )
+        .0 as u32
+}
+
+/// One rank of the prefill run: a single node (a pod of 1, prefilling in
+/// the engine's chunks of 256) or a pipeline stage (the whole prompt in one
+/// pass, in micro-batches). Rank 0 prints the prefill time, its time in
+/// collectives during it, the fingerprint of the prompt's logits and the
+/// greedy tokens after it; other ranks print their prefill time.
+fn prefill_main(rank: usize, addrs: Vec<SocketAddr>) {
+    let n = addrs.len();
+    let mut comm: Box<dyn Collective> = if n == 1 {
+        Box::new(Detached { rank: 0, size: 1 })
+    } else {
+        let listener = TcpListener::bind(addrs[rank]).expect("bind");
+        let t = TcpTransport::connect(rank, listener, &addrs, TcpOptions::default()).expect("pod");
+        Box::new(Group::new(t, GroupOptions::default()))
+    };
+    let path = smollm();
+    let (cfg, unit) = PodModel::ffn_unit(&path).expect("model");
+    let plan = if n == 1 {
+        PodPlan::tensor(&cfg, unit, &[1.0])
+    } else {
+        PodPlan::pipeline(&cfg, &vec![1.0; n])
+    }
+    .expect("plan");
+    let mut m = PodModel::load_gguf(&path, plan, rank, Compute::Native).expect("load");
+    m.set_micro_batch(setting("MLXNET_POD_PP_MICRO").and_then(|v| v.parse().ok()));
+    let prompt = prefill_prompt(&path);
+    m.reset(prompt.len() + PREFILL_STEPS);
+    comm.barrier().expect("barrier");
+    profile::start();
+    let start = Instant::now();
+    let mut logits = None;
+    if n == 1 {
+        for chunk in prompt.chunks(mlx_node::engine::PREFILL_CHUNK) {
+            logits = m.forward(chunk, comm.as_mut()).expect("prefill");
+        }
+    } else {
+        logits = m.forward(&prompt, comm.as_mut()).expect("prefill");
+    }
+    let prefill = start.elapsed().as_secs_f64();
+    let waited = profile::take().get(Part::Collective).as_secs_f64();
+    let (hi, lo) = logits.as_deref().map_or((0, 0), fingerprint);
+    let mut tokens = Vec::new();
+    for _ in 0..PREFILL_STEPS {
+        let mut next = [logits.as_deref().map_or(0, argmax)];
+        if n > 1 {
+            comm.broadcast(bytemuck::cast_slice_mut(&mut next), 0)
+                .expect("broadcast");
+        }
+        tokens.push(next[0]);
+        logits = m.forward(&next, comm.as_mut()).expect("decode");
+    }
+    println!(
+        "RESULT {prefill} {waited} {hi} {lo} {}",
+        tokens
+            .iter()
+            .map(u32::to_string)
+            .collect::<Vec<_>>()
+            .join(" ")
+    );
+}
+
+/// The pipeline-prefill regime: one node and a 2-stage pod alternate over
+/// rounds; prints the prefill times, the speed-up and whether the outputs
+/// are equal.
+fn prefill_regime() {
+    if !smollm().exists() {
+        return println!(
+            "failed: {} is missing: run scripts/fetch-test-model.sh",
+            smollm().display()
+        );
+    }
+    let rounds: usize = setting("MLXNET_POD_TP_ROUNDS")
+        .and_then(|r| r.parse().ok())
+        .unwrap_or(3)
+        .max(1);
+    let env = [("POD_TP_PREFILL", "1")];
+    let load_before = loadavg();
+    let mut runs = Vec::with_capacity(rounds);
+    for _ in 0..rounds {
+        let round = spawn(1, &[0], &env).and_then(|one| Ok((one, spawn(2, &[0, 1], &env)?)));
+        match round {
+            Ok(r) => runs.push(r),
+            Err(e) => return println!("failed: {e}"),
+        }
+    }
+    let load_after = loadavg();
+    let median = |mut v: Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    let one: Vec<f64> = runs.iter().map(|r| r.0[0][0]).collect();
+    let two: Vec<f64> = runs.iter().map(|r| r.1[0][0]).collect();
+    let secs = |v: &[f64]| {
+        v.iter()
+            .map(|x| format!("{x:.2}"))
+            .collect::<Vec<_>>()
+            .join(" ")
+    };
+    let (a, b) = (median(one.clone()), median(two.clone()));
+    let micro = setting("MLXNET_POD_PP_MICRO").map_or_else(
+        || {
+            format!(
+                "chosen per pass ({} for 2 stages)",
+                PREFILL_TOKENS.div_ceil(16).clamp(64, 256)
+            )
+        },
+        |m| m.to_string(),
+    );
+    println!(
+        "pipeline prefill, SmolLM2-135M Q4_1 (30 layers, 15 per stage), {PREFILL_TOKENS}-token \
+         prompt, 1 core per rank, micro-batch {micro}, median of {rounds} alternating rounds:"
+    );
+    println!(
+        "  1 node:   {a:.2} s ({:.0} tok/s)   [rounds: {} s]",
+        PREFILL_TOKENS as f64 / a,
+        secs(&one)
+    );
+    println!(
+        "  2 stages: {b:.2} s ({:.0} tok/s)   [rounds: {} s]",
+        PREFILL_TOKENS as f64 / b,
+        secs(&two)
+    );
+    for (i, r) in runs.iter().enumerate() {
+        println!(
+            "    round {i}: prefill done after {:.2} s on stage 0 (logits back), {:.2} s on stage 1 \
+             (logits sent); stage 0 in collectives {:.2} s",
+            r.1[0][0], r.1[1][0], r.1[0][1]
+        );
+    }
+    println!(
+        "  speed-up {:.2}x (goal >= {PREFILL_GOAL}x); per round: {}",
+        a / b,
+        one.iter()
+            .zip(&two)
+            .map(|(x, y)| format!("{:.2}x", x / y))
+            .collect::<Vec<_>>()
+            .join(" ")
+    );
+    // Rank 0's fingerprint of the prompt's logits and its greedy tokens.
+    let outputs: Vec<&[f64]> = runs
+        .iter()
+        .flat_map(|r| [&r.0[0][2..], &r.1[0][2..]])
+        .collect();
+    let equal = outputs.windows(2).all(|w| w[0] == w[1]);
+    println!(
+        "  outputs equal: {} (the prompt's logits bit for bit, and the {PREFILL_STEPS} greedy \
+         tokens after it: {:?})",
+        if equal { "yes" } else { "NO" },
+        outputs[0].get(2..).unwrap_or(&[])
+    );
+    println!("  load average: {load_before} before, {load_after} after");
 }
 
 /// Bytes each memory-bandwidth child streams through, per pass.
@@ -441,6 +722,8 @@ fn both_regimes() {
             println!("failed: {e}");
         }
     }
+    println!("== pipeline prefill");
+    prefill_regime();
 }
 
 fn main() {
@@ -449,7 +732,16 @@ fn main() {
             .split(',')
             .map(|a| a.parse().expect("address"))
             .collect();
-        rank_main(rank.parse().expect("rank"), addrs);
+        let rank = rank.parse().expect("rank");
+        if std::env::var_os("POD_TP_PREFILL").is_some() {
+            prefill_main(rank, addrs);
+        } else {
+            rank_main(rank, addrs);
+        }
+        return;
+    }
+    if setting("MLXNET_POD_TP_MODE").as_deref() == Some("prefill") {
+        prefill_regime();
         return;
     }
     if let Ok(kind) = std::env::var("POD_TP_STREAM") {
@@ -487,17 +779,24 @@ fn main() {
         .max(1);
     let load_before = loadavg();
     // 1 rank and 2 ranks alternate, so drift in the machine's load hits both.
-    let mut runs = Vec::with_capacity(rounds);
-    let mut alone = Vec::with_capacity(rounds);
+    let mut runs: Vec<(Run, Run)> = Vec::with_capacity(rounds);
+    let mut alone: Vec<Run> = Vec::with_capacity(rounds);
+    let mut solo: Vec<[Run; 2]> = Vec::with_capacity(rounds);
     for _ in 0..rounds {
         let round = run_pod(1).and_then(|one| {
             let two = run_pod(2)?;
-            Ok((one, two, spawn_ranks(2, true)?.0))
+            let unsynced = spawn_ranks(2, Mode::Detached)?;
+            let each = [
+                spawn_ranks(2, Mode::Solo(0))?,
+                spawn_ranks(2, Mode::Solo(1))?,
+            ];
+            Ok((one, two, unsynced, each))
         });
         match round {
-            Ok((one, two, unsynced)) => {
+            Ok((one, two, unsynced, each)) => {
                 runs.push((one, two));
                 alone.push(unsynced);
+                solo.push(each);
             }
             Err(e) => {
                 println!("failed: {e}");
@@ -516,8 +815,8 @@ fn main() {
         v.sort_by(f64::total_cmp);
         v[v.len() / 2]
     };
-    let a = median(runs.iter().map(|r| r.0 .0).collect());
-    let b = median(runs.iter().map(|r| r.1 .0).collect());
+    let a = median(runs.iter().map(|r| r.0.step[0]).collect());
+    let b = median(runs.iter().map(|r| r.1.step[0]).collect());
     let ms = |v: &[f64]| {
         v.iter()
             .map(|x| format!("{:.1}", x * 1e3))
@@ -530,27 +829,27 @@ fn main() {
         a * 1e3,
         if a >= 0.05 { ">= 50 ms" } else { "UNDER 50 ms" },
         1.0 / a,
-        ms(&runs.iter().map(|r| r.0 .0).collect::<Vec<_>>())
+        ms(&runs.iter().map(|r| r.0.step[0]).collect::<Vec<_>>())
     );
     println!(
         "  2 ranks: {:.1} ms/step, {:.2} tok/s   [rounds: {} ms]",
         b * 1e3,
         1.0 / b,
-        ms(&runs.iter().map(|r| r.1 .0).collect::<Vec<_>>())
+        ms(&runs.iter().map(|r| r.1.step[0]).collect::<Vec<_>>())
     );
-    for (i, (_, (_, wait, wire))) in runs.iter().enumerate() {
+    for (i, (_, two)) in runs.iter().enumerate() {
         println!(
             "    round {i}: in collectives per step: {} ms (rank 0, rank 1); \
              all-reduce of one hidden state alone: {:.1} us (median)",
-            ms(wait),
-            wire * 1e6
+            ms(&two.wait),
+            two.wire * 1e6
         );
     }
     println!(
         "  speed-up {:.2}x (goal >= {GOAL}x); per round: {}",
         a / b,
         runs.iter()
-            .map(|r| format!("{:.2}x", r.0 .0 / r.1 .0))
+            .map(|r| format!("{:.2}x", r.0.step[0] / r.1.step[0]))
             .collect::<Vec<_>>()
             .join(" ")
     );
@@ -560,23 +859,105 @@ fn main() {
     // slower rank, so the ceiling is the 1-rank step over the slower one.
     let slower: Vec<f64> = alone
         .iter()
-        .map(|r| r.iter().copied().fold(0.0, f64::max))
+        .map(|r| r.step.iter().copied().fold(0.0, f64::max))
         .collect();
-    let ceiling = median(runs.iter().zip(&slower).map(|(r, s)| r.0 .0 / s).collect());
+    let ceiling = median(
+        runs.iter()
+            .zip(&slower)
+            .map(|(r, s)| r.0.step[0] / s)
+            .collect(),
+    );
     // Per round: the slower rank alone against the synchronised pod.
-    let kept = median(runs.iter().zip(&slower).map(|(r, s)| s / r.1 .0).collect());
+    let kept = median(
+        runs.iter()
+            .zip(&slower)
+            .map(|(r, s)| s / r.1.step[0])
+            .collect(),
+    );
     println!(
         "  2 ranks unsynchronised (each its share alone, at the same time): {} ms/step \
          (rank 0 / rank 1 per round); this machine's ceiling for 2 ranks {:.2}x; \
          synchronised, the pod keeps {:.0}% of its slower rank's speed (median of rounds)",
         alone
             .iter()
-            .map(|r| ms(r).replace(' ', "/"))
+            .map(|r| ms(&r.step).replace(' ', "/"))
             .collect::<Vec<_>>()
             .join(" "),
         ceiling,
         kept * 100.0
     );
+    // Each share as a fraction of the whole step, per round: at the same
+    // time (the host's contention included) and alone (the share itself).
+    let pct = |share: f64, whole: f64| format!("{:.1}%", share / whole * 100.0);
+    for r in 0..2 {
+        let together: Vec<String> = runs
+            .iter()
+            .zip(&alone)
+            .map(|(one, a)| pct(a.step[r], one.0.step[0]))
+            .collect();
+        let by_itself: Vec<String> = runs
+            .iter()
+            .zip(&solo)
+            .map(|(one, s)| pct(s[r].step[0], one.0.step[0]))
+            .collect();
+        println!(
+            "  rank {r}'s share of the 1-rank step (goal <= 51.5%): both ranks at once {} \
+             (median {}); alone on the machine {} (median {})",
+            together.join(" "),
+            pct(median(alone.iter().map(|a| a.step[r]).collect()), a),
+            by_itself.join(" "),
+            pct(median(solo.iter().map(|s| s[r].step[0]).collect()), a),
+        );
+    }
+    // Where a step goes, per rank: mean over rounds, ms per step, and each
+    // part against the 1-rank step's (50% is a clean split; 100% is work
+    // every rank repeats).
+    let mean_parts = |pick: &dyn Fn(usize) -> [f64; 6]| -> [f64; 6] {
+        let mut m = [0.0; 6];
+        for i in 0..rounds {
+            for (a, b) in m.iter_mut().zip(pick(i)) {
+                *a += b / rounds as f64;
+            }
+        }
+        m
+    };
+    let whole = mean_parts(&|i| runs[i].0.parts[0]);
+    let rows: Vec<(String, [f64; 6])> = vec![
+        ("1 rank".into(), whole),
+        ("pod rank 0".into(), mean_parts(&|i| runs[i].1.parts[0])),
+        ("pod rank 1".into(), mean_parts(&|i| runs[i].1.parts[1])),
+        ("rank 0 alone".into(), mean_parts(&|i| solo[i][0].parts[0])),
+        ("rank 1 alone".into(), mean_parts(&|i| solo[i][1].parts[0])),
+    ];
+    println!(
+        "  where a step goes (ms per step, mean of rounds; in brackets: against the 1-rank step's part):"
+    );
+    println!(
+        "    {:<13} {}",
+        "",
+        Part::ALL
+            .iter()
+            .map(|p| format!("{:>20}", p.name()))
+            .collect::<String>()
+    );
+    for (name, parts) in rows {
+        let cells: String = parts
+            .iter()
+            .zip(whole)
+            .map(|(x, w)| {
+                let share = if w > 0.0 {
+                    format!("({:.0}%)", x / w * 100.0)
+                } else {
+                    String::new()
+                };
+                format!("{:>13.2} {:>6}", x * 1e3, share)
+            })
+            .collect();
+        println!(
+            "    {name:<13} {cells}   total {:.2}",
+            parts.iter().sum::<f64>() * 1e3
+        );
+    }
     match bus {
         Ok((one, two)) => println!(
             "  memory read bandwidth, same machine: 1 core {:.1} GB/s, 2 cores {:.1} GB/s \

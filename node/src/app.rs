@@ -29,6 +29,8 @@ use crate::{
         hostfile::PodConfig,
         runtime::{PodError, PodRuntime, PodSetup},
     },
+    policy::{Decision, Policy, SignalSource, SystemSignals},
+    status::{Board, HeldModelView, Snapshot},
 };
 
 /// Why the node could not start or run.
@@ -51,6 +53,10 @@ pub enum NodeError {
     Signal(std::io::Error),
     #[error("pod: {0}")]
     Pod(#[from] PodError),
+    #[error("{0}")]
+    Device(#[from] crate::engine::device::DeviceError),
+    #[error("lending schedule: {0}")]
+    Schedule(#[from] crate::policy::ScheduleError),
 }
 
 /// A node ready to dial its coordinator.
@@ -58,6 +64,11 @@ pub struct Node {
     ctx: Arc<LinkContext>,
     status_tx: watch::Sender<LinkStatus>,
     status_rx: watch::Receiver<LinkStatus>,
+    policy: Policy,
+    signals: Box<dyn SignalSource>,
+    poll: Duration,
+    lending_tx: watch::Sender<Option<Decision>>,
+    status_file: std::path::PathBuf,
 }
 
 impl Node {
@@ -66,7 +77,9 @@ impl Node {
     pub async fn build(config: NodeConfig) -> Result<Node, NodeError> {
         config.validate()?;
         let client_config = link::tls::client_config(&config.coordinator_fingerprint)?;
-        if let Some(n) = config.threads {
+        let policy = Policy::new(config.mode, &config.lending)?;
+        let backend = crate::engine::device::resolve(config.device)?;
+        if let Some(n) = config.effective_threads() {
             // Only the first pool in a process is built; later nodes in the
             // same process (tests) share it.
             if rayon::ThreadPoolBuilder::new()
@@ -91,12 +104,13 @@ impl Node {
         let (models, pod) = match &config.pod {
             None => {
                 let entries = config.models.clone();
+                tracing::info!(device = %config.device, backend = backend.name(), "engine device");
                 let dir = config.store.dir_in(&config.data_dir);
                 let policy = config.store.policy();
                 let models = tokio::task::spawn_blocking(move || {
                     let store = ModelStore::open(&dir, policy)
                         .map_err(|e| ModelError::Store(Box::new(e)))?;
-                    ModelSet::load_with_store(&entries, Arc::new(store))
+                    ModelSet::load_with_store(&entries, Arc::new(store), &backend)
                 })
                 .await??;
                 (models, None)
@@ -141,6 +155,45 @@ impl Node {
         };
         tracing::info!(%node_id, %name, models = models.len(), chip = %hardware.chip, "node built");
         let (status_tx, status_rx) = watch::channel(LinkStatus::Connecting);
+        let (lending_tx, lending) = watch::channel(None);
+        let energy_settings = config.energy.clone();
+        let energy =
+            tokio::task::spawn_blocking(move || crate::energy::open(&energy_settings)).await?;
+        let board = Board::new(
+            Snapshot {
+                node_id: node_id.to_string(),
+                name: name.clone(),
+                version: link::AGENT_VERSION.into(),
+                pid: std::process::id(),
+                state: "connecting".into(),
+                coordinator: config.coordinator.clone(),
+                mode: config.mode.to_string(),
+                models: match &pod {
+                    Some(p) => vec![HeldModelView {
+                        id: p.held.id.clone(),
+                        parameters: 0,
+                        size_bytes: p.held.size_bytes,
+                        backend: "cpu (pod)".into(),
+                    }],
+                    None => models
+                        .all()
+                        .iter()
+                        .map(|m| HeldModelView {
+                            id: m.held.id.clone(),
+                            parameters: m.info.parameters,
+                            size_bytes: m.held.size_bytes,
+                            backend: m.backend.into(),
+                        })
+                        .collect(),
+                },
+                energy_meter: energy
+                    .as_ref()
+                    .map(|m| m.name().to_owned())
+                    .unwrap_or_default(),
+                ..Snapshot::default()
+            },
+            Some(&config.data_dir),
+        );
         let ctx = LinkContext {
             identity: Arc::new(identity),
             models: Arc::new(models),
@@ -168,12 +221,36 @@ impl Node {
             pod,
             drain: Arc::default(),
             drain_grace: Duration::from_millis(config.drain_grace_ms),
+            lending,
+            pause_grace: Duration::from_millis(config.lending.grace_ms),
+            memory_cap: config.lending.memory_cap_bytes,
+            gpu_share: config.lending.gpu_share,
+            board: board.clone(),
+            energy,
         };
         Ok(Node {
             ctx: Arc::new(ctx),
             status_tx,
             status_rx,
+            policy,
+            signals: Box::new(SystemSignals::default()),
+            poll: Duration::from_millis(config.lending.poll_ms),
+            lending_tx,
+            status_file: config.data_dir.join(crate::status::STATUS_FILE),
         })
+    }
+
+    /// The owner's view of this node (what `mlx-node status` shows).
+    pub fn board(&self) -> Arc<Board> {
+        self.ctx.board.clone()
+    }
+
+    /// Reads the lending signals from `source` instead of the operating
+    /// system (tests inject an owner who comes and goes; see
+    /// [`crate::policy::InjectedSignals`]).
+    pub fn with_signals(mut self, source: Box<dyn SignalSource>) -> Self {
+        self.signals = source;
+        self
     }
 
     /// The node's id (its public key).
@@ -198,13 +275,34 @@ impl Node {
         shutdown: impl Future<Output = ()> + Send + 'static,
     ) -> Result<(), NodeError> {
         let token = CancellationToken::new();
+        let policy_stop = CancellationToken::new();
+        let lender = tokio::spawn(crate::policy::run(
+            self.policy,
+            self.signals,
+            self.poll,
+            self.lending_tx,
+            policy_stop.clone(),
+        ));
+        let writer = tokio::spawn(
+            self.ctx
+                .board
+                .clone()
+                .write_until(self.status_file.clone(), policy_stop.clone()),
+        );
+        let follower = tokio::spawn(follow_link(self.status_rx.clone(), self.ctx.board.clone()));
         let link = link::run(self.ctx.clone(), self.status_tx.clone(), token.clone());
         tokio::pin!(link);
         tokio::select! {
-            _ = &mut link => return Ok(()),
-            _ = shutdown => token.cancel(),
+            _ = &mut link => {}
+            _ = shutdown => {
+                token.cancel();
+                link.await;
+            }
         }
-        link.await;
+        policy_stop.cancel();
+        let _ = lender.await;
+        follower.abort();
+        let _ = writer.await;
         Ok(())
     }
 
@@ -212,6 +310,22 @@ impl Node {
     pub async fn run_until_stopped(self) -> Result<(), NodeError> {
         let signal = shutdown_signal()?;
         self.run_until(signal).await
+    }
+}
+
+/// Mirrors the link's status on the owner's board.
+async fn follow_link(mut status: watch::Receiver<LinkStatus>, board: Arc<Board>) {
+    loop {
+        let (state, reason) = match &*status.borrow_and_update() {
+            LinkStatus::Connecting => ("connecting", String::new()),
+            LinkStatus::Registered { .. } => ("lending", String::new()),
+            LinkStatus::Paused { reason } => ("paused", reason.clone()),
+            LinkStatus::Disconnected { reason } => ("disconnected", reason.clone()),
+        };
+        board.set_state(state, &reason);
+        if status.changed().await.is_err() {
+            return;
+        }
     }
 }
 

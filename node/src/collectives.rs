@@ -39,7 +39,12 @@ use half::{bf16, f16};
 
 pub mod fabric;
 mod group;
+#[allow(
+    unsafe_code,
+    reason = "the RDMA binding: FFI to libibverbs, loaded at run time"
+)]
 pub mod ibverbs;
+pub mod stripe;
 pub mod tcp;
 pub mod verbs;
 
@@ -99,6 +104,10 @@ pub enum CollectiveError {
     Rdma(#[from] ibverbs::RdmaError),
     #[error("rdma work request failed: {0}")]
     Verbs(String),
+    /// One queue pair to `peer` failed (a failed work completion, a lost
+    /// frame); a striped link carries on over its other lanes.
+    #[error("the rdma link to pod member {peer} failed: {reason}")]
+    Link { peer: usize, reason: String },
 }
 
 /// The operations every pod member runs in lockstep.

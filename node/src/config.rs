@@ -63,8 +63,21 @@ pub struct NodeConfig {
     /// lets running jobs finish for this long, then hands the rest back at a
     /// token boundary so they resume on another node. Default 30 s.
     pub drain_grace_ms: u64,
-    /// Whether the Mac is lent full-time or only while idle. Default dedicated.
+    /// Whether the Mac is lent full-time, only while idle, or on a weekly
+    /// schedule. Default dedicated.
     pub mode: NodeMode,
+    /// The rules lending follows (idle time, power, heat, memory, shares,
+    /// schedule, hand-off grace): see [`LendingSettings`].
+    #[serde(default)]
+    pub lending: LendingSettings,
+    /// How the node measures the energy of its jobs and what a kWh costs
+    /// its owner: see [`EnergySettings`].
+    #[serde(default)]
+    pub energy: EnergySettings,
+    /// Where the engine computes: `auto` (Metal on a Mac built with it,
+    /// else the CPU), `cpu`, `metal` or `cuda`. Default auto.
+    #[serde(default)]
+    pub device: crate::engine::device::DeviceChoice,
     /// Owner-declared coarse location for the World page. Default none.
     pub location: Option<Location>,
     /// Ledger account id of the owner's operator account, which this node's
@@ -190,6 +203,147 @@ impl StoreSettings {
     }
 }
 
+/// When and how much of the machine is lent (`[lending]`). Which rules
+/// apply depends on [`NodeMode`]: the power, heat and memory rules apply in
+/// every mode; `min_idle_s` in `idle` mode; `schedule` in `schedule` mode.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct LendingSettings {
+    /// Idle mode: the owner counts as away after this long without input.
+    /// Default 300 s.
+    pub min_idle_s: u64,
+    /// Lend only on mains (AC) power; a machine without a battery always is.
+    /// Default true.
+    pub ac_only: bool,
+    /// Pause while the thermal state is serious or critical. Default true.
+    pub thermal_pause: bool,
+    /// At most this much memory is offered to jobs (the free memory the
+    /// node reports is capped to it). Default: no cap.
+    pub memory_cap_bytes: Option<u64>,
+    /// Share of the CPU cores the engine uses, in (0, 1] (when `threads` is
+    /// not set). Default: all cores.
+    pub cpu_share: Option<f64>,
+    /// Share of the time the GPU (device path) computes, in (0, 1]: after
+    /// each token the engine rests so that compute / wall time stays under
+    /// it. Default: no limit.
+    pub gpu_share: Option<f64>,
+    /// Schedule mode: weekly windows in local time, e.g. `"mon-fri 22:00-07:00"`,
+    /// `"sat,sun 00:00-24:00"`, `"daily 12:00-13:00"`. Default none.
+    pub schedule: Vec<String>,
+    /// When the owner returns (or a rule pauses lending) running jobs may
+    /// go on this long, then hand off to another node. Default 5 s.
+    pub grace_ms: u64,
+    /// How often the signals (idle time, power, heat) are read. Default 2 s.
+    pub poll_ms: u64,
+}
+
+impl Default for LendingSettings {
+    fn default() -> Self {
+        Self {
+            min_idle_s: 300,
+            ac_only: true,
+            thermal_pause: true,
+            memory_cap_bytes: None,
+            cpu_share: None,
+            gpu_share: None,
+            schedule: Vec::new(),
+            grace_ms: 5_000,
+            poll_ms: 2_000,
+        }
+    }
+}
+
+/// One layer's `[lending]` keys: each optional, so a layer overrides only
+/// the keys it sets (the layers merge key by key).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LendingLayer {
+    pub min_idle_s: Option<u64>,
+    pub ac_only: Option<bool>,
+    pub thermal_pause: Option<bool>,
+    pub memory_cap_bytes: Option<u64>,
+    pub cpu_share: Option<f64>,
+    pub gpu_share: Option<f64>,
+    /// A list of windows; from the environment, windows separated by `;`
+    /// (a window itself may hold commas: `sat,sun 10:00-18:00`).
+    #[serde(default, deserialize_with = "windows_or_list")]
+    pub schedule: Option<Vec<String>>,
+    pub grace_ms: Option<u64>,
+    pub poll_ms: Option<u64>,
+}
+
+/// Schedule windows as the file lists them, or as one string of windows
+/// separated by `;`, the form of `MLX_NODE__LENDING__SCHEDULE`.
+fn windows_or_list<'de, D>(d: D) -> Result<Option<Vec<String>>, D::Error>
+where
+    D: serde::Deserializer<'de>,
+{
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum Windows {
+        List(Vec<String>),
+        Text(String),
+    }
+    Ok(Some(match Windows::deserialize(d)? {
+        Windows::List(list) => list,
+        Windows::Text(text) => text
+            .split(';')
+            .map(str::trim)
+            .filter(|w| !w.is_empty())
+            .map(str::to_owned)
+            .collect(),
+    }))
+}
+
+/// Which energy counters the node reads (`[energy] meter`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum MeterKind {
+    /// RAPL on Linux when readable, `powermetrics` on macOS when permitted,
+    /// else none.
+    #[default]
+    Auto,
+    /// Linux RAPL counters under `rapl_root`.
+    Rapl,
+    /// macOS `powermetrics` (needs root).
+    Powermetrics,
+    /// Measure nothing: claims carry no energy.
+    None,
+}
+
+/// Energy measurement and the owner's electricity price (`[energy]`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct EnergySettings {
+    /// Default auto.
+    pub meter: MeterKind,
+    /// Where the RAPL counters live. Default `/sys/class/powercap`.
+    pub rapl_root: PathBuf,
+    /// What one kWh costs the owner, in micro-MLX (1 MLX = 1,000,000): the
+    /// owner's view shows earnings net of the energy the jobs used at this
+    /// price. Default 0 (no price set: the net figure is not shown).
+    pub price_micro_mlx_per_kwh: u64,
+}
+
+impl Default for EnergySettings {
+    fn default() -> Self {
+        Self {
+            meter: MeterKind::Auto,
+            rapl_root: PathBuf::from("/sys/class/powercap"),
+            price_micro_mlx_per_kwh: 0,
+        }
+    }
+}
+
+/// One layer's `[energy]` keys (each optional).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct EnergyLayer {
+    pub meter: Option<MeterKind>,
+    pub rapl_root: Option<PathBuf>,
+    pub price_micro_mlx_per_kwh: Option<u64>,
+}
+
 /// One model file the node holds: catalogue id and local path.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -222,6 +376,8 @@ pub enum NodeMode {
     Dedicated,
     /// Lent only while the owner is away.
     Idle,
+    /// Lent during the weekly windows of `lending.schedule`.
+    Schedule,
 }
 
 impl FromStr for NodeMode {
@@ -230,6 +386,7 @@ impl FromStr for NodeMode {
         match s.trim().to_ascii_lowercase().as_str() {
             "dedicated" => Ok(Self::Dedicated),
             "idle" => Ok(Self::Idle),
+            "schedule" => Ok(Self::Schedule),
             _ => Err(ConfigError::Mode(s.to_owned())),
         }
     }
@@ -247,6 +404,7 @@ impl fmt::Display for NodeMode {
         f.write_str(match self {
             Self::Dedicated => "dedicated",
             Self::Idle => "idle",
+            Self::Schedule => "schedule",
         })
     }
 }
@@ -303,7 +461,7 @@ pub enum ConfigError {
     },
     #[error("model entry {0:?} must be `id=path`")]
     ModelEntry(String),
-    #[error("mode {0:?} must be `dedicated` or `idle`")]
+    #[error("mode {0:?} must be `dedicated`, `idle` or `schedule`")]
     Mode(String),
     #[error("coordinator_fingerprint is not set: pass --fingerprint <hex> (the coordinator prints it on start)")]
     MissingFingerprint,
@@ -377,6 +535,9 @@ pub struct ConfigLayer {
     pub connect_timeout_ms: Option<u64>,
     pub drain_grace_ms: Option<u64>,
     pub mode: Option<NodeMode>,
+    pub lending: Option<LendingLayer>,
+    pub energy: Option<EnergyLayer>,
+    pub device: Option<crate::engine::device::DeviceChoice>,
     pub location: Option<Location>,
     pub operator_account: Option<String>,
     pub pod: Option<PodSettings>,
@@ -467,6 +628,9 @@ impl NodeConfig {
             connect_timeout_ms: 10_000,
             drain_grace_ms: 30_000,
             mode: NodeMode::Dedicated,
+            lending: LendingSettings::default(),
+            energy: EnergySettings::default(),
+            device: crate::engine::device::DeviceChoice::Auto,
             location: None,
             operator_account: String::new(),
             pod: None,
@@ -518,6 +682,16 @@ impl NodeConfig {
         toml::Value::Table(table)
             .try_into()
             .map_err(|e| ConfigError::Invalid(Box::new(e)))
+    }
+
+    /// Compute threads for the engine: `threads`, else `lending.cpu_share`
+    /// of the machine's cores (at least one), else `None` (all cores).
+    pub fn effective_threads(&self) -> Option<usize> {
+        self.threads.or_else(|| {
+            let share = self.lending.cpu_share?;
+            let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+            Some(((cores as f64 * share).floor() as usize).max(1))
+        })
     }
 
     /// Checks the values the agent needs: the pin, the coordinator address,
@@ -575,6 +749,40 @@ impl NodeConfig {
                     value: self.models.len().to_string(),
                 });
             }
+        }
+        let share_ok = |s: Option<f64>| s.is_none_or(|s| s.is_finite() && s > 0.0 && s <= 1.0);
+        for (key, share) in [
+            ("lending.cpu_share", self.lending.cpu_share),
+            ("lending.gpu_share", self.lending.gpu_share),
+        ] {
+            if !share_ok(share) {
+                return Err(ConfigError::OutOfRange {
+                    key,
+                    expected: "a share in (0, 1]",
+                    value: format!("{share:?}"),
+                });
+            }
+        }
+        if self.lending.poll_ms == 0 {
+            return Err(ConfigError::OutOfRange {
+                key: "lending.poll_ms",
+                expected: "at least 1",
+                value: "0".into(),
+            });
+        }
+        if let Err(e) = crate::policy::Schedule::parse(&self.lending.schedule) {
+            return Err(ConfigError::OutOfRange {
+                key: "lending.schedule",
+                expected: "windows like \"mon-fri 22:00-07:00\"",
+                value: e.to_string(),
+            });
+        }
+        if self.mode == NodeMode::Schedule && self.lending.schedule.is_empty() {
+            return Err(ConfigError::OutOfRange {
+                key: "lending.schedule",
+                expected: "at least one window in schedule mode",
+                value: "none".into(),
+            });
         }
         if let Some(loc) = &self.location {
             if loc.lat.is_none() || loc.lon.is_none() {

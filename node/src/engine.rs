@@ -48,12 +48,14 @@ use std::time::{Duration, Instant};
 pub mod audit;
 pub mod cli;
 pub(crate) mod config;
+pub mod device;
 mod gemma3;
 mod gguf;
 pub mod kernels;
 mod linear;
 mod model;
 mod ops;
+pub mod profile;
 mod sampler;
 pub mod sharded;
 mod template;
@@ -63,6 +65,10 @@ mod weights;
 #[cfg(test)]
 mod tests;
 #[cfg(any(test, feature = "test-utils"))]
+#[allow(
+    clippy::unwrap_used,
+    reason = "test harness: a failed unwrap is a failed test"
+)]
 pub(crate) mod testutil;
 
 use model::Model;
@@ -72,13 +78,13 @@ use tokenizer::{Detokenizer, Tokenizer};
 
 /// Prompt tokens processed per forward pass during prefill (bounds the
 /// memory of one pass on long prompts).
-const PREFILL_CHUNK: usize = 256;
+pub const PREFILL_CHUNK: usize = 256;
 
 /// A loaded model, ready to generate. `Send`, so it can be moved into a
 /// blocking task; not `Sync` (one generation at a time).
 pub struct Engine {
     info: ModelInfo,
-    model: Model,
+    model: device::EngineModel,
     text: TextSide,
 }
 
@@ -109,6 +115,12 @@ pub trait Forward {
     fn reset(&mut self, capacity: usize) -> Result<(), Self::Error>;
     /// Runs `tokens` at the next positions; the logits of the last one.
     fn forward(&mut self, tokens: &[u32]) -> Result<Vec<f32>, Self::Error>;
+    /// Most prompt tokens to pass to one [`Forward::forward`] call during
+    /// prefill (a pipeline-parallel pod takes the whole prompt at once and
+    /// splits it into micro-batches that flow through its stages).
+    fn prefill_chunk(&self) -> usize {
+        PREFILL_CHUNK
+    }
 }
 
 impl Forward for Model {
@@ -338,6 +350,12 @@ impl Engine {
     /// `config.json`, `tokenizer.json` and `*.safetensors`, or one
     /// `.safetensors` file next to them).
     pub fn load(path: &Path) -> Result<Engine, EngineError> {
+        Self::load_on(path, &device::Backend::Native)
+    }
+
+    /// [`Engine::load`] onto `backend` (the fast CPU path, or a candle
+    /// device: see [`device`]).
+    pub fn load_on(path: &Path, backend: &device::Backend) -> Result<Engine, EngineError> {
         let meta = std::fs::metadata(path).map_err(|source| EngineError::Io {
             path: path.to_path_buf(),
             source,
@@ -345,19 +363,19 @@ impl Engine {
         let is_safetensors =
             meta.is_dir() || path.extension().and_then(|e| e.to_str()) == Some("safetensors");
         let (model, tokenizer, template_source) = if is_safetensors {
-            load_safetensors(path)?
+            load_safetensors(path, backend)?
         } else {
-            load_gguf(path)?
+            load_gguf(path, backend)?
         };
-        if tokenizer.vocab_size() > model.cfg.vocab_size {
+        if tokenizer.vocab_size() > model.cfg().vocab_size {
             return Err(EngineError::Tokenizer(format!(
                 "the tokenizer has {} tokens, the model's embedding only {}",
                 tokenizer.vocab_size(),
-                model.cfg.vocab_size
+                model.cfg().vocab_size
             )));
         }
         let template = compile_template(template_source);
-        let cfg = &model.cfg;
+        let cfg = model.cfg();
         let info = ModelInfo {
             architecture: cfg.architecture_name.clone(),
             parameters: model.parameters(),
@@ -379,6 +397,12 @@ impl Engine {
 
     pub fn info(&self) -> &ModelInfo {
         &self.info
+    }
+
+    /// Where it computes: "cpu" (the fast CPU path), "metal", "cuda", or
+    /// "candle-cpu" (the device path on the CPU).
+    pub fn backend(&self) -> &'static str {
+        self.model.backend_name()
     }
 
     /// The prompt's token ids as [`Engine::generate`] would feed them
@@ -556,7 +580,7 @@ impl TextSide {
         }
         model.reset(prompt.len() + max_new)?;
         let mut logits = Vec::new();
-        for chunk in prompt.chunks(PREFILL_CHUNK) {
+        for chunk in prompt.chunks(model.prefill_chunk().max(1)) {
             logits = model.forward(chunk)?;
         }
         let mut sampler = Sampler::new(s);
@@ -668,7 +692,7 @@ impl Engine {
         let s = &req.sampling;
         sampler::validate(s)?;
         let prompt = self.prompt_tokens(&req.input)?;
-        let vocab = self.model.cfg.vocab_size;
+        let vocab = self.model.cfg().vocab_size;
         let output = &req.output_token_ids;
         if let Some((i, &t)) = output
             .iter()
@@ -677,7 +701,7 @@ impl Engine {
         {
             return Ok(audit::judge_unscorable(i, t));
         }
-        let ctx = self.model.cfg.context_length;
+        let ctx = self.model.cfg().context_length;
         let total = prompt.len() + output.len();
         if total > ctx || prompt.len() >= ctx {
             return Err(EngineError::PromptTooLong {
@@ -819,9 +843,9 @@ pub fn describe_gguf(path: &Path) -> Result<FileFacts, EngineError> {
     })
 }
 
-type Loaded = (Model, Tokenizer, Option<String>);
+type Loaded = (device::EngineModel, Tokenizer, Option<String>);
 
-fn load_gguf(path: &Path) -> Result<Loaded, EngineError> {
+fn load_gguf(path: &Path, backend: &device::Backend) -> Result<Loaded, EngineError> {
     let file = gguf::GgufFile::open(path)?;
     let tokenizer = Tokenizer::from_gguf(&file.metadata)?;
     // Without `<arch>.vocab_size`, the embedding's rows are the vocabulary.
@@ -831,7 +855,7 @@ fn load_gguf(path: &Path) -> Result<Loaded, EngineError> {
         .and_then(|e| e.shape.first().copied())
         .unwrap_or(tokenizer.vocab_size());
     let cfg = config::ModelConfig::from_gguf(&file.metadata, Some(vocab))?;
-    let model = Model::load(cfg, &weights::WeightSource::Gguf(&file))?;
+    let model = device::EngineModel::load(cfg, &weights::WeightSource::Gguf(&file), backend)?;
     let template = file
         .get("tokenizer.chat_template")
         .and_then(gguf::MetaValue::as_str)
@@ -862,7 +886,7 @@ fn eos_ids(v: &serde_json::Value) -> Vec<u32> {
     }
 }
 
-fn load_safetensors(path: &Path) -> Result<Loaded, EngineError> {
+fn load_safetensors(path: &Path, backend: &device::Backend) -> Result<Loaded, EngineError> {
     let (dir, files) = if path.is_dir() {
         let mut files = Vec::new();
         let entries = std::fs::read_dir(path).map_err(|source| EngineError::Io {
@@ -940,6 +964,7 @@ fn load_safetensors(path: &Path) -> Result<Loaded, EngineError> {
                 .map_err(|e| EngineError::Safetensors(format!("{}: {e}", file.display())))?,
         );
     }
-    let model = Model::load(cfg, &weights::WeightSource::Safetensors(views))?;
+    let model =
+        device::EngineModel::load(cfg, &weights::WeightSource::Safetensors(views), backend)?;
     Ok((model, tokenizer, template))
 }

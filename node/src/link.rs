@@ -31,6 +31,11 @@
 //!   their streamed tokens back (partial claims) so they resume elsewhere;
 //!   then the connection is closed with code 0 and the node waits (briefly)
 //!   for the close to be delivered.
+//! - A pause of lending (`crate::policy`: the owner returned, the battery,
+//!   the heat, the schedule) drains the same way with `lending.grace_ms`,
+//!   then closes the session ([`LinkStatus::Paused`]); the node is off the
+//!   network (it takes no job and earns no availability reward) until
+//!   lending resumes, and then dials again at once.
 //!
 //! # Failure
 //! Every way a session ends is a [`LinkError`]; the reconnect loop reports
@@ -73,6 +78,9 @@ pub enum LinkStatus {
     /// Not linked; `reason` says why (the next attempt follows after a delay,
     /// unless the node is shutting down).
     Disconnected { reason: String },
+    /// Lending is paused (`reason` as the policy says it, e.g. "you are
+    /// using the Mac"): draining, or off the network until it resumes.
+    Paused { reason: String },
 }
 
 /// Why a session with the coordinator failed or ended.
@@ -142,6 +150,18 @@ pub struct LinkContext {
     pub drain: Arc<drain::DrainState>,
     /// How long running jobs may go on once the node drains.
     pub drain_grace: Duration,
+    /// Whether the policy lends now (`None`: not read yet, which does not lend).
+    pub lending: crate::policy::Lending,
+    /// How long running jobs may go on once lending pauses.
+    pub pause_grace: Duration,
+    /// The most free memory the node reports (`lending.memory_cap_bytes`).
+    pub memory_cap: Option<u64>,
+    /// Most of the time a GPU engine computes (`lending.gpu_share`).
+    pub gpu_share: Option<f64>,
+    /// The owner's view of the node (`mlx-node status`).
+    pub board: Arc<crate::status::Board>,
+    /// The energy meter, when there is one.
+    pub energy: Option<Arc<dyn crate::energy::EnergyMeter>>,
     /// Set on a pod member: its pod and the one model the pod serves.
     pub pod: Option<Arc<PodLink>>,
 }
@@ -155,6 +175,22 @@ pub struct PodLink {
 }
 
 impl LinkContext {
+    /// Free memory as reported to the coordinator: measured, at most the
+    /// machine's total and the owner's cap.
+    pub fn offered_memory(&self, free: u64) -> u64 {
+        let free = free.min(self.hardware.memory_bytes);
+        self.memory_cap.map_or(free, |cap| free.min(cap))
+    }
+
+    /// Why lending is paused now, if it is.
+    pub fn pause_reason(&self) -> Option<String> {
+        match &*self.lending.borrow() {
+            Some(crate::policy::Decision::Lend) => None,
+            Some(crate::policy::Decision::Pause(why)) => Some(why.to_string()),
+            None => Some("reading the lending signals".into()),
+        }
+    }
+
     /// Jobs running now.
     pub fn running_jobs(&self) -> u32 {
         let free = self.slots.available_permits() as u32;
@@ -170,15 +206,32 @@ pub async fn run(
 ) {
     let mut backoff =
         backoff::Backoff::new(ctx.reconnect_min, ctx.reconnect_max, StdRng::from_entropy());
+    let mut lending = ctx.lending.clone();
     loop {
         if shutdown.is_cancelled() {
             break;
         }
+        if let Some(reason) = ctx.pause_reason() {
+            status.send_replace(LinkStatus::Paused { reason });
+            // Wait for the next decision (and show its reason while paused).
+            tokio::select! {
+                _ = shutdown.cancelled() => break,
+                r = lending.changed() => {
+                    if r.is_err() {
+                        break; // the policy is gone: the node is stopping
+                    }
+                    continue;
+                }
+            }
+        }
+        // The last session ended with no job left: take jobs again.
+        ctx.drain.reopen();
         status.send_replace(LinkStatus::Connecting);
         let mut registered = false;
         let outcome = session::run(&ctx, &status, &shutdown, &mut registered).await;
         match outcome {
-            Ok(()) => break, // shut down on request
+            Ok(session::Ended::Shutdown) => break,
+            Ok(session::Ended::Paused) => continue,
             Err(err) => {
                 tracing::warn!(error = %err, coordinator = %ctx.coordinator, "link to coordinator lost");
                 status.send_replace(LinkStatus::Disconnected {

@@ -55,7 +55,7 @@ use sha2::{Digest, Sha256};
 
 use crate::{
     config::ModelEntry,
-    engine::{Engine, EngineError, ModelInfo},
+    engine::{device::Backend, Engine, EngineError, ModelInfo},
 };
 
 /// Why the configured models could not be made ready.
@@ -166,28 +166,32 @@ pub fn digest_file(path: &Path) -> std::io::Result<([u8; 32], u64)> {
 pub struct LoadedModel {
     pub held: HeldModel,
     pub info: ModelInfo,
+    /// Where its engine computes ("cpu", "metal", "cuda", "candle-cpu").
+    pub backend: &'static str,
     /// The engine; lock it on a blocking thread only.
     pub engine: Arc<Mutex<Engine>>,
 }
 
 impl LoadedModel {
-    /// Hashes the file of `entry` and loads its engine. Blocking.
-    pub fn load(entry: &ModelEntry) -> Result<LoadedModel, ModelError> {
+    /// Hashes the file of `entry` and loads its engine on `backend`. Blocking.
+    pub fn load(entry: &ModelEntry, backend: &Backend) -> Result<LoadedModel, ModelError> {
         let held = HeldModel::hash(entry)?;
-        Self::load_held(held)
+        Self::load_held(held, backend)
     }
 
-    fn load_held(held: HeldModel) -> Result<LoadedModel, ModelError> {
-        tracing::info!(model = %held.id, path = %held.path.display(), sha256 = %hex::encode(held.sha256), "loading model");
-        let engine = Engine::load(&held.path).map_err(|source| ModelError::Load {
+    fn load_held(held: HeldModel, backend: &Backend) -> Result<LoadedModel, ModelError> {
+        tracing::info!(model = %held.id, path = %held.path.display(), sha256 = %hex::encode(held.sha256), backend = backend.name(), "loading model");
+        let engine = Engine::load_on(&held.path, backend).map_err(|source| ModelError::Load {
             id: held.id.clone(),
             path: held.path.clone(),
             source: Box::new(source),
         })?;
         let info = engine.info().clone();
+        let backend = engine.backend();
         Ok(LoadedModel {
             held,
             info,
+            backend,
             engine: Arc::new(Mutex::new(engine)),
         })
     }
@@ -205,6 +209,8 @@ pub struct ModelSet {
     changed: AtomicBool,
     /// A hinted pull is under way (one at a time).
     pulling: AtomicBool,
+    /// Where its engines compute (a pulled model loads there too).
+    backend: Backend,
 }
 
 impl ModelSet {
@@ -212,17 +218,23 @@ impl ModelSet {
     /// whole files). All files are hashed before any is loaded, so a missing
     /// file is reported at once.
     pub fn load(entries: &[ModelEntry]) -> Result<Self, ModelError> {
+        Self::load_on(entries, &Backend::Native)
+    }
+
+    /// [`ModelSet::load`] with every engine on `backend`.
+    pub fn load_on(entries: &[ModelEntry], backend: &Backend) -> Result<Self, ModelError> {
         let held = entries
             .iter()
             .map(HeldModel::hash)
             .collect::<Result<Vec<_>, _>>()?;
         let mut by_id = BTreeMap::new();
         for held in held {
-            let loaded = LoadedModel::load_held(held)?;
+            let loaded = LoadedModel::load_held(held, backend)?;
             by_id.insert(loaded.held.id.clone(), Arc::new(loaded));
         }
         Ok(Self {
             by_id: RwLock::new(by_id),
+            backend: backend.clone(),
             ..Self::default()
         })
     }
@@ -285,6 +297,7 @@ impl ModelSet {
     pub fn load_with_store(
         entries: &[ModelEntry],
         store: Arc<store::ModelStore>,
+        backend: &Backend,
     ) -> Result<Self, ModelError> {
         let mut all = entries.to_vec();
         let installed = store
@@ -295,7 +308,7 @@ impl ModelSet {
                 all.push(e);
             }
         }
-        let mut set = Self::load(&all)?;
+        let mut set = Self::load_on(&all, backend)?;
         for id in set.read().keys() {
             if !entries.iter().any(|c| &c.id == id) {
                 store
@@ -305,6 +318,11 @@ impl ModelSet {
         }
         set.store = Some(store);
         Ok(set)
+    }
+
+    /// Where the set's engines compute.
+    pub fn backend(&self) -> &Backend {
+        &self.backend
     }
 
     /// The model folder, when the set was loaded with one.
@@ -326,6 +344,11 @@ impl ModelSet {
             .ok_or_else(|| Refusal::NotHeld(model.to_owned()))?;
         loaded.held.check_digest(sha256)?;
         Ok(loaded)
+    }
+
+    /// Every model served now, by catalogue id.
+    pub fn all(&self) -> Vec<Arc<LoadedModel>> {
+        self.read().values().cloned().collect()
     }
 
     pub fn len(&self) -> usize {

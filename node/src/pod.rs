@@ -6,7 +6,8 @@
 //! itself is `engine::sharded`), forming the TCP data plane from the config
 //! and measuring each link ([`links`]), each member's speed for its share
 //! ([`speed`]), the running pod that serves jobs
-//! ([`runtime`]), and `mlx-node doctor` ([`doctor`]).
+//! ([`runtime`]), `mlx-node doctor` ([`doctor`]), and `mlx-node pod setup`
+//! ([`setup`]: discovery over mDNS, cabling, the hostfile).
 //!
 //! # Invariants
 //! - A [`hostfile::PodConfig`] that parsed has one host per rank, and every
@@ -23,5 +24,6 @@ pub mod doctor;
 pub mod hostfile;
 pub mod links;
 pub mod runtime;
+pub mod setup;
 pub mod shard;
 pub mod speed;

@@ -31,7 +31,7 @@ use std::{
     time::Duration,
 };
 
-use anyhow::{anyhow, bail, Context};
+use anyhow::{anyhow, bail, ensure, Context};
 use mlx_node::{
     app::Node,
     config::{ModelEntry, NodeConfig},
@@ -159,6 +159,42 @@ pub fn test_model() -> PathBuf {
         path.display()
     );
     path
+}
+
+/// The `mlx-node` binary built with this test binary (same target dir and
+/// profile): Cargo builds it whenever it builds `mlx-node`'s own tests
+/// (`node/tests/`), as `scripts/test.sh` does. Missing or older than the
+/// `mlx-node` library this test binary was linked with, it is an error that
+/// says how to build it, never a stale binary silently run.
+pub fn mlx_node_binary() -> anyhow::Result<PathBuf> {
+    let exe = std::env::current_exe().context("the test binary's path")?;
+    // <target>/<profile>/deps/<test binary>
+    let profile_dir = exe
+        .parent()
+        .and_then(Path::parent)
+        .context("the test binary is not in a Cargo target directory")?;
+    let bin = profile_dir.join(format!("mlx-node{}", std::env::consts::EXE_SUFFIX));
+    let fix = "build it with the workspace's tests (scripts/test.sh) or `cargo build -p mlx-node`";
+    let built = std::fs::metadata(&bin)
+        .and_then(|m| m.modified())
+        .with_context(|| format!("{} is missing: {fix}", bin.display()))?;
+    let newest_lib = std::fs::read_dir(profile_dir.join("deps"))?
+        .filter_map(Result::ok)
+        .filter(|e| {
+            let name = e.file_name();
+            let name = name.to_string_lossy();
+            name.starts_with("libmlx_node-") && name.ends_with(".rlib")
+        })
+        .filter_map(|e| e.metadata().and_then(|m| m.modified()).ok())
+        .max();
+    if let Some(lib) = newest_lib {
+        ensure!(
+            built >= lib,
+            "{} is older than the mlx-node library: {fix}",
+            bin.display()
+        );
+    }
+    Ok(bin)
 }
 
 /// Starts tracing output when `TEST_LOG` is set (e.g. `TEST_LOG=debug`).
@@ -383,8 +419,20 @@ impl Drop for TestNode {
 
 /// Builds and starts a node from `config`.
 pub async fn spawn_node(config: NodeConfig) -> anyhow::Result<TestNode> {
+    spawn_node_with(config, None).await
+}
+
+/// [`spawn_node`] with the lending signals read from `signals` (an owner
+/// the test makes come and go) instead of the operating system.
+pub async fn spawn_node_with(
+    config: NodeConfig,
+    signals: Option<Box<dyn mlx_node::policy::SignalSource>>,
+) -> anyhow::Result<TestNode> {
     init_tracing();
-    let node = Node::build(config).await.context("building the node")?;
+    let mut node = Node::build(config).await.context("building the node")?;
+    if let Some(s) = signals {
+        node = node.with_signals(s);
+    }
     let id = node.node_id();
     let status = node.link_status();
     let (stop, stopped) = oneshot::channel::<()>();

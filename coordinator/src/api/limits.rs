@@ -398,6 +398,7 @@ mod tests {
         let k = caller("k", KeyLimits::default());
         let mut ok = 0;
         let mut refused = 0;
+        let started = Instant::now();
         for _ in 0..40 {
             let mut p = a.admit_anonymous().unwrap();
             match a.admit_key(&mut p, &k) {
@@ -406,8 +407,14 @@ mod tests {
                 Err(e) => panic!("{e}"),
             }
         }
-        // A burst of 10, plus what refilled while the loop ran (microseconds).
-        assert!((10..=11).contains(&ok), "{ok}");
+        // A burst of 10, plus what refilled at 5/s while the loop ran
+        // (microseconds when idle; the bound follows the clock on a loaded
+        // machine instead of assuming its speed).
+        let refilled = (5.0 * started.elapsed().as_secs_f64()).ceil() as usize;
+        assert!(
+            (10..=10 + refilled).contains(&ok),
+            "{ok}, {refilled} refilled"
+        );
         assert_eq!(ok + refused, 40);
     }
 

@@ -177,6 +177,28 @@ pub struct JobStats {
     pub tokens_generated: u64,
 }
 
+impl JobStats {
+    /// The counts from `(state, jobs, completion tokens)` per stored state
+    /// (a store's `GROUP BY state`); unknown states are not counted.
+    pub fn of<'a>(per_state: impl IntoIterator<Item = (&'a str, u64, u64)>) -> Self {
+        let mut stats = Self::default();
+        for (state, n, tokens) in per_state {
+            match state {
+                "queued" => stats.queued += n,
+                "assigned" | "running" => stats.running += n,
+                "completed" => {
+                    stats.completed += n;
+                    stats.tokens_generated = tokens;
+                }
+                "failed" => stats.failed += n,
+                "cancelled" => stats.cancelled += n,
+                _ => {}
+            }
+        }
+        stats
+    }
+}
+
 /// The tokens one attempt streamed before it ended without finishing.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct Segment {

@@ -1,7 +1,7 @@
 //! Submitting jobs: each job's hold and its job row, by group commit.
 //!
-//! Concurrent submits queue up; whoever opens the store's next write
-//! transaction runs every queued submit in it, so one
+//! Concurrent submits queue up; whoever takes the batch writer's lock next
+//! runs every queued submit in one write transaction, so one
 //! commit (and, with `synchronous = FULL`, one fsync) serves the whole
 //! batch. There is no linger: a batch is whatever queued while the previous
 //! one was being written, so an idle ledger commits a lone submit at once
@@ -40,7 +40,7 @@ use super::{settle::hold_id, JobTerms, Ledger, LedgerError, ESCROW};
 use crate::{
     domain::{JobRecord, NewJob, Transfer, TransferKind},
     store::{AnyTx, OpenHold, Store, StoreTx},
-    util::lock,
+    util::{error_chain, lock},
 };
 
 /// A submit waiting for the next group commit.
@@ -69,39 +69,42 @@ impl Ledger {
             now_ms,
             reply,
         });
-        // Whoever opens the next write transaction writes the queue; a
+        // Whoever takes the batch writer's lock next writes the queue; a
         // submit that was written by someone else meanwhile leaves the line
-        // at once (else the answered submits would each take the store's
-        // writer in turn, and every new submit would commit alone behind
-        // them).
-        let tx = tokio::select! {
+        // at once (else the answered submits would each take the lock in
+        // turn, and every new submit would commit alone behind them). Only
+        // the lock is raced: opening the store's transaction is not
+        // cancel-safe (a `BEGIN` dropped half-way can leave its connection
+        // holding SQLite's write lock, and every later writer then times out
+        // with "database is locked"), so it happens on the batch's task,
+        // which no caller can cancel: a caller that goes away (a client
+        // hanging up) must not roll back everyone else's submits with it.
+        let guard = tokio::select! {
             biased;
             r = &mut answer => return r.unwrap_or_else(|_| Err(dropped())),
-            tx = self.store().write() => tx,
+            guard = std::sync::Arc::clone(&self.batch_writer).lock_owned() => guard,
         };
-        let batch = std::mem::take(&mut *lock(&self.submits));
-        if batch.is_empty() {
-            drop(tx);
-        } else {
-            // The batch is written on a task of its own: a caller that goes
-            // away (a client hanging up) must not roll back everyone else's
-            // submits with it.
-            let ledger = self.clone();
-            tokio::spawn(async move {
+        let ledger = self.clone();
+        tokio::spawn(async move {
+            let tx = ledger.store().write().await;
+            // The batch is what queued until the transaction opened.
+            let batch = std::mem::take(&mut *lock(&ledger.submits));
+            if !batch.is_empty() {
                 let committed = match tx {
                     Ok(mut tx) => match write_batch(&ledger, &mut tx, &batch).await {
                         Ok(verdicts) => tx
                             .commit()
                             .await
                             .map(|()| verdicts)
-                            .map_err(|e| e.to_string()),
-                        Err(e) => Err(e.to_string()),
+                            .map_err(|e| error_chain(&e)),
+                        Err(e) => Err(error_chain(&e)),
                     },
-                    Err(e) => Err(e.to_string()),
+                    Err(e) => Err(error_chain(&e)),
                 };
                 answer_all(batch, committed);
-            });
-        }
+            }
+            drop(guard);
+        });
         // A batch that panicked dropped its answers: each caller sees that.
         answer.await.unwrap_or_else(|_| Err(dropped()))
     }

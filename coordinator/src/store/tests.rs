@@ -1,6 +1,10 @@
 //! The store's conformance suite: one contract per function, each run on
-//! every backend compiled in through [`store_contracts!`] (SQLite below;
-//! a second backend adds an [`Backend`] impl and one invocation).
+//! every backend compiled in through [`store_contracts!`]: SQLite in a
+//! temporary directory, PostgreSQL in a fresh database on the server
+//! [`PG_URL_VAR`] names (`scripts/pg-test-server.sh` starts one).
+//!
+//! Without that variable the PostgreSQL contracts say so and pass, except
+//! under CI (`CI` set), where they fail: CI must run both backends.
 //!
 //! The contracts cover what the layers above rely on: jobs and their
 //! guarded transitions, attempts, hand-off segments, nodes, accounts and
@@ -63,6 +67,65 @@ impl Backend for Sqlite {
     }
 }
 
+/// The variable naming a PostgreSQL server the tests may create databases
+/// on (`postgres://USER@HOST:PORT/postgres`).
+pub(crate) const PG_URL_VAR: &str = "MLXNET_TEST_DATABASE_URL";
+
+/// The PostgreSQL server's URL, or `None` when none is configured here
+/// (then the caller skips, saying so). Under CI a missing URL fails.
+pub(crate) fn pg_server_url() -> Option<String> {
+    match std::env::var(PG_URL_VAR) {
+        Ok(url) if !url.is_empty() => Some(url),
+        _ => {
+            assert!(
+                std::env::var_os("CI").is_none(),
+                "{PG_URL_VAR} is not set: CI must run the PostgreSQL tests (.ci/run starts a server)"
+            );
+            eprintln!(
+                "skipped: {PG_URL_VAR} is not set (scripts/pg-test-server.sh starts a server)"
+            );
+            None
+        }
+    }
+}
+
+/// A fresh, empty database on the server at `server` (the URL of one of
+/// its databases): its URL.
+pub(crate) async fn pg_fresh_database(server: &str) -> String {
+    use sqlx::{Connection, Executor};
+    let name = format!("t_{}", uuid::Uuid::new_v4().simple());
+    let mut admin = sqlx::PgConnection::connect(server).await.unwrap();
+    admin
+        .execute(format!("CREATE DATABASE {name}").as_str())
+        .await
+        .unwrap();
+    admin.close().await.unwrap();
+    let (base, _db) = server.rsplit_once('/').unwrap();
+    format!("{base}/{name}")
+}
+
+/// PostgreSQL: a database of its own on the test server.
+pub(crate) struct Postgres {
+    url: String,
+    store: AnyStore,
+}
+
+impl Backend for Postgres {
+    async fn fresh() -> Option<Self> {
+        let url = pg_fresh_database(&pg_server_url()?).await;
+        let store = AnyStore::connect(&url).await.unwrap();
+        Some(Self { url, store })
+    }
+
+    fn store(&self) -> &AnyStore {
+        &self.store
+    }
+
+    async fn reopen(&mut self) {
+        self.store = AnyStore::connect(&self.url).await.unwrap();
+    }
+}
+
 /// One `#[tokio::test]` per contract for `$backend` (a [`Backend`]).
 macro_rules! store_contracts {
     ($backend:ty) => {
@@ -74,6 +137,7 @@ macro_rules! store_contracts {
             restart_requeues_orphans_and_keeps_finished_jobs,
             ended_attempts_leave_their_tokens_and_the_result_joins_them,
             a_batch_of_assignments_takes_each_queued_job_once,
+            a_claim_assigns_what_is_placed_and_frees_the_rest,
             queued_jobs_come_oldest_first_with_their_paying_accounts,
             nodes_register_beat_go_offline_and_count,
             debits_never_overdraw_and_unknown_accounts_refuse,
@@ -108,6 +172,10 @@ pub(crate) use store_contracts;
 
 mod sqlite {
     super::store_contracts!(crate::store::tests::Sqlite);
+}
+
+mod postgres {
+    super::store_contracts!(crate::store::tests::Postgres);
 }
 
 pub(crate) async fn queued(store: &AnyStore) -> JobRecord {
@@ -503,6 +571,57 @@ pub(crate) async fn a_batch_of_assignments_takes_each_queued_job_once<B: Backend
         JobState::Queued
     );
     assert!(store.assign_many(&[]).await.unwrap().is_empty());
+}
+
+pub(crate) async fn a_claim_assigns_what_is_placed_and_frees_the_rest<B: Backend>(b: B) {
+    let store = b.store().clone();
+    funded(&store, "acct_a", 0).await;
+    let new = || NewJob {
+        id: JobId::new(),
+        model: "m".into(),
+        input: JobInput::default(),
+        sampling: SamplingParams::default(),
+        priority: 0,
+    };
+    let (first, second, third) = (new(), new(), new());
+    let mut tx = store.write().await.unwrap();
+    tx.insert_jobs(&[(&third, 30), (&first, 10), (&second, 20)])
+        .await
+        .unwrap();
+    tx.insert_terms(&[(first.id.to_string().as_str(), &terms("acct_a"))])
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+    let mut seen = Vec::new();
+    let done = store
+        .claim_queued(2, |claimed| {
+            seen = claimed.iter().map(|(j, a)| (j.id, a.clone())).collect();
+            vec![(first.id, 1, "n1".into()), (second.id, 2, "n1".into())]
+        })
+        .await
+        .unwrap();
+    assert_eq!(
+        seen,
+        [(first.id, Some("acct_a".to_owned())), (second.id, None)],
+        "the oldest, with their paying accounts"
+    );
+    assert_eq!(done, [true, false], "assigned; wrong attempt");
+    let j = store.get_job(first.id).await.unwrap().unwrap();
+    assert_eq!(
+        (j.state, j.node_id.as_deref()),
+        (JobState::Assigned, Some("n1"))
+    );
+    let mut seen = Vec::new();
+    let done = store
+        .claim_queued(10, |claimed| {
+            seen = claimed.iter().map(|(j, _)| j.id).collect();
+            Vec::new()
+        })
+        .await
+        .unwrap();
+    assert!(done.is_empty());
+    assert_eq!(seen, [second.id, third.id], "what was left is free again");
+    assert_eq!(store.count_queued().await.unwrap(), 2);
 }
 
 pub(crate) async fn queued_jobs_come_oldest_first_with_their_paying_accounts<B: Backend>(b: B) {

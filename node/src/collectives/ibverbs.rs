@@ -33,8 +33,21 @@
 //!
 //! Each frame starts with an 8-byte prefix (a per-peer sequence number, the
 //! credit count, a magic word for data or credit): should a frame still be
-//! lost, the receiver turns the gap into [`CollectiveError::Verbs`] rather
+//! lost, the receiver turns the gap into [`CollectiveError::Link`] rather
 //! than placing the next frame at the wrong offset.
+//!
+//! Waits: the transport spins first; a longer wait blocks on a completion
+//! channel per queue pair (`ibv_req_notify_cq` arms the queue, `poll(2)` on
+//! the channels' fds sleeps until one has a completion, a last poll of the
+//! queues after arming catches a completion that came before) where the
+//! library has the channel verbs; without them, a 50 us sleep between
+//! polls.
+//!
+//! One [`RdmaVerbs`] is one cable per pair; several cables per pair are
+//! several of them, striped by [`super::stripe::Striped`]. A failed queue
+//! pair fails only its own peer's traffic ([`CollectiveError::Link`], or
+//! [`CollectiveError::PeerLost`] for retries exhausted), so the stripe can
+//! carry on over another cable.
 //!
 //! # Invariants
 //! - Work request ids are `kind << 32 | slot`; one completion queue per peer,
@@ -47,9 +60,10 @@
 //! device with the list of those present, port down, no usable GID, a verbs
 //! call failing with its errno, a queue-pair transition failing with its
 //! errno, a peer rank's failure), wrapped in [`CollectiveError::Rdma`]. At run
-//! time a failed work completion is [`CollectiveError::Verbs`] (or
-//! [`CollectiveError::PeerLost`] for retry-exceeded on RC), and a closed side
-//! channel is a lost peer.
+//! time a failed work completion is [`CollectiveError::Link`] naming the
+//! device (or [`CollectiveError::PeerLost`] for retry-exceeded on RC) and
+//! marks that queue pair failed (the good completions polled with it are
+//! still handed out), and a closed side channel is a lost peer.
 
 mod ffi;
 
@@ -126,6 +140,8 @@ pub enum RdmaError {
     Exchange { peer: usize, reason: String },
     #[error("rank {rank} could not set up rdma: {reason}")]
     PeerFailed { rank: usize, reason: String },
+    #[error("{slots} rdma slots need more frame memory than can be allocated")]
+    TooManySlots { slots: usize },
 }
 
 fn list(v: &[String]) -> String {
@@ -234,13 +250,14 @@ impl QpInfo {
         if word(0) != Self::MAGIC {
             return Err(bad("no queue-pair record magic".into()));
         }
-        let info = QpInfo {
+        let mut info = QpInfo {
             qp_num: word(4),
             psn: word(8),
             lid: u16::from_le_bytes([b[12], b[13]]),
             mtu: b[14],
-            gid: b[16..32].try_into().expect("16 bytes"),
+            gid: [0; 16],
         };
+        info.gid.copy_from_slice(&b[16..32]);
         if info.psn > 0xff_ffff || info.qp_num > 0xff_ffff {
             return Err(bad(format!(
                 "queue pair {} / psn {} exceed 24 bits",
@@ -291,17 +308,21 @@ impl Prefix {
             DATA_MAGIC => false,
             CREDIT_MAGIC => true,
             _ => {
-                return Err(CollectiveError::Verbs(format!(
-                    "frame from rank {peer} has no frame magic"
-                )))
+                return Err(CollectiveError::Link {
+                    peer,
+                    reason: format!("frame from rank {peer} has no frame magic"),
+                })
             }
         };
         let seq = u32::from_le_bytes([p[0], p[1], p[2], p[3]]);
         if seq != expected {
-            return Err(CollectiveError::Verbs(format!(
-                "frame {expected} from rank {peer} was lost (got frame {seq}; \
-                 an unreliable queue pair drops frames silently)"
-            )));
+            return Err(CollectiveError::Link {
+                peer,
+                reason: format!(
+                    "frame {expected} from rank {peer} was lost (got frame {seq}; \
+                     an unreliable queue pair drops frames silently)"
+                ),
+            });
         }
         Ok(Prefix {
             seq,
@@ -416,6 +437,25 @@ impl SideChannel {
         Ok(SideChannel { links })
     }
 
+    /// The same connections again (for another lane of a striped link:
+    /// closing either closes both).
+    pub fn try_clone(&self) -> Result<SideChannel, CollectiveError> {
+        let links = self
+            .links
+            .iter()
+            .enumerate()
+            .map(|(peer, s)| {
+                s.as_ref().map(|s| s.try_clone()).transpose().map_err(|e| {
+                    CollectiveError::PeerLost {
+                        peer,
+                        reason: format!("side channel: {e}"),
+                    }
+                })
+            })
+            .collect::<Result<_, _>>()?;
+        Ok(SideChannel { links })
+    }
+
     /// True while `peer`'s connection is open (no data ever flows after
     /// [`SideChannel::barrier`], so a readable socket means closed).
     pub fn alive(&self, peer: usize) -> bool {
@@ -513,7 +553,9 @@ pub fn exchange_infos(
     comm.all_gather(&out, &mut all)?;
     (0..n)
         .map(|p| {
-            if p == rank {
+            // A pair without a cable on this lane exchanges no record (the
+            // matrix is symmetric, so neither side expects one).
+            if p == rank || mine[p].is_none() {
                 return Ok(None);
             }
             let at = p * row + rank * QpInfo::BYTES;
@@ -534,14 +576,15 @@ struct Frames {
 }
 
 impl Frames {
-    fn new(bytes: usize) -> Frames {
-        let layout = std::alloc::Layout::from_size_align(bytes, 4096).expect("frame layout");
+    /// `None` when `bytes` (rounded to pages) does not fit the address space.
+    fn new(bytes: usize) -> Option<Frames> {
+        let layout = std::alloc::Layout::from_size_align(bytes, 4096).ok()?;
         // SAFETY: non-zero size.
         let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
         if ptr.is_null() {
             std::alloc::handle_alloc_error(layout);
         }
-        Frames { ptr, layout }
+        Some(Frames { ptr, layout })
     }
 }
 
@@ -562,6 +605,10 @@ struct Conn {
     device: String,
     ctx: *mut ffi::Context,
     pd: *mut ffi::Pd,
+    /// The completion channel waits block on (null: the library has none).
+    channel: *mut ffi::CompChannel,
+    /// The completion queue will raise an event on the channel.
+    armed: bool,
     cq: *mut ffi::Cq,
     qp: *mut ffi::Qp,
     mr: *mut ffi::Mr,
@@ -574,6 +621,9 @@ struct Conn {
     send_seq: u32,
     recv_seq: u32,
     credit: Credit,
+    /// Why this queue pair failed; a failed one is no longer polled or
+    /// posted to.
+    failed: Option<String>,
 }
 
 impl Drop for Conn {
@@ -586,6 +636,9 @@ impl Drop for Conn {
             }
             if !self.cq.is_null() {
                 (self.lib.destroy_cq)(self.cq);
+            }
+            if let (false, Some(ch)) = (self.channel.is_null(), self.lib.channels) {
+                (ch.destroy)(self.channel);
             }
             if !self.mr.is_null() {
                 (self.lib.dereg_mr)(self.mr);
@@ -640,6 +693,12 @@ impl Conn {
             call,
             errno: errno(),
         };
+        let frames = slots
+            .checked_mul(2)
+            .and_then(|n| n.checked_add(1))
+            .and_then(|n| n.checked_mul(FRAME))
+            .and_then(Frames::new)
+            .ok_or(RdmaError::TooManySlots { slots })?;
         // SAFETY: the device list is used and freed here; every pointer
         // comes from the library and is checked before use.
         let ctx = unsafe {
@@ -680,10 +739,12 @@ impl Conn {
             device: device.into(),
             ctx,
             pd: std::ptr::null_mut(),
+            channel: std::ptr::null_mut(),
+            armed: false,
             cq: std::ptr::null_mut(),
             qp: std::ptr::null_mut(),
             mr: std::ptr::null_mut(),
-            frames: Frames::new((2 * slots + 1) * FRAME),
+            frames,
             slots,
             kind,
             credit: Credit::new(slots),
@@ -697,6 +758,7 @@ impl Conn {
             },
             send_seq: 0,
             recv_seq: 0,
+            failed: None,
         };
         // SAFETY: ctx is open; every created object is stored in `conn` at
         // once, so `Drop` releases it on any later error.
@@ -750,11 +812,16 @@ impl Conn {
             if conn.pd.is_null() {
                 return Err(call("ibv_alloc_pd"));
             }
+            // A completion channel where the library has one (waits then
+            // block on its fd); without it, waits poll.
+            if let Some(ch) = lib.channels {
+                conn.channel = (ch.create)(ctx);
+            }
             conn.cq = (lib.create_cq)(
                 ctx,
                 (2 * slots + 1) as c_int,
                 std::ptr::null_mut(),
-                std::ptr::null_mut(),
+                conn.channel,
                 0,
             );
             if conn.cq.is_null() {
@@ -1078,6 +1145,17 @@ impl Pending {
             wcs: vec![ffi::Wc::default(); 4 * slots],
             conns: self.conns,
             side,
+            stash: Vec::new(),
+            spare: vec![
+                Completion {
+                    kind: CompletionKind::Send,
+                    peer: 0,
+                    slot: 0,
+                    len: 0
+                };
+                4 * slots
+            ],
+            pending: None,
         }
     }
 }
@@ -1089,6 +1167,13 @@ pub struct RdmaVerbs {
     conns: Vec<Option<Conn>>,
     side: SideChannel,
     wcs: Vec<ffi::Wc>,
+    /// Good completions polled together with a failure or by a wait,
+    /// handed out by the next poll.
+    stash: Vec<Completion>,
+    /// Scratch for a wait's last look.
+    spare: Vec<Completion>,
+    /// A failure a wait found, returned by the next poll.
+    pending: Option<CollectiveError>,
 }
 
 // SAFETY: the verbs objects are only used through `&mut self` (one thread at
@@ -1104,19 +1189,137 @@ impl std::fmt::Debug for RdmaVerbs {
 }
 
 impl RdmaVerbs {
-    fn conn(&mut self, peer: usize) -> Result<&mut Conn, CollectiveError> {
+    fn system_channels(&self) -> Option<ffi::Channels> {
         self.conns
+            .iter()
+            .flatten()
+            .next()
+            .and_then(|c| c.lib.channels)
+    }
+
+    fn conn(&mut self, peer: usize) -> Result<&mut Conn, CollectiveError> {
+        let c = self
+            .conns
             .get_mut(peer)
             .and_then(Option::as_mut)
             .ok_or_else(|| {
                 CollectiveError::InvalidArgument(format!("no queue pair to rank {peer}"))
-            })
+            })?;
+        if let Some(reason) = &c.failed {
+            return Err(CollectiveError::Link {
+                peer,
+                reason: reason.clone(),
+            });
+        }
+        Ok(c)
     }
 
     /// Every rank has posted its receives (call once, before the first
     /// exchange: an unreliable queue pair drops a frame sent too early).
     pub fn barrier(&mut self, timeout: Duration) -> Result<(), CollectiveError> {
         self.side.barrier(timeout)
+    }
+
+    /// Polls `peer`'s completion queue into `out`; a failed work
+    /// completion or a lost frame marks the queue pair failed once the
+    /// whole batch is taken (the batch's good completions are kept).
+    fn poll_conn(&mut self, peer: usize, out: &mut [Completion]) -> Result<usize, CollectiveError> {
+        let slots = self.slots;
+        let Some(c) = self.conns[peer].as_mut().filter(|c| c.failed.is_none()) else {
+            return Ok(0);
+        };
+        let room = out.len().min(self.wcs.len());
+        if room == 0 {
+            return Ok(0);
+        }
+        let poll = c
+            .ops()
+            .poll_cq
+            .ok_or_else(|| CollectiveError::Verbs("the provider has no poll_cq".into()))?;
+        // SAFETY: live completion queue; `wcs` has `room` entries.
+        let n = unsafe { poll(c.cq, room as c_int, self.wcs.as_mut_ptr()) };
+        if n < 0 {
+            return Err(CollectiveError::Verbs(format!(
+                "polling the completion queue of rank {peer} failed ({n})"
+            )));
+        }
+        let mut got = 0;
+        let mut failure: Option<CollectiveError> = None;
+        for wc in &self.wcs[..n as usize] {
+            let (kind, slot) = split_wr_id(wc.wr_id);
+            if wc.status != ffi::IBV_WC_SUCCESS {
+                let reason = format!(
+                    "{}: work completion status {} (vendor error {})",
+                    c.device, wc.status, wc.vendor_err
+                );
+                if failure.is_none() {
+                    failure = Some(
+                        if wc.status == ffi::IBV_WC_RETRY_EXC_ERR
+                            || wc.status == ffi::IBV_WC_RNR_RETRY_EXC_ERR
+                        {
+                            CollectiveError::PeerLost { peer, reason }
+                        } else {
+                            CollectiveError::Link { peer, reason }
+                        },
+                    );
+                }
+                continue;
+            }
+            let recv = kind == KIND_RECV || wc.opcode & ffi::IBV_WC_RECV != 0;
+            if !recv {
+                if slot == slots {
+                    c.credit.credit_busy = false;
+                    continue;
+                }
+                out[got] = Completion {
+                    kind: CompletionKind::Send,
+                    peer,
+                    slot,
+                    len: 0,
+                };
+                got += 1;
+                continue;
+            }
+            let bytes = wc.byte_len as usize;
+            if !(PREFIX..=FRAME).contains(&bytes) || slot >= slots {
+                failure.get_or_insert(CollectiveError::Link {
+                    peer,
+                    reason: format!("frame of {bytes} bytes from rank {peer} in slot {slot}"),
+                });
+                continue;
+            }
+            let mut raw = [0u8; PREFIX];
+            // SAFETY: the frame is FRAME bytes and complete.
+            unsafe { std::ptr::copy_nonoverlapping(c.frame(true, slot), raw.as_mut_ptr(), PREFIX) };
+            let prefix = match Prefix::check(peer, &raw, c.recv_seq) {
+                Ok(p) => p,
+                Err(e) => {
+                    failure.get_or_insert(e);
+                    continue;
+                }
+            };
+            c.recv_seq = c.recv_seq.wrapping_add(1);
+            c.credit.heard(prefix.posted);
+            if prefix.credit_only {
+                // Nothing for the transport: the receive goes back at once.
+                c.post_receive(peer, slot)?;
+                continue;
+            }
+            out[got] = Completion {
+                kind: CompletionKind::Recv,
+                peer,
+                slot,
+                len: bytes - PREFIX,
+            };
+            got += 1;
+        }
+        if let Some(e) = failure {
+            c.failed = Some(e.to_string());
+            self.stash.extend_from_slice(&out[..got]);
+            return Err(e);
+        }
+        c.pump(peer)?;
+        Ok(got)
     }
 }
 
@@ -1135,6 +1338,10 @@ impl Verbs for RdmaVerbs {
 
     fn slots(&self) -> usize {
         self.slots
+    }
+
+    fn connected(&self, peer: usize) -> bool {
+        matches!(self.conns.get(peer), Some(Some(_)))
     }
 
     fn post_send(
@@ -1181,91 +1388,138 @@ impl Verbs for RdmaVerbs {
         }
     }
 
+    fn read_send(&self, peer: usize, slot: usize, dst: &mut [u8]) -> bool {
+        let Some(Some(c)) = self.conns.get(peer) else {
+            return false;
+        };
+        if slot >= self.slots || PREFIX + dst.len() > FRAME {
+            return false;
+        }
+        // SAFETY: bounds checked above; the frame stays as posted until the
+        // transport reuses its slot (after the send completed or failed).
+        unsafe {
+            let src = c.frame(false, slot).add(PREFIX);
+            std::ptr::copy_nonoverlapping(src, dst.as_mut_ptr(), dst.len());
+        }
+        true
+    }
+
     fn poll(&mut self, out: &mut [Completion]) -> Result<usize, CollectiveError> {
-        let mut got = 0;
+        // Good completions taken in a poll that also found a failure, or
+        // by a wait; then that failure.
+        let mut got = self.stash.len().min(out.len());
+        for (o, c) in out.iter_mut().zip(self.stash.drain(..got)) {
+            *o = c;
+        }
+        if got > 0 {
+            return Ok(got);
+        }
+        if let Some(e) = self.pending.take() {
+            return Err(e);
+        }
         for peer in 0..self.conns.len() {
-            let Some(c) = self.conns[peer].as_mut() else {
-                continue;
-            };
-            let room = (out.len() - got).min(self.wcs.len());
-            if room == 0 {
-                break;
+            match self.poll_conn(peer, &mut out[got..]) {
+                Ok(n) => got += n,
+                Err(e) => {
+                    // Nothing taken is lost: what this poll took before the
+                    // failed queue pair comes first next time.
+                    let failed_peers = std::mem::take(&mut self.stash);
+                    self.stash.extend_from_slice(&out[..got]);
+                    self.stash.extend(failed_peers);
+                    return Err(e);
+                }
             }
-            let poll = c
-                .ops()
-                .poll_cq
-                .ok_or_else(|| CollectiveError::Verbs("the provider has no poll_cq".into()))?;
-            // SAFETY: live completion queue; `wcs` has `room` entries.
-            let n = unsafe { poll(c.cq, room as c_int, self.wcs.as_mut_ptr()) };
-            if n < 0 {
-                return Err(CollectiveError::Verbs(format!(
-                    "polling the completion queue of rank {peer} failed ({n})"
-                )));
-            }
-            for wc in &self.wcs[..n as usize] {
-                let (kind, slot) = split_wr_id(wc.wr_id);
-                if wc.status != ffi::IBV_WC_SUCCESS {
-                    let what = format!(
-                        "work completion status {} (vendor error {})",
-                        wc.status, wc.vendor_err
-                    );
-                    if wc.status == ffi::IBV_WC_RETRY_EXC_ERR
-                        || wc.status == ffi::IBV_WC_RNR_RETRY_EXC_ERR
-                    {
-                        return Err(CollectiveError::PeerLost { peer, reason: what });
-                    }
-                    return Err(CollectiveError::Verbs(format!("rank {peer}: {what}")));
-                }
-                let recv = kind == KIND_RECV || wc.opcode & ffi::IBV_WC_RECV != 0;
-                if !recv {
-                    if slot == self.slots {
-                        c.credit.credit_busy = false;
-                        continue;
-                    }
-                    out[got] = Completion {
-                        kind: CompletionKind::Send,
-                        peer,
-                        slot,
-                        len: 0,
-                    };
-                    got += 1;
-                    continue;
-                }
-                let bytes = wc.byte_len as usize;
-                if !(PREFIX..=FRAME).contains(&bytes) || slot >= self.slots {
-                    return Err(CollectiveError::Verbs(format!(
-                        "frame of {bytes} bytes from rank {peer} in slot {slot}"
-                    )));
-                }
-                let mut raw = [0u8; PREFIX];
-                // SAFETY: the frame is FRAME bytes and complete.
-                unsafe {
-                    std::ptr::copy_nonoverlapping(c.frame(true, slot), raw.as_mut_ptr(), PREFIX)
-                };
-                let prefix = Prefix::check(peer, &raw, c.recv_seq)?;
-                c.recv_seq = c.recv_seq.wrapping_add(1);
-                c.credit.heard(prefix.posted);
-                if prefix.credit_only {
-                    // Nothing for the transport: the receive goes back at once.
-                    c.post_receive(peer, slot)?;
-                    continue;
-                }
-                out[got] = Completion {
-                    kind: CompletionKind::Recv,
-                    peer,
-                    slot,
-                    len: bytes - PREFIX,
-                };
-                got += 1;
-            }
-            c.pump(peer)?;
         }
         Ok(got)
     }
 
+    /// Blocks on the completion channels until a completion queue gets an
+    /// entry or `timeout` passes (the transport spins first, so this is
+    /// for waits longer than the spin). Without channels (a library that
+    /// has none, say), a short sleep between polls.
     fn wait(&mut self, timeout: Duration) {
-        // No completion channel: a short sleep between polls.
-        std::thread::sleep(timeout.min(Duration::from_micros(50)));
+        let mut fds = [libc::pollfd {
+            fd: -1,
+            events: libc::POLLIN,
+            revents: 0,
+        }; super::MAX_RANKS];
+        let mut n = 0;
+        let mut channels = true;
+        for c in self
+            .conns
+            .iter_mut()
+            .flatten()
+            .filter(|c| c.failed.is_none())
+        {
+            let notify = c.ops().req_notify_cq;
+            match (c.channel.is_null(), notify) {
+                (false, Some(notify)) => {
+                    // SAFETY: live completion queue.
+                    if !c.armed && unsafe { notify(c.cq, 0) } == 0 {
+                        c.armed = true;
+                    }
+                    channels &= c.armed;
+                    // SAFETY: the channel is live while the connection is.
+                    fds[n].fd = unsafe { (*c.channel).fd };
+                    n += 1;
+                }
+                _ => channels = false,
+            }
+        }
+        if !channels || n == 0 {
+            std::thread::sleep(timeout.min(Duration::from_micros(50)));
+            return;
+        }
+        // A completion that came before its queue was armed raised no
+        // event: look once more before blocking (kept for the next poll).
+        let mut spare = std::mem::take(&mut self.spare);
+        for peer in 0..self.conns.len() {
+            match self.poll_conn(peer, &mut spare) {
+                Ok(got) => self.stash.extend_from_slice(&spare[..got]),
+                Err(e) => {
+                    self.pending.get_or_insert(e);
+                }
+            }
+        }
+        self.spare = spare;
+        if !self.stash.is_empty() || self.pending.is_some() {
+            return;
+        }
+        let ms = timeout.as_millis().clamp(1, i32::MAX as u128) as c_int;
+        // SAFETY: `fds` holds `n` initialised entries.
+        if unsafe { libc::poll(fds.as_mut_ptr(), n as libc::nfds_t, ms) } <= 0 {
+            return;
+        }
+        let Some(ch) = self.system_channels() else {
+            return;
+        };
+        let mut i = 0;
+        for c in self
+            .conns
+            .iter_mut()
+            .flatten()
+            .filter(|c| c.failed.is_none())
+        {
+            if c.channel.is_null() {
+                continue;
+            }
+            let ready = fds[i].revents & libc::POLLIN != 0;
+            i += 1;
+            if !ready {
+                continue;
+            }
+            let mut cq = std::ptr::null_mut();
+            let mut ctx = std::ptr::null_mut();
+            // SAFETY: the channel's fd is readable, so an event is queued
+            // and this does not block; every event is acknowledged at once
+            // (destroying a queue waits for its events' acknowledgements).
+            unsafe {
+                if (ch.get_event)(c.channel, &mut cq, &mut ctx) == 0 {
+                    (ch.ack)(cq, 1);
+                }
+            }
+            c.armed = false;
+        }
     }
 
     fn peer_alive(&self, peer: usize) -> bool {

@@ -202,15 +202,13 @@ impl TcpTransport {
     /// The connections as blocking std sockets (`[p]`: to rank `p`, `None`
     /// for this rank), e.g. to keep them as an RDMA side channel.
     pub fn into_streams(mut self) -> Vec<Option<std::net::TcpStream>> {
-        use std::os::fd::{FromRawFd, IntoRawFd};
         let links = std::mem::take(&mut self.links);
         links
             .into_iter()
             .map(|l| {
                 l.map(|mut s| {
                     let _ = self.poll.registry().deregister(&mut s);
-                    // SAFETY: the fd is owned by `s` and handed over whole.
-                    unsafe { std::net::TcpStream::from_raw_fd(s.into_raw_fd()) }
+                    std::net::TcpStream::from(s)
                 })
             })
             .collect()

@@ -278,35 +278,61 @@ fn bad_arguments_are_refused_and_leave_the_group_usable() {
     }
 }
 
-/// Ranks 0 and 2 start an all-reduce; rank 1 dies (its connections close, as
-/// when its process is killed). The others must fail within 2 s and stay failed.
-fn dead_peer_fails_fast(pod: Vec<Boxed>, len: usize) {
-    let out = run(pod, move |c| {
-        if c.rank() == 1 {
-            return None;
-        }
-        let start = Instant::now();
-        let mut v = vec![1.0f32; len];
-        let err = all_reduce(c, &mut v).unwrap_err();
-        let elapsed = start.elapsed();
-        let again = all_reduce(c, &mut v).unwrap_err();
-        Some((err, elapsed, again))
-    });
+/// A lost peer must be noticed from its death, not from the timeout: the
+/// transports are given `timeout`, long against how fast a death shows
+/// (a closed socket, a dead endpoint); the others must fail with
+/// `PeerLost`, not `Timeout`, and well inside that timeout counted from the
+/// death itself. The bound is a wide margin against the configured value,
+/// not a speed: a loaded machine takes milliseconds, not seconds.
+fn assert_lost_not_timed_out(
+    rank: usize,
+    err: &CollectiveError,
+    after_death: Duration,
+    timeout: Duration,
+) {
+    assert!(
+        matches!(err, CollectiveError::PeerLost { .. }),
+        "rank {rank}: expected a lost peer, got {err}"
+    );
+    assert!(
+        after_death < timeout / 2,
+        "rank {rank} failed {after_death:?} after the death, against a timeout of {timeout:?}"
+    );
+}
+
+/// Ranks 0 and 2 start an all-reduce; rank 1 dies (its transport is
+/// dropped: connections close, as when its process is killed). The others
+/// fail from noticing the death, and stay failed.
+fn dead_peer_fails_fast(pod: Vec<Boxed>, len: usize, timeout: Duration) {
+    let (died_tx, died_rx) = std::sync::mpsc::channel();
+    let handles: Vec<_> = pod
+        .into_iter()
+        .map(|mut c| {
+            let died_tx = died_tx.clone();
+            std::thread::spawn(move || {
+                if c.rank() == 1 {
+                    drop(c);
+                    died_tx.send(Instant::now()).unwrap();
+                    return None;
+                }
+                let mut v = vec![1.0f32; len];
+                let start = Instant::now();
+                let err = all_reduce(c.as_mut(), &mut v).unwrap_err();
+                let at = Instant::now();
+                let again = all_reduce(c.as_mut(), &mut v).unwrap_err();
+                Some((err, start, at, again))
+            })
+        })
+        .collect();
+    let out: Vec<_> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+    let died = died_rx.recv().unwrap();
     for (rank, r) in out.into_iter().enumerate() {
-        let Some((err, elapsed, again)) = r else {
+        let Some((err, start, at, again)) = r else {
             continue;
         };
-        assert!(
-            matches!(
-                err,
-                CollectiveError::PeerLost { .. } | CollectiveError::Timeout { .. }
-            ),
-            "rank {rank}: {err}"
-        );
-        assert!(
-            elapsed < Duration::from_secs(2),
-            "rank {rank} took {elapsed:?}"
-        );
+        // From the later of the death and the start of this rank's wait.
+        let after = at.saturating_duration_since(died.max(start));
+        assert_lost_not_timed_out(rank, &err, after, timeout);
         assert!(
             matches!(again, CollectiveError::Poisoned),
             "rank {rank}: {again}"
@@ -315,44 +341,55 @@ fn dead_peer_fails_fast(pod: Vec<Boxed>, len: usize) {
 }
 
 #[test]
-fn killed_peer_fails_the_others_within_two_seconds() {
+fn killed_peer_fails_the_others_from_its_death_not_the_timeout() {
+    let timeout = Duration::from_secs(30);
     for len in [576, 1 << 20] {
-        // A long timeout: the failure must come from noticing the death.
         let opts = TcpOptions {
-            timeout: Duration::from_secs(30),
+            timeout,
             ..TcpOptions::default()
         };
-        dead_peer_fails_fast(tcp_pod(3, opts, GroupOptions::default()), len);
-        dead_peer_fails_fast(mem_pod(3, 4096, 4, Duration::from_secs(30)), len);
+        dead_peer_fails_fast(tcp_pod(3, opts, GroupOptions::default()), len, timeout);
+        dead_peer_fails_fast(mem_pod(3, 4096, 4, timeout), len, timeout);
     }
 }
 
+/// A peer alive but silent fails the operation by the configured timeout:
+/// `Timeout` naming the peer and the configured value, never before it,
+/// and not long after it (a wide margin, counted from the start of the wait).
 #[test]
-fn hung_peer_times_out() {
+fn hung_peer_times_out_at_the_configured_timeout() {
+    let timeout = Duration::from_millis(300);
     let opts = TcpOptions {
-        timeout: Duration::from_millis(500),
+        timeout,
         ..TcpOptions::default()
     };
+    // Rank 0 says when it is done; rank 1 stays alive until then.
     let (tx, rx) = std::sync::mpsc::channel::<()>();
+    let tx = std::sync::Arc::new(std::sync::Mutex::new(tx));
     let rx = std::sync::Arc::new(std::sync::Mutex::new(rx));
     let out = run(tcp_pod(2, opts, GroupOptions::default()), move |c| {
         if c.rank() == 1 {
-            // Alive (connection open) but never joins; waits for the test to end.
-            let _ = rx.lock().unwrap().recv_timeout(Duration::from_secs(10));
+            // Alive (connection open) but never joins.
+            let _ = rx.lock().unwrap().recv_timeout(Duration::from_secs(60));
             return None;
         }
         let start = Instant::now();
         let mut v = [1.0f32; 576];
         let err = all_reduce(c, &mut v).unwrap_err();
-        Some((err, start.elapsed()))
+        let elapsed = start.elapsed();
+        let _ = tx.lock().unwrap().send(());
+        Some((err, elapsed))
     });
-    drop(tx);
     let (err, elapsed) = out[0].as_ref().unwrap();
     assert!(
-        matches!(err, CollectiveError::Timeout { peer: 1, .. }),
+        matches!(err, CollectiveError::Timeout { peer: 1, timeout: t } if *t == timeout),
         "{err}"
     );
-    assert!(*elapsed < Duration::from_secs(2), "{elapsed:?}");
+    assert!(*elapsed >= timeout, "timed out early, after {elapsed:?}");
+    assert!(
+        *elapsed < timeout * 20,
+        "took {elapsed:?} against a timeout of {timeout:?}"
+    );
 }
 
 #[test]
@@ -373,17 +410,19 @@ fn connecting_refuses_a_stranger_and_reports_absent_members() {
     );
 }
 
-/// Rank 1 of [`killed_process_fails_the_others_within_two_seconds`], run as
+/// Rank 1 of [`killed_process_fails_the_others_from_its_death`], run as
 /// a child process (this test binary, this test, `--ignored`): joins the pod,
 /// takes part in one all-reduce, then stays alive doing nothing until killed.
+/// Run any other way (`--include-ignored`), it has no pod to join and
+/// returns at once.
 #[test]
-#[ignore = "run as a child process by killed_process_fails_the_others_within_two_seconds"]
+#[ignore = "run as a child process by killed_process_fails_the_others_from_its_death"]
 fn rank_process_helper() {
-    let addrs: Vec<SocketAddr> = std::env::var("MLXP_HELPER_ADDRS")
-        .expect("run by killed_process_fails_the_others_within_two_seconds")
-        .split(',')
-        .map(|a| a.parse().unwrap())
-        .collect();
+    let Ok(addrs) = std::env::var("MLXP_HELPER_ADDRS") else {
+        eprintln!("not started by killed_process_fails_the_others_from_its_death: nothing to do");
+        return;
+    };
+    let addrs: Vec<SocketAddr> = addrs.split(',').map(|a| a.parse().unwrap()).collect();
     let l = TcpListener::bind(addrs[1]).unwrap();
     let t = TcpTransport::connect(1, l, &addrs, TcpOptions::default()).unwrap();
     let mut g = Group::new(t, GroupOptions::default());
@@ -393,7 +432,7 @@ fn rank_process_helper() {
 }
 
 #[test]
-fn killed_process_fails_the_others_within_two_seconds() {
+fn killed_process_fails_the_others_from_its_death() {
     let listeners: Vec<TcpListener> = (0..3)
         .map(|_| TcpListener::bind("127.0.0.1:0").unwrap())
         .collect();
@@ -417,8 +456,9 @@ fn killed_process_fails_the_others_within_two_seconds() {
         .stderr(std::process::Stdio::null())
         .spawn()
         .unwrap();
+    let timeout = Duration::from_secs(30);
     let opts = TcpOptions {
-        timeout: Duration::from_secs(30),
+        timeout,
         ..TcpOptions::default()
     };
     let (tx, rx) = std::sync::mpsc::channel();
@@ -436,28 +476,22 @@ fn killed_process_fails_the_others_within_two_seconds() {
                 assert_eq!(v[0], 3.0);
                 tx.send(()).unwrap();
                 // Rank 1 never joins this one; it is killed meanwhile.
+                let start = Instant::now();
                 let err = all_reduce(&mut g, &mut v).unwrap_err();
-                (err, Instant::now())
+                (err, start, Instant::now())
             })
         })
         .collect();
+    // Both finished the first all-reduce; whether they have entered the
+    // second when the kill lands or not, it must fail from the death.
     rx.recv().unwrap();
     rx.recv().unwrap();
-    std::thread::sleep(Duration::from_millis(200));
     let killed = Instant::now();
     child.kill().unwrap();
     child.wait().unwrap();
     for (i, h) in ranks.into_iter().enumerate() {
-        let (err, at) = h.join().unwrap();
-        assert!(
-            matches!(err, CollectiveError::PeerLost { .. }),
-            "rank {}: {err}",
-            [0, 2][i]
-        );
-        let after = at.saturating_duration_since(killed);
-        assert!(
-            after < Duration::from_secs(2),
-            "failed {after:?} after the kill"
-        );
+        let (err, start, at) = h.join().unwrap();
+        let after = at.saturating_duration_since(killed.max(start));
+        assert_lost_not_timed_out([0, 2][i], &err, after, timeout);
     }
 }

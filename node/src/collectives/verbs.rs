@@ -83,8 +83,18 @@ pub trait Verbs: Send {
     fn size(&self) -> usize;
     /// Bytes per frame (one work request).
     fn frame_size(&self) -> usize;
-    /// Registered send frames and receive frames per peer.
+    /// Registered send frames per peer (and receive frames, unless
+    /// [`Verbs::recv_slots`] says otherwise).
     fn slots(&self) -> usize;
+    /// Registered receive frames per peer: ids `0..recv_slots()`.
+    fn recv_slots(&self) -> usize {
+        self.slots()
+    }
+    /// Whether this rank has a queue pair to `peer` (a lane of a striped
+    /// link may reach only some peers).
+    fn connected(&self, peer: usize) -> bool {
+        peer != self.rank() && peer < self.size()
+    }
     /// Copies `head` then `body` (together at most a frame; a two-entry
     /// gather list) into send frame `slot` towards `peer` and posts it.
     fn post_send(
@@ -98,6 +108,13 @@ pub trait Verbs: Send {
     fn post_recv(&mut self, peer: usize, slot: usize) -> Result<(), CollectiveError>;
     /// Copies `dst.len()` bytes from `offset` of receive frame `slot` from `peer`.
     fn read_recv(&self, peer: usize, slot: usize, offset: usize, dst: &mut [u8]);
+    /// Copies the first `dst.len()` bytes of send frame `slot` towards
+    /// `peer` as it was last posted (to send it again elsewhere when its
+    /// queue pair fails); `false` where the backend keeps no copy.
+    fn read_send(&self, peer: usize, slot: usize, dst: &mut [u8]) -> bool {
+        let _ = (peer, slot, dst);
+        false
+    }
     /// Non-blocking: fills `out` with completions, returns how many.
     fn poll(&mut self, out: &mut [Completion]) -> Result<usize, CollectiveError>;
     /// Blocks until a completion may be ready or `timeout` passed.
@@ -145,7 +162,7 @@ impl<V> std::fmt::Debug for VerbsTransport<V> {
 impl<V: Verbs> VerbsTransport<V> {
     /// Posts every receive frame for every peer.
     pub fn new(mut v: V, opts: VerbsOptions) -> Result<Self, CollectiveError> {
-        let (n, rank, slots) = (v.size(), v.rank(), v.slots());
+        let (n, rank, slots, recv_slots) = (v.size(), v.rank(), v.slots(), v.recv_slots());
         if n > MAX_RANKS {
             return Err(CollectiveError::TooManyRanks(n));
         }
@@ -156,14 +173,16 @@ impl<V: Verbs> VerbsTransport<V> {
             )));
         }
         for p in (0..n).filter(|&p| p != rank) {
-            for s in 0..slots {
+            for s in 0..recv_slots {
                 v.post_recv(p, s)?;
             }
         }
         Ok(VerbsTransport {
             v,
             opts,
-            ready: (0..n).map(|_| VecDeque::with_capacity(slots)).collect(),
+            ready: (0..n)
+                .map(|_| VecDeque::with_capacity(recv_slots))
+                .collect(),
             in_flight: [0; MAX_RANKS],
             next_send: [0; MAX_RANKS],
             completions: vec![
@@ -173,7 +192,7 @@ impl<V: Verbs> VerbsTransport<V> {
                     slot: 0,
                     len: 0
                 };
-                2 * MAX_RANKS * slots
+                MAX_RANKS * (slots + recv_slots)
             ],
         })
     }
@@ -181,6 +200,11 @@ impl<V: Verbs> VerbsTransport<V> {
     /// The device (e.g. for a start-up barrier once every receive is posted).
     pub fn verbs_mut(&mut self) -> &mut V {
         &mut self.v
+    }
+
+    /// The device (e.g. for its counters).
+    pub fn verbs(&self) -> &V {
+        &self.v
     }
 
     fn frames(&self, len: usize) -> usize {

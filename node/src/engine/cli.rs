@@ -22,6 +22,7 @@ use std::time::Instant;
 
 use anyhow::Context;
 
+use super::device::{self, DeviceChoice};
 use super::{ChatTurn, Engine, GenerateRequest, PromptInput, Resume, Sampling};
 
 /// Arguments of `mlx-node generate`.
@@ -63,6 +64,10 @@ pub struct GenerateArgs {
     /// CPU threads (default: candle's choice, the physical core count).
     #[arg(long)]
     pub threads: Option<usize>,
+    /// Where to compute: auto (Metal when built with it and present, else
+    /// the CPU), cpu, metal or cuda.
+    #[arg(long, default_value = "auto")]
+    pub device: DeviceChoice,
     /// The prompt.
     pub prompt: String,
 }
@@ -76,6 +81,9 @@ pub struct BenchArgs {
     /// CPU threads (default: candle's choice, the physical core count).
     #[arg(long)]
     pub threads: Option<usize>,
+    /// Where to compute: auto, cpu, metal or cuda (as `generate`).
+    #[arg(long, default_value = "auto")]
+    pub device: DeviceChoice,
     /// Length of the prompt processed in the prefill measurement.
     #[arg(long, default_value_t = 128)]
     pub prompt_tokens: usize,
@@ -92,6 +100,10 @@ pub struct BenchArgs {
 }
 
 /// Sets candle's CPU thread count. Must run before candle computes anything.
+#[allow(
+    clippy::disallowed_methods,
+    reason = "candle and rayon read their thread count only from the environment"
+)]
 pub fn set_threads(threads: Option<usize>) -> anyhow::Result<()> {
     let Some(n) = threads else { return Ok(()) };
     anyhow::ensure!(n > 0, "--threads must be at least 1");
@@ -110,7 +122,8 @@ pub fn set_threads(threads: Option<usize>) -> anyhow::Result<()> {
 /// Runs `mlx-node generate`: streams the output to stdout.
 pub fn generate(args: GenerateArgs) -> anyhow::Result<()> {
     set_threads(args.threads)?;
-    let mut engine = Engine::load(&args.model)
+    let backend = device::resolve(args.device)?;
+    let mut engine = Engine::load_on(&args.model, &backend)
         .with_context(|| format!("loading model {}", args.model.display()))?;
     let input = if args.chat {
         let mut turns = Vec::new();
@@ -188,7 +201,8 @@ pub fn bench(args: BenchArgs) -> anyhow::Result<()> {
     anyhow::ensure!(args.prompt_tokens > 0, "--prompt-tokens must be at least 1");
     anyhow::ensure!(args.runs > 0, "--runs must be at least 1");
     let load_start = Instant::now();
-    let mut engine = Engine::load(&args.model)
+    let backend = device::resolve(args.device)?;
+    let mut engine = Engine::load_on(&args.model, &backend)
         .with_context(|| format!("loading model {}", args.model.display()))?;
     let load_s = load_start.elapsed().as_secs_f64();
     let ctx = engine.info.context_length;
@@ -233,6 +247,7 @@ pub fn bench(args: BenchArgs) -> anyhow::Result<()> {
     let out = serde_json::json!({
         "model": args.model.display().to_string(),
         "architecture": engine.info.architecture,
+        "backend": engine.backend(),
         "parameters": engine.info.parameters,
         "threads": candle_core::utils::get_num_threads(),
         "prompt_tokens": args.prompt_tokens,

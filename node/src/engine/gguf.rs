@@ -133,6 +133,7 @@ pub fn map_file(path: &Path) -> Result<Arc<memmap2::Mmap>, EngineError> {
     // SAFETY: the map is read-only and model files are not modified while a
     // node serves them (they are identified by digest and replaced, never
     // edited in place). Every access goes through bounds-checked slices.
+    #[allow(unsafe_code, reason = "memmap2 maps are unsafe to build; see SAFETY")]
     let map = unsafe { memmap2::Mmap::map(&file) }.map_err(|source| EngineError::Io {
         path: path.to_path_buf(),
         source,

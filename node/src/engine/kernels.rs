@@ -62,14 +62,19 @@ use std::sync::{Arc, Mutex, OnceLock};
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{DType, Device, Storage, Tensor};
 
+use super::profile::Part;
+
 #[cfg(target_arch = "aarch64")]
+#[allow(unsafe_code, reason = "SIMD intrinsics (see # Unsafe above)")]
 mod neon;
 #[cfg(target_arch = "x86_64")]
+#[allow(unsafe_code, reason = "SIMD intrinsics (see # Unsafe above)")]
 mod packed;
 mod scalar;
 #[cfg(test)]
 mod tests;
 #[cfg(target_arch = "x86_64")]
+#[allow(unsafe_code, reason = "SIMD intrinsics (see # Unsafe above)")]
 mod x86;
 
 /// Values per block of the 32-value formats (and per K-quant sub-block).
@@ -851,12 +856,69 @@ impl QuantLinear {
         out: &mut [f32],
         scratch: &mut Scratch,
     ) -> Result<(), KernelError> {
-        scratch.quantize_for(self.format, x, rows, self.k)?;
+        super::profile::time(Part::Quantize, || {
+            scratch.quantize_for(self.format, x, rows, self.k)
+        })?;
+        self.forward_quantized(scratch, out)
+    }
+
+    /// `out = x Wᵀ` for the activations `x` last quantized into `scratch`
+    /// (`scratch.rows()` rows of `k`, in the scheme of this matrix's format).
+    pub fn forward_quantized(
+        &self,
+        scratch: &mut Scratch,
+        out: &mut [f32],
+    ) -> Result<(), KernelError> {
         match &self.weights {
             #[cfg(target_arch = "x86_64")]
             WeightBytes::Packed(p) => matmul_packed(p, scratch, out, self.isa),
             _ => self.with_matrix(|w| matmul(w, scratch, out, self.isa)),
         }
+    }
+
+    /// `outs[i] = x Wᵢᵀ` for several matrices of the same `k` (q, k and v of
+    /// one input, say), with this thread's scratch: the activations are
+    /// quantized once for all of them.
+    pub fn forward_shared(
+        ls: &[&QuantLinear],
+        x: &[f32],
+        rows: usize,
+        outs: &mut [&mut [f32]],
+    ) -> Result<(), KernelError> {
+        let Some(k) = ls.first().map(|l| l.k) else {
+            return Ok(());
+        };
+        if let Some(l) = ls.iter().find(|l| l.k != k) {
+            return Err(KernelError::Shape {
+                rows,
+                k,
+                n: l.n,
+                wk: l.k,
+                out: 0,
+            });
+        }
+        SCRATCH.with(|scratch| {
+            let scratch = &mut scratch.borrow_mut();
+            // Once per scheme: `Q8_0` for the 32-value formats, then `Q8_K`
+            // for the K-quants (a model may mix them within one group).
+            for k_scheme in [false, true] {
+                let mut quantized = false;
+                for (l, out) in ls
+                    .iter()
+                    .zip(outs.iter_mut())
+                    .filter(|(l, _)| l.format.is_k() == k_scheme)
+                {
+                    if !quantized {
+                        super::profile::time(Part::Quantize, || {
+                            scratch.quantize_for(l.format, x, rows, k)
+                        })?;
+                        quantized = true;
+                    }
+                    l.forward_quantized(scratch, out)?;
+                }
+            }
+            Ok(())
+        })
     }
 
     /// [`QuantLinear::forward_slice`] with this thread's reusable scratch.

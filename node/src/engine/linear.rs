@@ -17,6 +17,7 @@ use candle_core::quantized::{QMatMul, QTensor};
 use candle_core::{DType, Module, Tensor};
 
 use super::kernels::QuantLinear;
+use super::profile::{self, Part};
 use super::EngineError;
 
 /// How the weight is multiplied.
@@ -83,6 +84,10 @@ impl Linear {
     /// The fast kernels run straight on `x` (no tensor is built), which is what
     /// single-token decoding needs: per call it allocates only the output.
     pub fn forward_slice(&self, x: &[f32], rows: usize) -> candle_core::Result<Vec<f32>> {
+        profile::time(Part::Matmul, || self.forward_unprofiled(x, rows))
+    }
+
+    fn forward_unprofiled(&self, x: &[f32], rows: usize) -> candle_core::Result<Vec<f32>> {
         let n = self.out_features;
         let mut y = match &self.weight {
             Weight::Fast(w) => {
@@ -96,14 +101,59 @@ impl Linear {
                 w.forward(&x)?.flatten_all()?.to_vec1::<f32>()?
             }
         };
+        self.add_bias(&mut y);
+        Ok(y)
+    }
+
+    fn add_bias(&self, y: &mut [f32]) {
         if let Some(b) = &self.bias {
-            for row in y.chunks_exact_mut(n) {
+            for row in y.chunks_exact_mut(self.out_features) {
                 for (v, bi) in row.iter_mut().zip(b) {
                     *v += bi;
                 }
             }
         }
-        Ok(y)
+    }
+
+    /// [`Linear::forward_slice`] of several projections of the same input
+    /// (q, k and v; gate and up): when our kernels run all of them, the
+    /// input is quantized once for all, not once per projection. The
+    /// results are the same either way.
+    pub fn forward_shared<const N: usize>(
+        ls: [&Linear; N],
+        x: &[f32],
+        rows: usize,
+    ) -> candle_core::Result<[Vec<f32>; N]> {
+        profile::time(Part::Matmul, || {
+            let fast: Option<Vec<&QuantLinear>> = ls
+                .iter()
+                .map(|l| match &l.weight {
+                    Weight::Fast(w) => Some(w),
+                    Weight::Candle(_) => None,
+                })
+                .collect();
+            let Some(fast) = fast else {
+                let mut out: [Vec<f32>; N] = std::array::from_fn(|_| Vec::new());
+                for (o, l) in out.iter_mut().zip(ls) {
+                    *o = l.forward_unprofiled(x, rows)?;
+                }
+                return Ok(out);
+            };
+            let mut out: [Vec<f32>; N] =
+                std::array::from_fn(|i| vec![0f32; rows * ls[i].out_features]);
+            {
+                let mut views: [&mut [f32]; N] = {
+                    let mut it = out.iter_mut();
+                    std::array::from_fn(|_| it.next().map_or(&mut [][..], |v| &mut v[..]))
+                };
+                QuantLinear::forward_shared(&fast, x, rows, &mut views)
+                    .map_err(candle_core::Error::wrap)?;
+            }
+            for (o, l) in out.iter_mut().zip(ls) {
+                l.add_bias(o);
+            }
+            Ok(out)
+        })
     }
 }
 

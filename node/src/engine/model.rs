@@ -23,6 +23,7 @@
 use super::config::{Activation, ModelConfig, RopeScaling};
 use super::linear::Linear;
 use super::ops::{self, AttnShape, LayerCache, Rope};
+use super::profile::{self, Part};
 use super::weights::{Embedding, WeightSource};
 use super::EngineError;
 
@@ -149,55 +150,66 @@ impl Block {
     ) -> Result<(), E> {
         let (s, pos, shape, eps) = (step.s, step.pos, step.shape, step.eps);
         let hd = shape.head_dim;
-        let mut hn = x.to_vec();
-        ops::rms_norm(&mut hn, &self.attn_norm, eps);
-        let mut q = self.q.forward_slice(&hn, s)?;
-        let mut k = self.k.forward_slice(&hn, s)?;
-        let v = self.v.forward_slice(&hn, s)?;
-        if let Some(w) = &self.q_norm {
-            ops::rms_norm(&mut q, w, eps);
-        }
-        if let Some(w) = &self.k_norm {
-            ops::rms_norm(&mut k, w, eps);
-        }
+        let norm = |x: &[f32], w: &[f32]| {
+            profile::time(Part::Norm, || {
+                let mut hn = x.to_vec();
+                ops::rms_norm(&mut hn, w, eps);
+                hn
+            })
+        };
+        let hn = norm(x, &self.attn_norm);
+        let [mut q, mut k, v] = Linear::forward_shared([&self.q, &self.k, &self.v], &hn, s)?;
         let rope = match (self.extras.window, step.rope_local) {
             (Some(_), Some(local)) => local,
             _ => step.rope,
         };
-        for t in 0..s {
-            rope.cos_sin(pos + t, step.cs);
-            for head in q[t * shape.heads * hd..(t + 1) * shape.heads * hd].chunks_exact_mut(hd) {
-                rope.apply(head, step.cs);
+        profile::time(Part::Norm, || {
+            if let Some(w) = &self.q_norm {
+                ops::rms_norm(&mut q, w, eps);
             }
-            for head in
-                k[t * shape.kv_heads * hd..(t + 1) * shape.kv_heads * hd].chunks_exact_mut(hd)
-            {
-                rope.apply(head, step.cs);
+            if let Some(w) = &self.k_norm {
+                ops::rms_norm(&mut k, w, eps);
             }
-        }
-        cache.store(shape, pos, &k, &v);
-        let att = ops::attention(&q, cache, shape, pos, self.extras.window, step.attn_scale);
+            for t in 0..s {
+                rope.cos_sin(pos + t, step.cs);
+                for head in q[t * shape.heads * hd..(t + 1) * shape.heads * hd].chunks_exact_mut(hd)
+                {
+                    rope.apply(head, step.cs);
+                }
+                for head in
+                    k[t * shape.kv_heads * hd..(t + 1) * shape.kv_heads * hd].chunks_exact_mut(hd)
+                {
+                    rope.apply(head, step.cs);
+                }
+            }
+        });
+        let att = profile::time(Part::Attention, || {
+            cache.store(shape, pos, &k, &v);
+            ops::attention(&q, cache, shape, pos, self.extras.window, step.attn_scale)
+        });
         let mut o = self.o.forward_slice(&att, s)?;
-        reduce(&mut o)?;
-        if let Some(w) = &self.extras.post_attn_norm {
-            ops::rms_norm(&mut o, w, eps);
-        }
-        ops::add_assign(x, &o);
+        profile::time(Part::Collective, || reduce(&mut o))?;
+        profile::time(Part::Norm, || {
+            if let Some(w) = &self.extras.post_attn_norm {
+                ops::rms_norm(&mut o, w, eps);
+            }
+            ops::add_assign(x, &o)
+        });
 
-        let mut hn = x.to_vec();
-        ops::rms_norm(&mut hn, &self.ffn_norm, eps);
-        let mut g = self.gate.forward_slice(&hn, s)?;
-        let u = self.up.forward_slice(&hn, s)?;
-        match step.act {
+        let hn = norm(x, &self.ffn_norm);
+        let [mut g, u] = Linear::forward_shared([&self.gate, &self.up], &hn, s)?;
+        profile::time(Part::Norm, || match step.act {
             Activation::Silu => ops::swiglu(&mut g, &u),
             Activation::GeluTanh => super::gemma3::geglu(&mut g, &u),
-        }
+        });
         let mut d = self.down.forward_slice(&g, s)?;
-        reduce(&mut d)?;
-        if let Some(w) = &self.extras.post_ffn_norm {
-            ops::rms_norm(&mut d, w, eps);
-        }
-        ops::add_assign(x, &d);
+        profile::time(Part::Collective, || reduce(&mut d))?;
+        profile::time(Part::Norm, || {
+            if let Some(w) = &self.extras.post_ffn_norm {
+                ops::rms_norm(&mut d, w, eps);
+            }
+            ops::add_assign(x, &d)
+        });
         Ok(())
     }
 }

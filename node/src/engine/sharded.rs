@@ -14,7 +14,11 @@
 //! - pipeline parallel: rank `r` holds whole layers `layers[r]`; rank 0
 //!   embeds, each stage receives the hidden states from the previous one and
 //!   sends its own to the next; the last stage applies the output head and
-//!   sends the logits to rank 0.
+//!   sends the logits to rank 0. A long prompt goes through in
+//!   micro-batches: stage `r` runs chunk `i` while stage `r + 1` runs chunk
+//!   `i - 1` (a send returns once the bytes are handed over, not when the
+//!   next stage has used them), so prefill keeps every stage busy; decode
+//!   (one token) stays one pass.
 //!
 //! Each rank reads only its own slices of the memory-mapped GGUF file:
 //! row slices are contiguous byte ranges; column slices take the same block
@@ -27,7 +31,10 @@
 //!
 //! # Invariants
 //! - Every rank calls [`PodModel::forward`] with the same tokens in the same
-//!   order (the generation loop broadcasts them).
+//!   order (the generation loop broadcasts them), and the same micro-batch
+//!   setting (a mismatch is a collective length mismatch, not a hang).
+//! - A stage runs its chunks in order at increasing positions, so chunked
+//!   prefill computes what one pass over the prompt computes.
 //!
 //! # Failure
 //! [`PodModelError`]: a model error, a collective error (a lost member fails
@@ -45,6 +52,7 @@ use super::gguf::GgufFile;
 use super::linear::Linear;
 use super::model::{local_rope_for, rope_for, scale_embeddings, Block, LayerExtras, Step};
 use super::ops::{self, AttnShape, LayerCache, Rope};
+use super::profile::{self, Part};
 use super::weights::{Embedding, WeightSource};
 use super::EngineError;
 use crate::collectives::{all_reduce, Collective, CollectiveError};
@@ -198,9 +206,16 @@ pub struct PodModel {
     capacity: usize,
     pos: usize,
     cs: Vec<(f32, f32)>,
-    /// Hidden states between stages / partial sums (grown, never shrunk).
-    hidden: Vec<f32>,
+    /// Pipeline micro-batch size; `None`: chosen per pass.
+    micro: Option<usize>,
 }
+
+/// Smallest pipeline micro-batch chosen per pass (see
+/// [`PodModel::micro_batch`]).
+pub const MIN_MICRO_BATCH: usize = 64;
+/// Largest pipeline micro-batch chosen per pass: the engine's prefill
+/// chunk, which bounds one pass's activations.
+pub const MAX_MICRO_BATCH: usize = crate::engine::PREFILL_CHUNK;
 
 /// Column cuts of a quantized matrix fall on this many columns: whole
 /// blocks, and an even number of them (candle's SIMD dot products take
@@ -632,9 +647,14 @@ impl PodModel {
             capacity: 0,
             pos: 0,
             cs: Vec::new(),
-            hidden: Vec::new(),
+            micro: None,
             vocab,
         })
+    }
+
+    /// Whether this is a pipeline stage (not a tensor-parallel share).
+    pub fn is_pipeline(&self) -> bool {
+        matches!(self.plan, PodPlan::Pipeline { .. })
     }
 
     fn shape(&self) -> AttnShape {
@@ -660,13 +680,18 @@ impl PodModel {
 
     /// Runs `tokens` (the same on every rank) at the next positions; rank 0
     /// gets the logits of the last one, the others `None`.
+    ///
+    /// Pipeline parallel, the tokens flow through the stages in
+    /// micro-batches ([`PodModel::micro_batch`]): stage `r` runs chunk `i`
+    /// while stage `r + 1` runs chunk `i - 1`, so a long prompt keeps every
+    /// stage busy. Each stage still sees its chunks in order, at increasing
+    /// positions, so its KV cache and results are what one pass computes.
     pub fn forward(
         &mut self,
         tokens: &[u32],
         comm: &mut dyn Collective,
     ) -> Result<Option<Vec<f32>>, PodModelError> {
         let s = tokens.len();
-        let h = self.cfg.hidden_size;
         if s == 0 || self.pos + s > self.capacity {
             return Err(PodModelError::Plan(format!(
                 "{s} tokens at position {} exceed the cache of {}",
@@ -679,56 +704,130 @@ impl PodModel {
                 self.cfg.vocab_size
             )));
         }
-        let tensor = matches!(self.plan, PodPlan::Tensor { .. });
-        let n = comm.size();
+        if matches!(self.plan, PodPlan::Tensor { .. }) {
+            return self.forward_tensor(tokens, comm);
+        }
+        let micro = self.micro_batch(s, comm.size());
+        let chunks = s.div_ceil(micro);
+        let mut last = Vec::new();
+        for (i, chunk) in tokens.chunks(micro).enumerate() {
+            let x = self.stage(chunk, comm)?;
+            if i + 1 == chunks {
+                last = x;
+            }
+        }
+        self.pipeline_logits(&last, comm)
+    }
+
+    /// Tokens per pipeline micro-batch for a pass of `s` tokens over `n`
+    /// stages: the configured size ([`PodModel::set_micro_batch`]), else
+    /// about `s / 8n` (the bubble, `n - 1` chunks of `s / chunk + n - 1`,
+    /// stays near 1/8) but at least [`MIN_MICRO_BATCH`] (smaller chunks
+    /// waste more on per-pass costs than the bubble costs) and at most
+    /// [`MAX_MICRO_BATCH`], in multiples of 8 (the kernels' batched path).
+    pub fn micro_batch(&self, s: usize, n: usize) -> usize {
+        let size = self.micro.unwrap_or_else(|| {
+            s.div_ceil(8 * n.max(1))
+                .clamp(MIN_MICRO_BATCH, MAX_MICRO_BATCH)
+        });
+        size.div_ceil(8).max(1) * 8
+    }
+
+    /// Fixes the pipeline micro-batch size (`None`: chosen per pass).
+    pub fn set_micro_batch(&mut self, tokens: Option<usize>) {
+        self.micro = tokens.filter(|&t| t > 0);
+    }
+
+    /// One pipeline stage's share of one chunk: embed (stage 0) or receive
+    /// the previous stage's hidden states, run this stage's layers, send
+    /// them on (all stages but the last). Returns the hidden states.
+    fn stage(
+        &mut self,
+        chunk: &[u32],
+        comm: &mut dyn Collective,
+    ) -> Result<Vec<f32>, PodModelError> {
+        let (s, h) = (chunk.len(), self.cfg.hidden_size);
         let mut x = match &self.embed {
             Some(e) => {
-                let mut x = e.lookup(tokens)?;
+                let mut x = e.lookup(chunk)?;
                 scale_embeddings(&mut x, self.cfg.embed_scale);
                 x
             }
             None => {
-                // Pipeline stage > 0: the previous stage's hidden states.
                 let mut x = vec![0.0f32; s * h];
-                comm.recv(bytemuck::cast_slice_mut(&mut x), self.rank - 1)?;
+                profile::time(Part::Collective, || {
+                    comm.recv(bytemuck::cast_slice_mut(&mut x), self.rank - 1)
+                })?;
                 x
             }
         };
-        let eps = self.cfg.rms_eps;
+        self.run_blocks(&mut x, s, &mut |_| Ok(()))?;
+        if self.rank + 1 < comm.size() {
+            profile::time(Part::Collective, || {
+                comm.send(bytemuck::cast_slice(&x), self.rank + 1)
+            })?;
+        }
+        Ok(x)
+    }
+
+    /// This rank's layers over `x` (`s` tokens at the next positions).
+    fn run_blocks(
+        &mut self,
+        x: &mut [f32],
+        s: usize,
+        reduce: &mut dyn FnMut(&mut [f32]) -> Result<(), PodModelError>,
+    ) -> Result<(), PodModelError> {
         let mut step = Step {
             s,
             pos: self.pos,
             shape: self.shape(),
-            eps,
+            eps: self.cfg.rms_eps,
             rope: &self.rope,
             rope_local: self.rope_local.as_ref(),
             act: self.cfg.activation,
             attn_scale: self.cfg.attn_scale,
             cs: &mut self.cs,
         };
-        let mut reduce = |part: &mut [f32]| -> Result<(), PodModelError> {
-            if tensor {
-                all_reduce(comm, part)?;
-            }
-            Ok(())
-        };
         for (block, cache) in self.blocks.iter().zip(self.cache.iter_mut()) {
-            block.forward(&mut x, cache, &mut step, &mut reduce)?;
+            block.forward(x, cache, &mut step, reduce)?;
         }
         self.pos += s;
-        let logits = |x: &[f32], head: &(Vec<f32>, Linear)| -> Result<Vec<f32>, PodModelError> {
-            let mut last = x[(s - 1) * h..].to_vec();
-            ops::rms_norm(&mut last, &head.0, eps);
-            Ok(head.1.forward_slice(&last, 1)?)
-        };
-        if tensor {
-            // Each rank has its vocabulary rows; only rank 0 needs them all,
-            // so the others send theirs straight into its logits vector.
-            let head = self
-                .head
-                .as_ref()
-                .ok_or_else(|| PodModelError::Plan("no output head".into()))?;
-            let mine = logits(&x, head)?;
+        Ok(())
+    }
+
+    /// The output head on the last token of `x` (this rank's rows of it).
+    fn logits(&self, x: &[f32]) -> Result<Vec<f32>, PodModelError> {
+        let h = self.cfg.hidden_size;
+        let head = self
+            .head
+            .as_ref()
+            .ok_or_else(|| PodModelError::Plan("no output head".into()))?;
+        let mut last = x[x.len() - h..].to_vec();
+        profile::time(Part::Norm, || {
+            ops::rms_norm(&mut last, &head.0, self.cfg.rms_eps)
+        });
+        Ok(head.1.forward_slice(&last, 1)?)
+    }
+
+    /// Tensor parallel: every layer's two partial sums completed by an
+    /// all-reduce; the vocabulary rows' logits gathered on rank 0.
+    fn forward_tensor(
+        &mut self,
+        tokens: &[u32],
+        comm: &mut dyn Collective,
+    ) -> Result<Option<Vec<f32>>, PodModelError> {
+        let s = tokens.len();
+        let mut x = self
+            .embed
+            .as_ref()
+            .ok_or_else(|| PodModelError::Plan("no embedding".into()))?
+            .lookup(tokens)?;
+        scale_embeddings(&mut x, self.cfg.embed_scale);
+        self.run_blocks(&mut x, s, &mut |part| Ok(all_reduce(comm, part)?))?;
+        // Each rank has its vocabulary rows; only rank 0 needs them all,
+        // so the others send theirs straight into its logits vector.
+        let mine = self.logits(&x)?;
+        profile::time(Part::Collective, || {
             if self.rank != 0 {
                 comm.send(bytemuck::cast_slice(&mine), 0)?;
                 return Ok(None);
@@ -742,27 +841,33 @@ impl PodModel {
                     comm.recv(bytemuck::cast_slice_mut(dst), r)?;
                 }
             }
-            return Ok(Some(out));
-        }
-        // Pipeline: pass the hidden states on; the last stage returns logits to rank 0.
-        let last = n - 1;
-        if self.rank < last {
-            comm.send(bytemuck::cast_slice(&x), self.rank + 1)?;
-        }
-        let vocab = self.cfg.vocab_size;
-        match (&self.head, self.rank) {
-            (Some(head), 0) => Ok(Some(logits(&x, head)?)),
-            (Some(head), _) => {
-                let l = logits(&x, head)?;
-                comm.send(bytemuck::cast_slice(&l), 0)?;
+            Ok(Some(out))
+        })
+    }
+
+    /// Pipeline: the last stage's logits of the last chunk (`last`, its
+    /// hidden states there) reach rank 0.
+    fn pipeline_logits(
+        &self,
+        last: &[f32],
+        comm: &mut dyn Collective,
+    ) -> Result<Option<Vec<f32>>, PodModelError> {
+        let end = comm.size() - 1;
+        match (self.head.is_some(), self.rank) {
+            (true, 0) => Ok(Some(self.logits(last)?)),
+            (true, _) => {
+                let l = self.logits(last)?;
+                profile::time(Part::Collective, || comm.send(bytemuck::cast_slice(&l), 0))?;
                 Ok(None)
             }
-            (None, 0) => {
-                self.hidden.resize(vocab, 0.0);
-                comm.recv(bytemuck::cast_slice_mut(&mut self.hidden), last)?;
-                Ok(Some(self.hidden.clone()))
+            (false, 0) => {
+                let mut out = vec![0f32; self.cfg.vocab_size];
+                profile::time(Part::Collective, || {
+                    comm.recv(bytemuck::cast_slice_mut(&mut out), end)
+                })?;
+                Ok(Some(out))
             }
-            (None, _) => Ok(None),
+            (false, _) => Ok(None),
         }
     }
 }

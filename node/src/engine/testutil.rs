@@ -233,11 +233,38 @@ fn gguf_name(hf: &str) -> String {
     format!("{g}.{suffix}")
 }
 
-/// What to change when writing a GGUF file (for corrupt-file tests).
+/// What to change when writing a GGUF file (for corrupt-file tests, and
+/// wrong weights that a tolerance must reject). Tensor names are GGUF names.
 #[derive(Debug, Clone, Default)]
 pub struct GgufTweaks {
     pub architecture: Option<String>,
     pub drop_tensor: Option<String>,
+    /// This matrix's rows in a (seeded) random order.
+    pub shuffle_rows: Option<String>,
+    /// This matrix times a factor: a wrong scale.
+    pub scale: Option<(String, f32)>,
+    /// Every matrix quantized to this type and back to f32 before it is
+    /// written: an f32 file holding exactly the values a file of that type
+    /// holds (the exact function a quantized file stands for).
+    pub roundtrip: Option<GgmlDType>,
+}
+
+/// `t` quantized to `dtype` and back to f32.
+pub fn roundtrip(t: &Tensor, dtype: GgmlDType) -> Tensor {
+    QTensor::quantize(t, dtype)
+        .unwrap()
+        .dequantize(&Device::Cpu)
+        .unwrap()
+}
+
+/// `t`'s rows in a random order fixed by `seed`.
+pub fn shuffle_rows(t: &Tensor, seed: u64) -> Tensor {
+    use rand::seq::SliceRandom;
+    let rows = t.dims()[0];
+    let mut order: Vec<u32> = (0..rows as u32).collect();
+    order.shuffle(&mut ChaCha8Rng::seed_from_u64(seed));
+    let index = Tensor::from_vec(order, rows, t.device()).unwrap();
+    t.index_select(&index, 0).unwrap()
 }
 
 /// Writes a GGUF file of `spec` with matrices stored as `dtype` (norms and
@@ -312,6 +339,15 @@ pub fn write_gguf(path: &Path, spec: &TinySpec, dtype: GgmlDType, tweaks: &GgufT
         if tweaks.drop_tensor.as_deref() == Some(g.as_str()) {
             return;
         }
+        let t = if tweaks.shuffle_rows.as_deref() == Some(g.as_str()) {
+            shuffle_rows(&t, spec.seed)
+        } else {
+            t
+        };
+        let t = match &tweaks.scale {
+            Some((name, factor)) if name == &g => t.affine(f64::from(*factor), 0.0).unwrap(),
+            _ => t,
+        };
         let t = if gguf_arch == "llama" && name.ends_with("q_proj.weight") {
             permute_rows(&t, spec.heads)
         } else if gguf_arch == "llama" && name.ends_with("k_proj.weight") {
@@ -321,6 +357,8 @@ pub fn write_gguf(path: &Path, spec: &TinySpec, dtype: GgmlDType, tweaks: &GgufT
         };
         let q = if t.rank() == 1 {
             QTensor::quantize(&t, GgmlDType::F32).unwrap()
+        } else if let Some(through) = tweaks.roundtrip {
+            QTensor::quantize(&roundtrip(&t, through), dtype).unwrap()
         } else {
             QTensor::quantize(&t, dtype).unwrap()
         };
@@ -372,11 +410,27 @@ pub fn tokenizer_json() -> String {
 /// tokenizer_config.json, model.safetensors) with weights stored as `dtype`.
 /// `drop` leaves out one tensor (Hugging Face name).
 pub fn write_safetensors(dir: &Path, spec: &TinySpec, dtype: DType, drop: Option<&str>) {
+    write_safetensors_through(dir, spec, dtype, drop, dtype);
+}
+
+/// [`write_safetensors`] in f32 of the weights rounded to `through` (f16,
+/// bf16): exactly the values a `through` file holds.
+pub fn write_safetensors_rounded(dir: &Path, spec: &TinySpec, through: DType) {
+    write_safetensors_through(dir, spec, DType::F32, None, through);
+}
+
+fn write_safetensors_through(
+    dir: &Path,
+    spec: &TinySpec,
+    dtype: DType,
+    drop: Option<&str>,
+    through: DType,
+) {
     std::fs::create_dir_all(dir).unwrap();
     let weights: BTreeMap<String, Tensor> = hf_weights(spec)
         .into_iter()
         .filter(|(k, _)| Some(k.as_str()) != drop)
-        .map(|(k, t)| (k, t.to_dtype(dtype).unwrap()))
+        .map(|(k, t)| (k, t.to_dtype(through).unwrap().to_dtype(dtype).unwrap()))
         .collect();
     candle_core::safetensors::save(
         &weights.into_iter().collect(),

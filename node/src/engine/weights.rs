@@ -12,7 +12,7 @@
 
 use std::sync::Arc;
 
-use candle_core::quantized::GgmlDType;
+use candle_core::quantized::{GgmlDType, QMatMul};
 use candle_core::safetensors::{Load, SliceSafetensors};
 use candle_core::{DType, Device, Tensor};
 
@@ -125,6 +125,22 @@ fn check_shape(name: &str, actual: &[usize], expected: &[usize]) -> Result<(), E
     Ok(())
 }
 
+/// The GGUF tensor `name`, checked to have the `expected` shape.
+fn gguf_entry<'g>(
+    g: &'g GgufFile,
+    name: &str,
+    expected: &[usize],
+) -> Result<&'g super::gguf::TensorEntry, EngineError> {
+    let entry = g
+        .tensors
+        .get(name)
+        .ok_or_else(|| EngineError::MissingTensor {
+            name: name.to_owned(),
+        })?;
+    check_shape(name, &entry.shape, expected)?;
+    Ok(entry)
+}
+
 impl WeightSource<'_> {
     /// The name the file uses for `base` + `suffix`.
     fn file_name(&self, base: &str, suffix: &str) -> String {
@@ -169,11 +185,7 @@ impl WeightSource<'_> {
         let name = self.file_name(base, suffix);
         let t = match self {
             WeightSource::Gguf(g) => {
-                let entry = g
-                    .tensors
-                    .get(&name)
-                    .ok_or_else(|| EngineError::MissingTensor { name: name.clone() })?;
-                check_shape(&name, &entry.shape, &[len])?;
+                gguf_entry(g, &name, &[len])?;
                 g.qtensor(&name)?.dequantize(&Device::Cpu)?
             }
             WeightSource::Safetensors(files) => Self::st_tensor(files, &name, &[len])?,
@@ -198,11 +210,7 @@ impl WeightSource<'_> {
         };
         match self {
             WeightSource::Gguf(g) => {
-                let entry = g
-                    .tensors
-                    .get(&name)
-                    .ok_or_else(|| EngineError::MissingTensor { name: name.clone() })?;
-                check_shape(&name, &entry.shape, &[out, inp])?;
+                gguf_entry(g, &name, &[out, inp])?;
                 Linear::from_qtensor(g.qtensor(&name)?, bias)
             }
             WeightSource::Safetensors(files) => {
@@ -211,16 +219,53 @@ impl WeightSource<'_> {
         }
     }
 
+    /// A projection `[out, in]` with an optional bias `[out]`, placed on
+    /// `device` for the device engine (`super::device`): quantized GGUF
+    /// weights stay quantized there (candle's `QMatMul`); float weights are
+    /// f32 on the CPU and f16 on a GPU.
+    pub fn device_linear(
+        &self,
+        base: &str,
+        out: usize,
+        inp: usize,
+        bias: bool,
+        device: &Device,
+    ) -> Result<(QMatMul, Option<Tensor>), EngineError> {
+        let name = self.file_name(base, "weight");
+        let bias = if bias {
+            let b = self.vector(base, "bias", out)?;
+            Some(Tensor::from_vec(b, out, device)?)
+        } else {
+            None
+        };
+        let w = match self {
+            WeightSource::Gguf(g) => {
+                let entry = gguf_entry(g, &name, &[out, inp])?;
+                QMatMul::from_qtensor(candle_core::quantized::ggml_file::qtensor_from_ggml(
+                    entry.dtype,
+                    g.tensor_bytes(entry),
+                    entry.shape.clone(),
+                    device,
+                )?)?
+            }
+            WeightSource::Safetensors(files) => {
+                let t = Self::st_tensor(files, &name, &[out, inp])?;
+                if device.is_cpu() {
+                    QMatMul::Tensor(t.to_device(device)?)
+                } else {
+                    QMatMul::TensorF16(t.to_dtype(DType::F16)?.to_device(device)?)
+                }
+            }
+        };
+        Ok((w, bias))
+    }
+
     /// The embedding table `[rows, dim]`.
     pub fn embedding(&self, base: &str, rows: usize, dim: usize) -> Result<Embedding, EngineError> {
         let name = self.file_name(base, "weight");
         match self {
             WeightSource::Gguf(g) => {
-                let entry = g
-                    .tensors
-                    .get(&name)
-                    .ok_or_else(|| EngineError::MissingTensor { name: name.clone() })?;
-                check_shape(&name, &entry.shape, &[rows, dim])?;
+                let entry = gguf_entry(g, &name, &[rows, dim])?;
                 match entry.dtype {
                     GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16 => {
                         let t = g.qtensor(&name)?.dequantize(&Device::Cpu)?;

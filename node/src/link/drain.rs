@@ -8,9 +8,15 @@
 //! "handoff") covering exactly the tokens it streamed, and the coordinator
 //! resumes the job on another node after them.
 //!
+//! A pause of lending (the owner returned, see `crate::policy`) drains the
+//! same way, with the shorter `lending.grace_ms`; once the session has
+//! ended and lending resumes, the link [`reopen`](DrainState::reopen)s the
+//! state and dials again.
+//!
 //! # Invariants
-//! - Both steps only ever go forward (false -> true); a node that drained
-//!   does not take jobs again in this process.
+//! - Within a session both steps only go forward (false -> true); only the
+//!   link reopens the state, between sessions, when no job of the last one
+//!   is left.
 //! - Hand-off implies draining.
 
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -32,6 +38,12 @@ impl DrainState {
     pub fn hand_off(&self) {
         self.draining.store(true, Ordering::SeqCst);
         self.handoff.store(true, Ordering::SeqCst);
+    }
+
+    /// Takes jobs again (between sessions, after a pause).
+    pub fn reopen(&self) {
+        self.handoff.store(false, Ordering::SeqCst);
+        self.draining.store(false, Ordering::SeqCst);
     }
 
     pub fn is_draining(&self) -> bool {
@@ -56,5 +68,7 @@ mod tests {
         let d = DrainState::default();
         d.hand_off();
         assert!(d.is_draining() && d.is_handing_off());
+        d.reopen();
+        assert!(!d.is_draining() && !d.is_handing_off());
     }
 }

@@ -95,12 +95,41 @@ impl TokenBatch {
     }
 }
 
-/// The engine-side end of the token channel: never blocks.
+/// The engine-side end of the token channel: never blocks on the network
+/// (it may rest between tokens to keep a GPU share, see [`DutyCycle`]).
 pub struct Coalescer {
     tx: mpsc::Sender<TokenBatch>,
     pending: Option<TokenBatch>,
     cancel: Arc<AtomicBool>,
     drain: Arc<DrainState>,
+    duty: Option<DutyCycle>,
+}
+
+/// Keeps the engine computing at most `share` of the wall time: after each
+/// token it rests `compute x (1 / share - 1)` (`lending.gpu_share`).
+#[derive(Debug)]
+pub struct DutyCycle {
+    share: f64,
+    since: std::time::Instant,
+}
+
+impl DutyCycle {
+    pub fn new(share: f64) -> Option<Self> {
+        (share > 0.0 && share < 1.0).then(|| Self {
+            share,
+            since: std::time::Instant::now(),
+        })
+    }
+
+    /// How long to rest after computing for `compute`.
+    pub fn rest_after(&self, compute: Duration) -> Duration {
+        compute.mul_f64(1.0 / self.share - 1.0)
+    }
+
+    fn after_token(&mut self) {
+        std::thread::sleep(self.rest_after(self.since.elapsed()));
+        self.since = std::time::Instant::now();
+    }
 }
 
 impl Coalescer {
@@ -114,12 +143,21 @@ impl Coalescer {
             pending: None,
             cancel,
             drain,
+            duty: None,
         }
+    }
+
+    /// Rests between tokens to keep the engine's share of the time.
+    pub fn set_duty(&mut self, duty: Option<DutyCycle>) {
+        self.duty = duty;
     }
 
     /// Offers one token; `Break` (the token is not taken) when the job was
     /// cancelled, the node hands its jobs off, or nobody listens.
     pub fn push(&mut self, chunk: &TokenChunk) -> ControlFlow<()> {
+        if let Some(d) = &mut self.duty {
+            d.after_token();
+        }
         if self.cancel.load(Ordering::Relaxed) || self.drain.is_handing_off() {
             return ControlFlow::Break(());
         }
@@ -306,6 +344,7 @@ async fn run(
         return finish(send, outcome).await;
     }
     tracing::info!(job_id = %a.job_id, attempt = a.attempt, "job started");
+    let mut watch = JobWatch::start(ctx, a);
 
     let cancel = Arc::new(AtomicBool::new(false));
     let (tx, mut rx) = mpsc::channel(TOKEN_CHANNEL);
@@ -313,6 +352,9 @@ async fn run(
     let generation = match runner {
         Runner::Local(model) => {
             let engine = model.engine.clone();
+            if matches!(model.backend, "metal" | "cuda") {
+                coalescer.set_duty(ctx.gpu_share.and_then(DutyCycle::new));
+            }
             tokio::task::spawn_blocking(move || {
                 let mut engine = engine.lock().unwrap_or_else(PoisonError::into_inner);
                 let result = engine.generate(&request, &mut |chunk| coalescer.push(chunk));
@@ -359,6 +401,7 @@ async fn run(
                 Some(batch) => {
                     if write_failed.is_none() {
                         streamed.add(&batch);
+                        ctx.board.job_tokens(&a.job_id, batch.token_ids.len());
                         if let Err(e) = write_frame(send, &batch.update()).await {
                             cancel.store(true, Ordering::Relaxed);
                             write_failed = Some(e);
@@ -389,6 +432,7 @@ async fn run(
         Ok((result, leftover)) => {
             if let Some(batch) = leftover {
                 streamed.add(&batch);
+                ctx.board.job_tokens(&a.job_id, batch.token_ids.len());
                 write_frame(send, &batch.update()).await?;
             }
             let attempt = Attempt {
@@ -399,7 +443,60 @@ async fn run(
             outcome(ctx, &attempt, result, streamed)
         }
     };
+    if let Outcome::Claim(signed) = &outcome {
+        watch.signed(signed);
+    }
     finish(send, outcome).await
+}
+
+/// A job on the owner's board from its start to its end (however it ends),
+/// with its energy; a signed attempt goes into the journal.
+struct JobWatch<'a> {
+    ctx: &'a LinkContext,
+    job_id: String,
+    model: String,
+    span: Option<crate::energy::Span>,
+    entry: Option<crate::status::JournalEntry>,
+}
+
+impl<'a> JobWatch<'a> {
+    fn start(ctx: &'a LinkContext, a: &Assignment) -> Self {
+        ctx.board.job_started(&a.job_id, &a.model);
+        Self {
+            ctx,
+            job_id: a.job_id.clone(),
+            model: a.model.clone(),
+            span: ctx.energy.as_ref().and_then(crate::energy::Span::start),
+            entry: None,
+        }
+    }
+
+    /// The joules of this job so far: the machine's energy over the job,
+    /// shared with the jobs running beside it.
+    fn joules(&self) -> Option<f64> {
+        let j = self.span.as_ref()?.joules();
+        Some(j / f64::from(self.ctx.running_jobs().max(1)))
+    }
+
+    fn signed(&mut self, signed: &SignedClaim) {
+        let Some(c) = &signed.claim else { return };
+        self.entry = Some(crate::status::JournalEntry {
+            ts_ms: crate::status::now_ms(),
+            job_id: c.job_id.clone(),
+            attempt: c.attempt,
+            model: self.model.clone(),
+            prompt_tokens: u64::from(c.prompt_tokens),
+            tokens: u64::from(c.completion_tokens),
+            finish: c.finish_reason.clone(),
+            joules: self.joules(),
+        });
+    }
+}
+
+impl Drop for JobWatch<'_> {
+    fn drop(&mut self) {
+        self.ctx.board.job_finished(&self.job_id, self.entry.take());
+    }
 }
 
 /// Resolves when the coordinator resets our receive side or stops our send

@@ -6,9 +6,12 @@
 //! off; the session ends once no job task is left (or
 //! [`HANDOFF_WAIT`] after the hand-off began).
 //!
+//! A pause of lending drains the same way with `lending.grace_ms` and ends
+//! the session with [`Ended::Paused`].
+//!
 //! # Failure
-//! Returns `Ok(())` only when shut down on request (after `Drain` and a
-//! graceful close); every other end is a [`LinkError`].
+//! Returns `Ok` only when shut down on request or paused (after `Drain` and
+//! a graceful close); every other end is a [`LinkError`].
 
 use std::{
     net::{Ipv4Addr, Ipv6Addr, SocketAddr},
@@ -46,20 +49,29 @@ pub const HANDOFF_WAIT: Duration = Duration::from_secs(10);
 
 type ControlFrames = Pin<Box<dyn Stream<Item = Result<CoordinatorControl, FrameError>> + Send>>;
 
+/// How a session ended on purpose.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Ended {
+    /// The node is shutting down.
+    Shutdown,
+    /// Lending paused; the link dials again when it resumes.
+    Paused,
+}
+
 /// Runs one session; sets `registered` once welcomed.
 pub async fn run(
     ctx: &Arc<LinkContext>,
     status: &watch::Sender<LinkStatus>,
     shutdown: &CancellationToken,
     registered: &mut bool,
-) -> Result<(), LinkError> {
+) -> Result<Ended, LinkError> {
     let connect = async {
         let (endpoint, conn) = dial(ctx).await?;
         let (send, frames, interval) = register(ctx, &conn).await?;
         Ok::<_, LinkError>((endpoint, conn, send, frames, interval))
     };
     let (endpoint, conn, mut send, mut frames, interval) = tokio::select! {
-        _ = shutdown.cancelled() => return Ok(()),
+        _ = shutdown.cancelled() => return Ok(Ended::Shutdown),
         r = tokio::time::timeout(ctx.connect_timeout, connect) => {
             r.map_err(|_| LinkError::Timeout("connecting to the coordinator"))??
         }
@@ -70,9 +82,18 @@ pub async fn run(
     });
     tracing::info!(coordinator = %ctx.coordinator, node_id = %ctx.identity.node_id(), ?interval, "registered with coordinator");
 
-    let result = serve(ctx, &conn, &mut send, &mut frames, interval, shutdown).await;
+    let result = serve(
+        ctx,
+        status,
+        &conn,
+        &mut send,
+        &mut frames,
+        interval,
+        shutdown,
+    )
+    .await;
     match &result {
-        Ok(()) => {
+        Ok(_) => {
             // Closing a QUIC connection drops undelivered stream data: wait
             // (briefly) until the coordinator has read the control stream
             // (the Drain) to its end.
@@ -148,8 +169,9 @@ async fn register(
 
     let mut hardware = ctx.hardware.clone();
     if let Ok(Ok(free)) = tokio::task::spawn_blocking(crate::hardware::free_memory_bytes).await {
-        hardware.free_memory_bytes = free.min(hardware.memory_bytes);
+        hardware.free_memory_bytes = free;
     }
+    hardware.free_memory_bytes = ctx.offered_memory(hardware.free_memory_bytes);
     let hello = NodeControl {
         msg: Some(node_control::Msg::Hello(Hello {
             node_id: ctx.identity.node_id().as_bytes().to_vec(),
@@ -192,37 +214,72 @@ async fn register(
 /// Registered: heartbeats, acks and job streams until the link ends.
 async fn serve(
     ctx: &Arc<LinkContext>,
+    status: &watch::Sender<LinkStatus>,
     conn: &quinn::Connection,
     send: &mut quinn::SendStream,
     frames: &mut ControlFrames,
     interval: Duration,
     shutdown: &CancellationToken,
-) -> Result<(), LinkError> {
+) -> Result<Ended, LinkError> {
     let mut jobs = JoinSet::new();
     let mut ticker = tokio::time::interval(interval);
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let ack_deadline = (interval * MISSED_ACKS).max(MIN_ACK_DEADLINE);
     let mut last_heard = Instant::now();
-    // When the node began draining, and when it began handing jobs off.
+    // When the node began draining (and with what grace), and when it
+    // began handing jobs off.
     let mut drained_at: Option<Instant> = None;
+    let mut grace = ctx.drain_grace;
     let mut handoff_at: Option<Instant> = None;
+    let mut ended = Ended::Shutdown;
+    let mut stopping = false;
+    let mut lending = ctx.lending.clone();
+    let mut lending_open = true;
     loop {
         if drained_at.is_some() && jobs.is_empty() {
-            return Ok(());
+            return Ok(ended);
         }
-        let handoff_due = drained_at.map(|t| t + ctx.drain_grace);
-        let give_up = handoff_at.map(|t| t + HANDOFF_WAIT);
-        tokio::select! {
-            _ = shutdown.cancelled(), if drained_at.is_none() => {
+        // A pause (checked every turn, so one that came while the session
+        // was registering counts too).
+        if drained_at.is_none() {
+            if let Some(reason) = ctx.pause_reason() {
                 ctx.drain.start();
                 drained_at = Some(Instant::now());
-                tracing::info!(running = jobs.len(), grace = ?ctx.drain_grace, "draining: no new jobs");
+                grace = ctx.pause_grace;
+                ended = Ended::Paused;
+                tracing::info!(running = jobs.len(), ?grace, %reason, "lending paused: no new jobs");
+                status.send_replace(LinkStatus::Paused {
+                    reason: reason.clone(),
+                });
                 let drain = NodeControl {
-                    msg: Some(node_control::Msg::Drain(Drain {
-                        reason: "node shutting down".into(),
-                    })),
+                    msg: Some(node_control::Msg::Drain(Drain { reason })),
                 };
                 write_frame(send, &drain).await?;
+                continue;
+            }
+        }
+        let handoff_due = drained_at.map(|t| t + grace);
+        let give_up = handoff_at.map(|t| t + HANDOFF_WAIT);
+        tokio::select! {
+            _ = shutdown.cancelled(), if !stopping => {
+                stopping = true;
+                ended = Ended::Shutdown;
+                // Already draining for a pause: its (shorter) grace stands.
+                if drained_at.is_none() {
+                    ctx.drain.start();
+                    drained_at = Some(Instant::now());
+                    tracing::info!(running = jobs.len(), grace = ?ctx.drain_grace, "draining: no new jobs");
+                    let drain = NodeControl {
+                        msg: Some(node_control::Msg::Drain(Drain {
+                            reason: "node shutting down".into(),
+                        })),
+                    };
+                    write_frame(send, &drain).await?;
+                }
+            }
+            r = lending.changed(), if lending_open && drained_at.is_none() => {
+                // The top of the loop reads the new decision.
+                lending_open = r.is_ok();
             }
             _ = sleep_until_some(handoff_due), if handoff_at.is_none() => {
                 tracing::info!(running = jobs.len(), "grace period over: handing running jobs off");
@@ -231,7 +288,7 @@ async fn serve(
             }
             _ = sleep_until_some(give_up) => {
                 tracing::warn!(running = jobs.len(), "jobs did not hand off in time; leaving");
-                return Ok(());
+                return Ok(ended);
             }
             _ = ticker.tick() => {
                 if last_heard.elapsed() > ack_deadline {
@@ -244,7 +301,7 @@ async fn serve(
                     .unwrap_or(ctx.hardware.free_memory_bytes);
                 let beat = NodeControl {
                     msg: Some(node_control::Msg::Heartbeat(Heartbeat {
-                        free_memory_bytes: free,
+                        free_memory_bytes: ctx.offered_memory(free),
                         running_jobs: ctx.running_jobs(),
                         pod_degraded: ctx
                             .pod

@@ -18,7 +18,12 @@ use tokio::sync::{watch, Semaphore};
 use tokio_util::sync::CancellationToken;
 
 use super::{tls, LinkContext, LinkStatus};
-use crate::{config::ModelEntry, identity::Identity, models::ModelSet};
+use crate::{
+    config::ModelEntry,
+    identity::Identity,
+    models::ModelSet,
+    policy::{Decision, PauseReason},
+};
 
 const DEADLINE: Duration = Duration::from_secs(60);
 const MODEL_ID: &str = "smollm2-135m-instruct";
@@ -36,11 +41,14 @@ struct TestLink {
     status: watch::Receiver<LinkStatus>,
     stop: CancellationToken,
     task: tokio::task::JoinHandle<()>,
+    /// The lending decision the link follows (lends from the start).
+    lending: watch::Sender<Option<Decision>>,
 }
 
 impl TestLink {
     fn start(server: SocketAddr, pin: &str, models: Arc<ModelSet>, slots: u32) -> Self {
         let identity = Arc::new(Identity::generate());
+        let (lending, lending_rx) = watch::channel(Some(Decision::Lend));
         let ctx = Arc::new(LinkContext {
             identity: identity.clone(),
             models,
@@ -64,6 +72,12 @@ impl TestLink {
             slots: Arc::new(Semaphore::new(slots as usize)),
             drain: Arc::default(),
             drain_grace: Duration::from_millis(100),
+            lending: lending_rx,
+            pause_grace: Duration::from_millis(50),
+            memory_cap: Some(1 << 30),
+            gpu_share: None,
+            board: crate::status::Board::new(Default::default(), None),
+            energy: None,
             pod: None,
         });
         let (tx, status) = watch::channel(LinkStatus::Connecting);
@@ -74,6 +88,7 @@ impl TestLink {
             status,
             stop,
             task,
+            lending,
         }
     }
 
@@ -251,6 +266,56 @@ async fn registers_heartbeats_reconnects_and_closes_gracefully() {
     assert!(
         matches!(&*link.status.borrow(), LinkStatus::Disconnected { reason } if reason.contains("shut down"))
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pause_drains_and_leaves_and_lending_again_dials_back() {
+    let (server, pin) = tls::tests::test_server();
+    let mut link = TestLink::start(
+        server.local_addr().unwrap(),
+        &pin,
+        Arc::new(ModelSet::default()),
+        1,
+    );
+    let (peer, hello) = Peer::accept(&server, true, 50).await;
+    // The owner's memory cap bounds what the node offers.
+    assert!(hello.hardware.unwrap().free_memory_bytes <= 1 << 30);
+    link.wait_for("registration", |s| {
+        matches!(s, LinkStatus::Registered { .. })
+    })
+    .await;
+
+    // The owner comes back: Drain with the policy's reason, then a graceful close.
+    let (conn, drained) = peer.serve_control();
+    link.lending
+        .send_replace(Some(Decision::Pause(PauseReason::OwnerActive)));
+    let drain = within("drain", drained)
+        .await
+        .unwrap()
+        .expect("a Drain before the close");
+    assert!(drain.reason.starts_with("you are using"), "{drain:?}");
+    let closed = within("close", conn.closed()).await;
+    assert!(
+        matches!(closed, quinn::ConnectionError::ApplicationClosed(ref c) if c.error_code == quinn::VarInt::from_u32(0)),
+        "{closed:?}"
+    );
+    let status = link
+        .wait_for("paused", |s| matches!(s, LinkStatus::Paused { .. }))
+        .await;
+    assert!(
+        matches!(&status, LinkStatus::Paused { reason } if reason.starts_with("you are using")),
+        "{status:?}"
+    );
+
+    // The owner leaves again: the node dials back on its own.
+    link.lending.send_replace(Some(Decision::Lend));
+    let (_peer, _) = Peer::accept(&server, true, 50).await;
+    link.wait_for("re-registration", |s| {
+        matches!(s, LinkStatus::Registered { .. })
+    })
+    .await;
+    link.stop.cancel();
+    within("link task end", link.task).await.unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -514,7 +579,14 @@ async fn a_hinted_model_is_pulled_announced_and_served() {
         },
     )
     .unwrap();
-    let models = Arc::new(ModelSet::load_with_store(&[], Arc::new(store)).unwrap());
+    let models = Arc::new(
+        ModelSet::load_with_store(
+            &[],
+            Arc::new(store),
+            &crate::engine::device::Backend::Native,
+        )
+        .unwrap(),
+    );
     assert!(models.is_empty());
 
     let (server, pin) = tls::tests::test_server();

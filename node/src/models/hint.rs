@@ -101,7 +101,8 @@ async fn pull_and_load(
         id: entry.id.clone(),
         path: store.file_path(&entry.id, &entry.primary_file().name),
     };
-    let loaded = tokio::task::spawn_blocking(move || LoadedModel::load(&model)).await??;
+    let backend = models.backend().clone();
+    let loaded = tokio::task::spawn_blocking(move || LoadedModel::load(&model, &backend)).await??;
     models.insert(loaded);
     Ok(())
 }

@@ -13,7 +13,11 @@
 //!   fail with the typed reason ([`CollectiveError::Rdma`]): a pod its owner
 //!   cabled for RDMA should not quietly run at TCP speed;
 //! - a matrix without such a backend: RDMA if it works, else TCP with a
-//!   warning that says why.
+//!   warning that says why;
+//! - a pair with several cables (a list of devices in its matrix entry):
+//!   one lane per cable, frames striped over them
+//!   ([`crate::collectives::stripe`]); a further cable that does not open
+//!   leaves the pod on the lanes that did, with a warning.
 //!
 //! # Invariants
 //! - Every member reaches the same decision: the matrix is the same file
@@ -28,6 +32,7 @@ use std::time::Duration;
 
 use super::hostfile::{PodBackend, PodConfig};
 use crate::collectives::ibverbs;
+use crate::collectives::stripe::{Striped, MAX_LANES};
 use crate::collectives::tcp::{TcpOptions, TcpTransport};
 use crate::collectives::verbs::{VerbsOptions, VerbsTransport};
 use crate::collectives::{Collective, CollectiveError, Group, GroupOptions};
@@ -67,7 +72,7 @@ pub fn open_with(
         Some(PodBackend::Jaccl | PodBackend::JacclRing)
     );
     let attempt = match config.devices().peer_devices(rank) {
-        Ok(devices) => ibverbs::connect(&mut group, lib, &devices),
+        Ok(devices) => ibverbs::connect(&mut group, lib.clone(), &devices),
         Err(e) => Err(CollectiveError::RdmaUnavailable(format!(
             "{e} (the rdma data plane needs a cable between every pair of members)"
         ))),
@@ -83,20 +88,51 @@ pub fn open_with(
         }
         Err(e) => return Err(e),
     };
+    // More cables per pair: one more lane each, over the devices the rows
+    // list next (every rank connects the same lanes: the file is the same).
+    let matrix = config.devices();
+    let cables = matrix
+        .rows
+        .iter()
+        .flatten()
+        .map(Vec::len)
+        .max()
+        .unwrap_or(1)
+        .min(MAX_LANES);
+    let mut pendings = vec![pending];
+    for lane in 1..cables {
+        let devices: Vec<Option<String>> = matrix.rows[rank]
+            .iter()
+            .enumerate()
+            .map(|(p, d)| d.get(lane).filter(|_| p != rank).cloned())
+            .collect();
+        match ibverbs::connect(&mut group, lib.clone(), &devices) {
+            Ok(p) => pendings.push(p),
+            Err(e @ CollectiveError::Rdma(_)) => {
+                tracing::warn!(rank, lane, reason = %e, "a second rdma cable is unusable: one lane per pair");
+                break;
+            }
+            Err(e) => return Err(e),
+        }
+    }
     let side = ibverbs::SideChannel::new(group.into_transport().into_streams())?;
-    let verbs = pending.finish(side);
+    let mut lanes = Vec::with_capacity(pendings.len());
+    for p in pendings {
+        lanes.push(p.finish(side.try_clone()?));
+    }
+    let n_lanes = lanes.len();
     let mut transport = VerbsTransport::new(
-        verbs,
+        Striped::new(lanes)?,
         VerbsOptions {
             timeout: opts.timeout,
             ..VerbsOptions::default()
         },
     )?;
     // Every member's receives are posted before anyone sends.
-    transport
-        .verbs_mut()
+    transport.verbs_mut().lanes_mut()[0]
         .barrier(opts.connect_timeout.max(Duration::from_secs(1)))?;
-    tracing::info!(rank, "the pod's data plane is RDMA");
+    drop(side);
+    tracing::info!(rank, lanes = n_lanes, "the pod's data plane is RDMA");
     Ok((
         Box::new(Group::new(transport, GroupOptions::default())),
         Backend::Rdma,
@@ -178,6 +214,17 @@ mod tests {
             {"ssh": "c", "ips": ["127.0.0.1"], "rdma": ["fake0", "fake0", null]}]"#;
         for r in open_all(config, Some(ibverbs::fake::library())) {
             assert_eq!(r.unwrap(), Backend::Rdma);
+        }
+        // Two cables per pair (a list of devices): striped, still RDMA; a
+        // second cable whose port is down leaves one lane, still RDMA.
+        for second in ["fake1", "fake_down"] {
+            let config = format!(
+                r#"[{{"ssh": "a", "ips": ["127.0.0.1"], "rdma": [null, ["fake0", "{second}"]]}},
+                {{"ssh": "b", "ips": ["127.0.0.1"], "rdma": [["fake0", "{second}"], null]}}]"#
+            );
+            for r in open_all(&config, Some(ibverbs::fake::library())) {
+                assert_eq!(r.unwrap(), Backend::Rdma, "second cable {second}");
+            }
         }
     }
 }

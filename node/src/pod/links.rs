@@ -69,21 +69,10 @@ pub fn measure_links(
                 comm.recv(&mut small, peer)?;
                 times.push(start.elapsed());
             }
-            times.sort();
             let start = Instant::now();
             comm.send(&big, peer)?;
             comm.recv(&mut big, peer)?;
-            let bulk_rtt = start.elapsed();
-            let latency = times.get(times.len() / 2).copied().unwrap_or_default();
-            // Two transfers of `bulk` bytes, less the fixed latency.
-            let moving = bulk_rtt
-                .saturating_sub(latency)
-                .max(Duration::from_nanos(1));
-            out.push(LinkFigures {
-                peer,
-                latency,
-                bandwidth: (2 * bulk) as f64 / moving.as_secs_f64(),
-            });
+            out.push(figures(peer, times, start.elapsed(), bulk));
         } else if rank == peer {
             for _ in 0..rounds {
                 comm.recv(&mut small, 0)?;
@@ -95,6 +84,22 @@ pub fn measure_links(
     }
     comm.barrier()?;
     Ok(out)
+}
+
+/// One link's figures from its measured round trips: latency is the median
+/// small round trip; the bulk round trip moved `bulk` bytes twice, and the
+/// time beyond one latency is what moving them took.
+fn figures(peer: usize, mut small: Vec<Duration>, bulk_rtt: Duration, bulk: usize) -> LinkFigures {
+    small.sort();
+    let latency = small.get(small.len() / 2).copied().unwrap_or_default();
+    let moving = bulk_rtt
+        .saturating_sub(latency)
+        .max(Duration::from_nanos(1));
+    LinkFigures {
+        peer,
+        latency,
+        bandwidth: (2 * bulk) as f64 / moving.as_secs_f64(),
+    }
 }
 
 #[cfg(test)]
@@ -145,14 +150,33 @@ mod tests {
             figures[0].iter().map(|f| f.peer).collect::<Vec<_>>(),
             vec![1, 2]
         );
+        // How fast loopback is here is not this test's business (a loaded
+        // machine is slow); that every link got finite, positive figures is.
         for f in &figures[0] {
-            assert!(
-                f.latency > Duration::ZERO && f.latency < Duration::from_secs(1),
-                "{f:?}"
-            );
-            // Loopback moves well over 10 MB/s even on a loaded machine.
-            assert!(f.bandwidth > 1e7, "{f:?}");
+            assert!(f.latency > Duration::ZERO, "{f:?}");
+            assert!(f.bandwidth.is_finite() && f.bandwidth > 0.0, "{f:?}");
+            eprintln!("loopback link to rank {}: {f:?}", f.peer);
         }
         assert!(figures[1].is_empty() && figures[2].is_empty());
+    }
+
+    #[test]
+    fn figures_are_the_median_round_trip_and_the_bulk_rate_beyond_it() {
+        let ms = Duration::from_millis;
+        // The median, not the fastest or the mean: one slow outlier and one
+        // lucky round trip change nothing.
+        let f = figures(
+            2,
+            vec![ms(9), ms(2), ms(3), ms(400), ms(1)],
+            ms(103),
+            50_000_000,
+        );
+        assert_eq!(f.peer, 2);
+        assert_eq!(f.latency, ms(3));
+        // 2 x 50 MB in the 100 ms beyond the latency: 1 GB/s.
+        assert!((f.bandwidth - 1e9).abs() < 1.0, "{f:?}");
+        // A bulk round trip no slower than the latency still gives a finite rate.
+        let f = figures(1, vec![ms(5)], ms(5), 1000);
+        assert!(f.bandwidth.is_finite() && f.bandwidth > 0.0, "{f:?}");
     }
 }

@@ -587,6 +587,17 @@ impl Forward for Driver<'_> {
         Ok(())
     }
 
+    fn prefill_chunk(&self) -> usize {
+        // Pipeline stages take the whole prompt and pass it on in
+        // micro-batches, so they all work at once; tensor parallel splits
+        // every layer already and prefills as a single node does.
+        if self.model.is_pipeline() {
+            usize::MAX
+        } else {
+            crate::engine::PREFILL_CHUNK
+        }
+    }
+
     fn forward(&mut self, tokens: &[u32]) -> Result<Vec<f32>, PodJobError> {
         let step = (|| {
             command(self.comm, OP_FORWARD, tokens.len() as u32)?;

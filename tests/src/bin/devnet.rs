@@ -19,6 +19,7 @@ use std::{io::Write, net::SocketAddr, path::PathBuf, process::Command};
 
 use anyhow::{bail, Context};
 use clap::Parser;
+use mlx_node::config::Location;
 use mlxnet_proto::{claim, v1::job_event, v1::WatchJobRequest};
 use mlxnet_tests::{
     catalogue_model, chat_job, coordinator_config, repo_root, spawn_coordinator, spawn_node,
@@ -52,6 +53,13 @@ struct Args {
     /// Stop once the sample job has been shown.
     #[arg(long)]
     exit_after_sample: bool,
+    /// Where the devnet's node says it is (coarse; shown on the World page).
+    #[arg(long, default_value = "Lyon, France")]
+    place: String,
+    #[arg(long, default_value_t = 45.76, allow_hyphen_values = true)]
+    lat: f64,
+    #[arg(long, default_value_t = 4.84, allow_hyphen_values = true)]
+    lon: f64,
 }
 
 #[tokio::main]
@@ -113,9 +121,24 @@ async fn main() -> anyhow::Result<()> {
     println!("admin API key             {}", accounts.admin_key);
 
     let node_dir = args.data_dir.join("node");
-    let mut node = spawn_node(coordinator.node_config(&node_dir, "devnet-node")).await?;
+    let mut node_config = coordinator.node_config(&node_dir, "devnet-node");
+    // A place, so a newcomer's World page shows the devnet's Mac on the map.
+    node_config.location = Some(Location {
+        place: Some(args.place.clone()),
+        lat: Some(args.lat),
+        lon: Some(args.lon),
+        hidden: None,
+    });
+    let mut node = spawn_node(node_config).await?;
     node.registered().await?;
-    println!("node {} registered", node.id);
+    println!("node {} registered at {}", node.id, args.place);
+    match world_on_map(coordinator.http_addr).await {
+        Ok(n) => println!(
+            "World page http://{}/: {n} Mac(s) on the map",
+            coordinator.http_addr
+        ),
+        Err(e) => println!("World page: cannot read its totals: {e:#}"),
+    }
 
     let mut client = coordinator.client().await?;
     let request = chat_job(&args.question, 64);
@@ -222,6 +245,26 @@ fn config_catalogue(coordinator: &TestCoordinator) -> Vec<String> {
             )
         })
         .collect()
+}
+
+/// `macs_on_map` of the World page's totals (`/api/world/totals`), read
+/// with a plain HTTP/1.1 GET.
+async fn world_on_map(addr: SocketAddr) -> anyhow::Result<u64> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut stream = tokio::net::TcpStream::connect(addr).await?;
+    let head =
+        format!("GET /api/world/totals HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n");
+    stream.write_all(head.as_bytes()).await?;
+    let mut raw = Vec::new();
+    stream.read_to_end(&mut raw).await?;
+    let text = String::from_utf8_lossy(&raw);
+    let (_, body) = text
+        .split_once("\r\n\r\n")
+        .context("no HTTP body in the World API's answer")?;
+    let totals: serde_json::Value = serde_json::from_str(body.trim())?;
+    totals["macs_on_map"]
+        .as_u64()
+        .context("no macs_on_map in the World totals")
 }
 
 /// Runs `scripts/fetch-test-model.sh` (idempotent) so a fresh clone works.

@@ -4,6 +4,13 @@
 //! (its tokens swapped before signing) is audited, fails, its hold is
 //! voided (the client refunded, the operator paid nothing) and the cheater
 //! is banned from placement.
+//!
+//! Every step waits on an event (a node registered, an audit's recorded
+//! state, the balances). The one clock is the product's own: the audit
+//! window. An audit must end inside it, and job 2's auditor is a node that
+//! starts after job 2 completed, so the window ([`WINDOW_MS`]) is a wide
+//! margin over a node's start-up plus one audit (a few seconds here, under
+//! load), not a race with it.
 
 use std::time::Duration;
 
@@ -43,6 +50,9 @@ async fn balance(client: &mut Client) -> anyhow::Result<(i64, i64)> {
     Ok((b.balance_micro_mlx, b.held_micro_mlx))
 }
 
+/// The audit window of this test's coordinator.
+const WINDOW_MS: i64 = 30_000;
+
 async fn audit_state(store: &AnyStore, job: &str) -> anyhow::Result<Option<String>> {
     let audits = Audits::of_store(store, AuditConfig::default()).await?;
     Ok(audits.state(job).await?)
@@ -57,7 +67,7 @@ async fn a_cheaters_job_fails_its_audit_and_is_refunded_an_honest_one_is_paid_af
     config.audit = AuditConfig {
         rate_new: 1.0,
         rate_floor: 1.0,
-        window_ms: 3_000,
+        window_ms: WINDOW_MS,
         ban_after: 1,
         ..AuditConfig::default()
     };

@@ -14,7 +14,7 @@
 use std::{
     io::{BufRead, BufReader},
     process::{Child, Command, Stdio},
-    sync::mpsc,
+    sync::{mpsc, Arc, Mutex},
     time::Duration,
 };
 
@@ -29,19 +29,32 @@ use mlxnet_proto::{
     frame::{read_frame, write_frame},
     v1::{
         coordinator_control, job_update, node_control, Assignment, CachedModel, CoordinatorControl,
-        GrantRequest, HardwareProfile, Hello, JobUpdate, NodeControl, Open, ResultClaim,
+        GrantRequest, HardwareProfile, Hello, HistoryRequest, JobUpdate, NodeControl, Open,
+        ResultClaim,
     },
 };
 use mlxnet_tests::{chat_job, now_ms, within, Client};
 use rand::{rngs::StdRng, Rng, SeedableRng};
 
 const RUNS: u32 = 50;
+/// Jobs submitted per run.
+const JOBS: usize = 6;
 const MODEL_SHA256: &str = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53";
 
+/// Set (to "1") in the environment of [`coordinator_child`] by its parent.
+const CHILD_MARK: &str = "MLXNET_TESTS_CRASH_CHILD";
+
 /// The coordinator process of [`settlement_survives_sigkill_at_any_step`].
+/// Run any other way (`--include-ignored`) it does nothing: its config comes
+/// from the environment, which would otherwise leave it on the default
+/// (fixed) ports and data directory.
 #[test]
 #[ignore = "run as a child process by settlement_survives_sigkill_at_any_step"]
 fn coordinator_child() -> anyhow::Result<()> {
+    if std::env::var(CHILD_MARK).as_deref() != Ok("1") {
+        eprintln!("not started by settlement_survives_sigkill_at_any_step: nothing to do");
+        return Ok(());
+    }
     let config = CoordinatorConfig::load(None, std::env::vars())?;
     let runtime = tokio::runtime::Runtime::new()?;
     runtime.block_on(async {
@@ -75,6 +88,7 @@ fn spawn_child(data_dir: &std::path::Path, pause_at: Option<u32>) -> anyhow::Res
         "--ignored",
         "--nocapture",
     ])
+    .env(CHILD_MARK, "1")
     .env("MLXNET__DATA_DIR", data_dir)
     .env("MLXNET__GRPC_ADDR", "127.0.0.1:0")
     .env("MLXNET__QUIC_ADDR", "127.0.0.1:0")
@@ -200,14 +214,23 @@ async fn register(
     Ok((endpoint, conn, send))
 }
 
+/// What the hand-made node did: assignments it got, and the jobs it
+/// answered (completed or failed), whose settlement is due.
+#[derive(Default)]
+struct Served {
+    assigned: usize,
+    answered: Vec<String>,
+}
+
 /// Serves assignments: completes most, fails some, ignores a few (their
 /// holds expire), until the connection ends.
-async fn serve(conn: quinn::Connection, key: SigningKey, seed: u64) {
+async fn serve(conn: quinn::Connection, key: SigningKey, seed: u64, served: Arc<Mutex<Served>>) {
     let mut rng = StdRng::seed_from_u64(seed);
     while let Ok((mut send, mut recv)) = conn.accept_bi().await {
         let Ok(a) = read_frame::<_, Assignment>(&mut recv).await else {
             continue;
         };
+        lock(&served).assigned += 1;
         let roll: u32 = rng.gen_range(0..10);
         let update = if roll < 7 {
             let c = ResultClaim {
@@ -236,6 +259,44 @@ async fn serve(conn: quinn::Connection, key: SigningKey, seed: u64) {
         };
         let _ = write_frame(&mut send, &JobUpdate { msg: Some(update) }).await;
         let _ = send.finish();
+        lock(&served).answered.push(a.job_id);
+    }
+}
+
+fn lock(served: &Mutex<Served>) -> std::sync::MutexGuard<'_, Served> {
+    served.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Waits until the node got all `jobs` assignments and the ledger settled
+/// every job it answered (a post or a void of its hold is committed): from
+/// then on no settlement of this run is pending, so none can pause.
+async fn all_settled(
+    client: &mut Client,
+    served: &Mutex<Served>,
+    jobs: usize,
+) -> anyhow::Result<()> {
+    loop {
+        let answered = {
+            let s = lock(served);
+            (s.assigned == jobs).then(|| s.answered.clone())
+        };
+        if let Some(answered) = answered {
+            let history = client
+                .accounts
+                .history(HistoryRequest { limit: 200 })
+                .await?
+                .into_inner()
+                .entries;
+            let settled = |job: &String| {
+                history
+                    .iter()
+                    .any(|e| &e.job_id == job && (e.memo == "post" || e.memo == "void"))
+            };
+            if answered.iter().all(settled) {
+                return Ok(());
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
 
@@ -285,7 +346,7 @@ async fn settlement_survives_sigkill_at_any_step() -> anyhow::Result<()> {
             .await?;
         // Submit first: once settlement pauses, its open transaction
         // blocks every other write.
-        for i in 0..6 {
+        for i in 0..JOBS {
             client
                 .jobs
                 .submit(chat_job(&format!("question {run}.{i}"), 32))
@@ -293,17 +354,29 @@ async fn settlement_survives_sigkill_at_any_step() -> anyhow::Result<()> {
             submitted += 1;
         }
         let (_endpoint, conn, _control) = register(&quic, &fingerprint, &key, &operator.id).await?;
-        let node = tokio::spawn(serve(conn.clone(), key.clone(), u64::from(run)));
-        // Wait for the pause (or give up waiting when the jobs never reach
-        // that step, and kill it under load anyway).
+        let served = Arc::new(Mutex::new(Served::default()));
+        let node = tokio::spawn(serve(
+            conn.clone(),
+            key.clone(),
+            u64::from(run),
+            served.clone(),
+        ));
+        // Wait for the pause, or for every settlement of this run to be
+        // done (the step is past this run's settlements): two events, no
+        // clock. Either way the kill comes next.
         let lines = child.lines;
-        let got = tokio::task::spawn_blocking(move || {
-            let got = lines.recv_timeout(Duration::from_secs(3));
-            (got, lines)
-        })
-        .await?;
-        if matches!(got.0, Ok(Line::Paused)) {
-            paused += 1;
+        let pause = tokio::task::spawn_blocking(move || lines.recv());
+        tokio::select! {
+            line = pause => {
+                anyhow::ensure!(
+                    matches!(line?, Ok(Line::Paused)),
+                    "run {run}: the coordinator ended or printed something else before pausing"
+                );
+                paused += 1;
+            }
+            settled = within("this run's settlements", all_settled(&mut client, &served, JOBS)) => {
+                settled??;
+            }
         }
         child.child.kill()?; // SIGKILL
         child.child.wait()?;

@@ -19,7 +19,9 @@ fn devnet_runs_a_sample_job_and_prints_the_answer() {
         stdout.contains("verified: signed by "),
         "no verified claim in: {stdout}"
     );
-    assert!(stdout.contains("registered"), "{stdout}");
+    assert!(stdout.contains("registered at Lyon, France"), "{stdout}");
+    // A newcomer's World page shows the devnet's Mac on the map.
+    assert!(stdout.contains(": 1 Mac(s) on the map"), "{stdout}");
     // The demo client's key is printed, and the sample job was paid for.
     assert!(stdout.contains("API key (submit, read)  mlxk_"), "{stdout}");
     let earned = stdout

@@ -7,6 +7,11 @@
 //! coordinator learns of it only from silence (heartbeat timeout), as it
 //! would from a Mac that lost power. The draining node runs in process and
 //! is stopped the way SIGTERM stops `mlx-node run`.
+//!
+//! Ordering is by events, not by racing the clock: the first node is killed
+//! (or drained) as soon as the job has streamed 8 tokens, and the second
+//! node starts only after that; the job waits in the queue for it however
+//! long its start-up takes.
 
 use std::{
     io::{BufRead, BufReader},
@@ -14,7 +19,7 @@ use std::{
     time::Duration,
 };
 
-use anyhow::{bail, Context};
+use anyhow::{bail, ensure, Context};
 use mlxnet_coordinator::config::CoordinatorConfig;
 use mlxnet_proto::{
     claim,
@@ -24,12 +29,13 @@ use mlxnet_proto::{
     },
 };
 use mlxnet_tests::{
-    coordinator_config, node_config_for, prompt_job, spawn_coordinator, spawn_node, state,
-    test_model, within, Client, JobRun, TestCoordinator, CLIENT_GRANT,
+    coordinator_config, mlx_node_binary, node_config_for, prompt_job, spawn_coordinator,
+    spawn_node, state, test_model, within, Client, JobRun, TestCoordinator, CLIENT_GRANT,
+    TEST_MODEL_ID,
 };
 
 /// A coordinator that notices a silent node within about a second.
-fn quick_config(dir: &std::path::Path) -> CoordinatorConfig {
+pub(crate) fn quick_config(dir: &std::path::Path) -> CoordinatorConfig {
     let mut config = coordinator_config(dir);
     config.heartbeat_interval_ms = 200;
     config.heartbeat_timeout_ms = 1_200;
@@ -37,14 +43,20 @@ fn quick_config(dir: &std::path::Path) -> CoordinatorConfig {
 }
 
 /// A long greedy job: the test model keeps writing for its whole budget.
-fn long_job() -> SubmitJobRequest {
+pub(crate) fn long_job() -> SubmitJobRequest {
     prompt_job("Once upon a time, in a small village by the sea,", 160)
 }
 
 /// The node process of [`a_killed_nodes_job_finishes_on_another_node_in_one_stream`].
+/// Run any other way (`--include-ignored`) it has no coordinator to dial and
+/// returns at once.
 #[test]
 #[ignore = "run as a child process by a_killed_nodes_job_finishes_on_another_node_in_one_stream"]
 fn node_child() -> anyhow::Result<()> {
+    if std::env::var_os("HANDOFF_QUIC").is_none() {
+        eprintln!("not started by a_killed_nodes_job_finishes_on_another_node_in_one_stream: nothing to do");
+        return Ok(());
+    }
     let var = |k: &str| std::env::var(k).with_context(|| format!("{k} is not set"));
     let config = node_config_for(
         std::path::Path::new(&var("HANDOFF_NODE_DIR")?),
@@ -96,7 +108,11 @@ fn spawn_node_process(
 }
 
 /// Waits until `job` has streamed at least `n` tokens (from a watch of its own).
-async fn streamed_at_least(client: &mut Client, job: &str, n: usize) -> anyhow::Result<()> {
+pub(crate) async fn streamed_at_least(
+    client: &mut Client,
+    job: &str,
+    n: usize,
+) -> anyhow::Result<()> {
     let mut events = client
         .jobs
         .watch(WatchJobRequest {
@@ -141,7 +157,7 @@ fn price((input, output): (u64, u64), in_tokens: u64, out_tokens: u64) -> i64 {
 }
 
 /// The finished job's (last) signed claim.
-fn claim_of(run: &JobRun) -> anyhow::Result<ResultClaim> {
+pub(crate) fn claim_of(run: &JobRun) -> anyhow::Result<ResultClaim> {
     run.job
         .result
         .clone()
@@ -161,7 +177,7 @@ fn paid_for(p: (u64, u64), run: &JobRun) -> anyhow::Result<(i64, u64)> {
 
 /// The nodes a job was assigned to, in order (a watch that starts while
 /// the job is being assigned may see one assignment twice).
-fn nodes(run: &JobRun) -> Vec<&str> {
+pub(crate) fn nodes(run: &JobRun) -> Vec<&str> {
     let mut out: Vec<&str> = run.assigned_to.iter().map(String::as_str).collect();
     out.dedup();
     out
@@ -171,7 +187,7 @@ fn nodes(run: &JobRun) -> Vec<&str> {
 /// finishing claim is the second node's and covers only what it computed,
 /// bound to the input plus the tokens it resumed after. Returns how many
 /// tokens the first node streamed.
-fn check_one_stream(
+pub(crate) fn check_one_stream(
     run: &JobRun,
     request: &SubmitJobRequest,
     first: &str,
@@ -202,6 +218,40 @@ fn check_one_stream(
     Ok(cut)
 }
 
+/// A long job streaming on the one node registered with a coordinator, a
+/// watch following it to its end, and a second node ready to take it over.
+pub(crate) struct Underway {
+    pub client: Client,
+    pub request: SubmitJobRequest,
+    pub followed: tokio::task::JoinHandle<anyhow::Result<JobRun>>,
+    pub survivor: mlxnet_tests::TestNode,
+}
+
+/// Submits [`long_job`] to `coord`, waits until 8 tokens streamed, then
+/// starts the survivor (data in `dir/survivor`).
+pub(crate) async fn long_job_with_survivor(
+    coord: &TestCoordinator,
+    dir: &std::path::Path,
+) -> anyhow::Result<Underway> {
+    let mut client = coord.client().await?;
+    let request = long_job();
+    let job = client.jobs.submit(request.clone()).await?.into_inner();
+    let mut follower = client.clone();
+    let followed = tokio::spawn({
+        let id = job.id.clone();
+        async move { follower.follow(id).await }
+    });
+    streamed_at_least(&mut client, &job.id, 8).await?;
+    let mut survivor = spawn_node(coord.node_config(&dir.join("survivor"), "survivor")).await?;
+    survivor.registered().await?;
+    Ok(Underway {
+        client,
+        request,
+        followed,
+        survivor,
+    })
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_killed_nodes_job_finishes_on_another_node_in_one_stream() -> anyhow::Result<()> {
     test_model();
@@ -217,12 +267,15 @@ async fn a_killed_nodes_job_finishes_on_another_node_in_one_stream() -> anyhow::
         async move { follower.follow(id).await }
     });
     streamed_at_least(&mut client, &job.id, 8).await?;
+    // Killed on the event (8 tokens streamed), with the rest of the job
+    // still to write; the job waits in the queue for the second node,
+    // which starts only now: no race between its start-up and the job.
+    doomed.kill()?; // SIGKILL: no goodbye reaches the coordinator
+    let _ = doomed.wait();
 
     let mut survivor =
         spawn_node(coord.node_config(&dir.path().join("survivor"), "survivor")).await?;
     survivor.registered().await?;
-    doomed.kill()?; // SIGKILL: no goodbye reaches the coordinator
-    let _ = doomed.wait();
 
     let run = within("the resumed job", followed).await???;
     let cut = check_one_stream(&run, &request, &doomed_id, &survivor.id.to_string())?;
@@ -283,25 +336,33 @@ async fn a_draining_nodes_job_finishes_on_another_node_and_it_takes_no_new_job(
     });
     streamed_at_least(&mut client, &job.id, 8).await?;
 
-    let mut survivor =
-        spawn_node(coord.node_config(&dir.path().join("survivor"), "survivor")).await?;
-    survivor.registered().await?;
-    let survivor_id = survivor.id.to_string();
-    // The owner returns: the node drains (as on SIGTERM) and leaves.
+    // The owner returns: the node drains (as on SIGTERM) and leaves. On
+    // the event (8 tokens streamed), with the rest of the job to write.
     let stopped = tokio::spawn(draining.stop());
     within("the coordinator to see the drain", async {
         loop {
             let models = client.models.list(ListModelsRequest {}).await?.into_inner();
-            if models.models.first().is_some_and(|m| m.nodes_serving == 1) {
+            if models.models.first().is_some_and(|m| m.nodes_serving == 0) {
                 return anyhow::Ok(());
             }
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
     })
     .await??;
-    let newcomer = client
-        .run_job(prompt_job("The capital of France is", 8))
-        .await?;
+    // Submitted while the draining node is the only one: it must wait for
+    // another. (Nothing here needs the draining node to still be there.)
+    let newcomer_job = client
+        .jobs
+        .submit(prompt_job("The capital of France is", 8))
+        .await?
+        .into_inner();
+    // The second node starts only now: the handed-off job and the
+    // newcomer wait in the queue for it, however long it takes to start.
+    let mut survivor =
+        spawn_node(coord.node_config(&dir.path().join("survivor"), "survivor")).await?;
+    survivor.registered().await?;
+    let survivor_id = survivor.id.to_string();
+    let newcomer = client.follow(newcomer_job.id).await?;
     assert_eq!(state(&newcomer.job), JobState::Completed);
     assert_eq!(
         (nodes(&newcomer), newcomer.job.attempt),
@@ -350,6 +411,124 @@ async fn a_draining_nodes_job_finishes_on_another_node_and_it_takes_no_new_job(
     assert_eq!(
         balance.balance_micro_mlx,
         CLIENT_GRANT - job_price - newcomer_price
+    );
+    Ok(())
+}
+
+/// The real `mlx-node` binary, stopped as launchd and systemd stop it
+/// (SIGTERM) in the middle of a job: it drains (the coordinator places
+/// nothing more on it), hands the job off at the end of its grace period,
+/// and exits with status 0; the job finishes on another node in one stream,
+/// and the drained node is paid for the tokens it streamed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_drains_a_real_mlx_node_process_which_hands_off_and_exits_0() -> anyhow::Result<()>
+{
+    let model = test_model();
+    let bin = mlx_node_binary()?;
+    let dir = tempfile::tempdir()?;
+    let coord = spawn_coordinator(quick_config(&dir.path().join("coord"))).await?;
+    let mut child = Command::new(&bin)
+        .args([
+            "run",
+            "--threads",
+            "1",
+            "--name",
+            "sigterm",
+            "--coordinator",
+        ])
+        .arg(coord.quic_addr.to_string())
+        .arg("--fingerprint")
+        .arg(&coord.fingerprint)
+        .arg("--model")
+        .arg(format!("{TEST_MODEL_ID}={}", model.display()))
+        .arg("--data-dir")
+        .arg(dir.path().join("sigterm"))
+        .env(
+            "MLX_NODE__OPERATOR_ACCOUNT",
+            &coord.accounts.operator_account,
+        )
+        .env("MLX_NODE__DRAIN_GRACE_MS", "300")
+        .env("RUST_LOG", "warn")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .with_context(|| format!("starting {}", bin.display()))?;
+    let stdout = child.stdout.take().context("no stdout")?;
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+            if let Some(id) = line.strip_prefix("node ") {
+                let _ = tx.send(id.to_owned());
+            }
+        }
+    });
+    let node_id = within("the node's id", async {
+        tokio::task::block_in_place(|| rx.recv())
+    })
+    .await??;
+    let mut client = coord.client().await?;
+    let watcher = client.clone();
+    let serving = |n: u32| {
+        let mut client = watcher.clone();
+        async move {
+            within("the coordinator's view of the node", async {
+                loop {
+                    let models = client.models.list(ListModelsRequest {}).await?.into_inner();
+                    if models.models.first().is_some_and(|m| m.nodes_serving == n) {
+                        return anyhow::Ok(());
+                    }
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+            })
+            .await?
+        }
+    };
+    serving(1).await?;
+
+    let request = long_job();
+    let job = client.jobs.submit(request.clone()).await?.into_inner();
+    let mut follower = client.clone();
+    let followed = tokio::spawn({
+        let id = job.id.clone();
+        async move { follower.follow(id).await }
+    });
+    streamed_at_least(&mut client, &job.id, 8).await?;
+    let pid = child.id().to_string();
+    let term = Command::new("sh")
+        .args(["-c", "kill -TERM \"$0\"", &pid])
+        .status()?;
+    ensure!(term.success(), "kill -TERM {pid}: {term}");
+    // Draining: the coordinator places nothing more on it.
+    serving(0).await?;
+    let status = within("the drained process to exit", async {
+        tokio::task::block_in_place(|| child.wait())
+    })
+    .await??;
+    assert_eq!(
+        status.code(),
+        Some(0),
+        "mlx-node exits cleanly after a drain"
+    );
+
+    let survivor = spawn_node(coord.node_config(&dir.path().join("survivor"), "survivor")).await?;
+    let run = within("the handed-off job", followed).await???;
+    let cut = check_one_stream(&run, &request, &node_id, &survivor.id.to_string())?;
+    let earned = coord
+        .client_with(Some(&coord.accounts.operator_key))
+        .await?
+        .accounts
+        .earnings(EarningsRequest {})
+        .await?
+        .into_inner();
+    let tokens = earned
+        .nodes
+        .iter()
+        .find(|n| n.node_id == node_id)
+        .and_then(|n| n.all_time)
+        .map_or(0, |p| p.tokens);
+    assert_eq!(
+        tokens, cut as u64,
+        "the drained node is paid what it streamed"
     );
     Ok(())
 }

@@ -10,6 +10,7 @@ mod handoff;
 mod jobs;
 mod ledger;
 mod models;
+mod owner;
 mod pod;
 mod restart;
 mod validation;

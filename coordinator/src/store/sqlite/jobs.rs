@@ -4,21 +4,18 @@
 //! Every function runs on the connection it is given: the pool's, or a
 //! transaction the caller began and commits.
 
-use mlxnet_proto::{
-    ids::JobId,
-    v1::{JobInput, ResultClaim, SamplingParams, SignedClaim},
-};
+use mlxnet_proto::ids::JobId;
 use prost::Message;
-use sqlx::{sqlite::SqliteRow, Row, SqliteConnection};
+use sqlx::{Row, SqliteConnection};
 
-use super::super::{Result, StoreError};
-use crate::domain::{
-    AttemptEnd, CancelOutcome, Completion, JobRecord, JobState, JobStats, NewJob, Segment,
-    Streamed, StreamedEnd,
+use super::super::{
+    rows::{self, JOB_COLUMNS},
+    Result, StoreError,
 };
-
-const JOB_COLUMNS: &str = "id, model, input, sampling, state, attempt, node_id, output_text, \
-     completion_tokens, claim, signature, error, created_at_ms, updated_at_ms, priority";
+use crate::domain::{
+    AttemptEnd, CancelOutcome, Completion, JobRecord, JobStats, NewJob, Segment, Streamed,
+    StreamedEnd,
+};
 
 /// Inserts queued jobs (attempt 1), each created at its own time, with
 /// multi-row INSERTs (see [`insert_rows`]).
@@ -91,7 +88,7 @@ pub(super) async fn get(conn: &mut SqliteConnection, id: JobId) -> Result<Option
         .bind(id.to_string())
         .fetch_optional(&mut *conn)
         .await?;
-    row.map(|r| job_from_row(&r)).transpose()
+    row.as_ref().map(rows::job).transpose()
 }
 
 pub(super) async fn list(conn: &mut SqliteConnection, limit: u32) -> Result<Vec<JobRecord>> {
@@ -101,7 +98,7 @@ pub(super) async fn list(conn: &mut SqliteConnection, limit: u32) -> Result<Vec<
     .bind(i64::from(limit))
     .fetch_all(&mut *conn)
     .await?;
-    rows.iter().map(job_from_row).collect()
+    rows.iter().map(rows::job).collect()
 }
 
 pub(super) async fn queued(conn: &mut SqliteConnection, limit: u32) -> Result<Vec<JobRecord>> {
@@ -111,7 +108,26 @@ pub(super) async fn queued(conn: &mut SqliteConnection, limit: u32) -> Result<Ve
     .bind(i64::from(limit))
     .fetch_all(&mut *conn)
     .await?;
-    rows.iter().map(job_from_row).collect()
+    rows.iter().map(rows::job).collect()
+}
+
+/// Queued jobs, oldest first, with their paying accounts, claimed for the
+/// caller's transaction (see `Store::claim_queued`). One writer at a time (`BEGIN IMMEDIATE`) keeps claims apart.
+pub(super) async fn claim(
+    conn: &mut SqliteConnection,
+    limit: u32,
+) -> Result<Vec<(JobRecord, Option<String>)>> {
+    let rows = sqlx::query(&format!(
+        "SELECT {JOB_COLUMNS}, \
+           (SELECT account_id FROM job_holds h WHERE h.job_id = jobs.id) AS account_id \
+         FROM jobs WHERE state = 'queued' ORDER BY created_at_ms, id LIMIT ?"
+    ))
+    .bind(i64::from(limit))
+    .fetch_all(&mut *conn)
+    .await?;
+    rows.iter()
+        .map(|r| Ok((rows::job(r)?, rows::Columns::opt_text(r, "account_id")?)))
+        .collect()
 }
 
 pub(super) async fn accounts(
@@ -144,30 +160,15 @@ pub(super) async fn count_queued(conn: &mut SqliteConnection) -> Result<u64> {
 }
 
 pub(super) async fn stats(conn: &mut SqliteConnection) -> Result<JobStats> {
-    let rows = sqlx::query(
-        "SELECT state, COUNT(*) AS n, COALESCE(SUM(completion_tokens), 0) AS tokens FROM jobs GROUP BY state",
+    let rows: Vec<(String, i64, i64)> = sqlx::query_as(
+        "SELECT state, COUNT(*), COALESCE(SUM(completion_tokens), 0) FROM jobs GROUP BY state",
     )
     .fetch_all(&mut *conn)
     .await?;
-    let mut stats = JobStats::default();
-    for row in rows {
-        let state: String = row.try_get("state")?;
-        let n: i64 = row.try_get("n")?;
-        let n = n as u64;
-        match state.as_str() {
-            "queued" => stats.queued += n,
-            "assigned" | "running" => stats.running += n,
-            "completed" => {
-                stats.completed += n;
-                let tokens: i64 = row.try_get("tokens")?;
-                stats.tokens_generated = tokens as u64;
-            }
-            "failed" => stats.failed += n,
-            "cancelled" => stats.cancelled += n,
-            _ => {}
-        }
-    }
-    Ok(stats)
+    Ok(JobStats::of(
+        rows.iter()
+            .map(|(s, n, t)| (s.as_str(), *n as u64, *t as u64)),
+    ))
 }
 
 /// `queued -> assigned` (see `Store::assign`), on the caller's transaction.
@@ -312,7 +313,7 @@ pub(super) async fn end_attempt(
         .bind(end.node_id)
         .bind(i64::from(segment.first_index))
         .bind(segment.token_ids.len() as i64)
-        .bind(encode_ids(&segment.token_ids))
+        .bind(rows::encode_ids(&segment.token_ids))
         .bind(&segment.text)
         .bind(claim)
         .bind(signature)
@@ -404,7 +405,7 @@ pub(super) async fn cancel(
                 .await?;
             match state {
                 None => CancelOutcome::NotFound,
-                Some(s) => CancelOutcome::AlreadyFinished(parse_state(&id.to_string(), &s)?),
+                Some(s) => CancelOutcome::AlreadyFinished(rows::parse_state(&id.to_string(), &s)?),
             }
         }
     })
@@ -460,100 +461,5 @@ pub(super) async fn segments(conn: &mut SqliteConnection, job: JobId) -> Result<
     .bind(&id)
     .fetch_all(&mut *conn)
     .await?;
-    let corrupt = |what: String| StoreError::Corrupt {
-        id: id.clone(),
-        what,
-    };
-    rows.iter()
-        .map(|r| {
-            let attempt: i64 = r.try_get("attempt")?;
-            let first: i64 = r.try_get("first_index")?;
-            let ids: Vec<u8> = r.try_get("token_ids")?;
-            let claim: Option<Vec<u8>> = r.try_get("claim")?;
-            let signature: Option<Vec<u8>> = r.try_get("signature")?;
-            let claim = match claim {
-                Some(bytes) => Some(SignedClaim {
-                    claim: Some(
-                        ResultClaim::decode(bytes.as_slice())
-                            .map_err(|e| corrupt(format!("segment claim: {e}")))?,
-                    ),
-                    signature: signature.unwrap_or_default(),
-                }),
-                None => None,
-            };
-            Ok(Segment {
-                attempt: attempt as u32,
-                node_id: r.try_get("node_id")?,
-                first_index: first as u32,
-                token_ids: decode_ids(&ids).ok_or_else(|| corrupt("segment token ids".into()))?,
-                text: r.try_get("text")?,
-                claim,
-            })
-        })
-        .collect()
-}
-
-fn encode_ids(ids: &[u32]) -> Vec<u8> {
-    ids.iter().flat_map(|t| t.to_le_bytes()).collect()
-}
-
-fn decode_ids(bytes: &[u8]) -> Option<Vec<u32>> {
-    if !bytes.len().is_multiple_of(4) {
-        return None;
-    }
-    Some(
-        bytes
-            .chunks_exact(4)
-            .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-            .collect(),
-    )
-}
-
-fn parse_state(id: &str, s: &str) -> Result<JobState> {
-    s.parse().map_err(|_| StoreError::Corrupt {
-        id: id.to_owned(),
-        what: format!("unknown state {s:?}"),
-    })
-}
-
-fn job_from_row(row: &SqliteRow) -> Result<JobRecord> {
-    let id_text: String = row.try_get("id")?;
-    let corrupt = |what: String| StoreError::Corrupt {
-        id: id_text.clone(),
-        what,
-    };
-    let id: JobId = id_text.parse().map_err(|e| corrupt(format!("{e}")))?;
-    let input: Vec<u8> = row.try_get("input")?;
-    let sampling: Vec<u8> = row.try_get("sampling")?;
-    let state: String = row.try_get("state")?;
-    let attempt: i64 = row.try_get("attempt")?;
-    let completion_tokens: i64 = row.try_get("completion_tokens")?;
-    let claim: Option<Vec<u8>> = row.try_get("claim")?;
-    let signature: Option<Vec<u8>> = row.try_get("signature")?;
-    let result = match (claim, signature) {
-        (Some(c), Some(signature)) => Some(SignedClaim {
-            claim: Some(
-                ResultClaim::decode(c.as_slice()).map_err(|e| corrupt(format!("claim: {e}")))?,
-            ),
-            signature,
-        }),
-        _ => None,
-    };
-    Ok(JobRecord {
-        id,
-        model: row.try_get("model")?,
-        input: JobInput::decode(input.as_slice()).map_err(|e| corrupt(format!("input: {e}")))?,
-        sampling: SamplingParams::decode(sampling.as_slice())
-            .map_err(|e| corrupt(format!("sampling: {e}")))?,
-        state: parse_state(&id_text, &state)?,
-        priority: row.try_get::<i64, _>("priority")?.clamp(0, 3) as u8,
-        attempt: attempt as u32,
-        node_id: row.try_get("node_id")?,
-        output_text: row.try_get("output_text")?,
-        completion_tokens: completion_tokens as u32,
-        result,
-        error: row.try_get("error")?,
-        created_at_ms: row.try_get("created_at_ms")?,
-        updated_at_ms: row.try_get("updated_at_ms")?,
-    })
+    rows.iter().map(|r| rows::segment(&id, r)).collect()
 }

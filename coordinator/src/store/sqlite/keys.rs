@@ -1,21 +1,10 @@
 //! API keys: only each key's SHA-256 is stored, with its public id,
 //! scopes, label, expiry, revocation and own limits.
 
-use sqlx::{Row, SqliteConnection};
+use sqlx::SqliteConnection;
 
-use super::super::{NewKey, Result, StoreError};
-use crate::domain::{Caller, KeyInfo, KeyLimits, Scopes, StoredKey};
-
-fn scopes(key: &str, text: &str) -> Result<Scopes> {
-    Scopes::from_text(text).map_err(|e| StoreError::Corrupt {
-        id: format!("key {key}"),
-        what: e.to_string(),
-    })
-}
-
-fn limit(v: Option<i64>) -> Option<u32> {
-    v.map(|n| u32::try_from(n.max(0)).unwrap_or(u32::MAX))
-}
+use super::super::{rows, NewKey, Result};
+use crate::domain::{KeyInfo, KeyLimits, StoredKey};
 
 pub(super) async fn insert(conn: &mut SqliteConnection, k: &NewKey) -> Result<()> {
     sqlx::query(
@@ -48,21 +37,7 @@ pub(super) async fn by_hash(
     .bind(now_ms)
     .fetch_optional(&mut *conn)
     .await?;
-    let Some(r) = row else { return Ok(None) };
-    let id: String = r.try_get("id")?;
-    let text: String = r.try_get("scopes")?;
-    Ok(Some(StoredKey {
-        caller: Caller {
-            account_id: r.try_get("account_id")?,
-            scopes: scopes(&id, &text)?,
-            limits: KeyLimits {
-                requests_per_sec: limit(r.try_get("max_requests_per_sec")?),
-                max_in_flight: limit(r.try_get("max_in_flight")?),
-            },
-            key_id: id,
-        },
-        expires_at_ms: r.try_get("expires_at_ms")?,
-    }))
+    row.as_ref().map(rows::stored_key).transpose()
 }
 
 pub(super) async fn set_limits(
@@ -108,19 +83,5 @@ pub(super) async fn list(conn: &mut SqliteConnection, account: &str) -> Result<V
     .bind(account)
     .fetch_all(&mut *conn)
     .await?;
-    rows.iter()
-        .map(|r| {
-            let id: String = r.try_get("id")?;
-            let text: String = r.try_get("scopes")?;
-            Ok(KeyInfo {
-                scopes: scopes(&id, &text)?,
-                id,
-                account_id: r.try_get("account_id")?,
-                label: r.try_get("label")?,
-                created_at_ms: r.try_get("created_at_ms")?,
-                expires_at_ms: r.try_get("expires_at_ms")?,
-                revoked_at_ms: r.try_get("revoked_at_ms")?,
-            })
-        })
-        .collect()
+    rows.iter().map(rows::key_info).collect()
 }

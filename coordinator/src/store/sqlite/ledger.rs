@@ -5,64 +5,16 @@
 
 use std::collections::{HashMap, HashSet};
 
-use sqlx::{sqlite::SqliteRow, Row, SqliteConnection};
+use sqlx::{Row, SqliteConnection};
 
 use super::{
-    super::{Anomaly, OpenHold, PayerBalance, Result, Side, StoreError},
+    super::{
+        rows::{self, ACCOUNT_COLUMNS, TRANSFER_COLUMNS},
+        Anomaly, OpenHold, PayerBalance, Result, Side, StoreError,
+    },
     jobs::insert_rows,
 };
-use crate::domain::{
-    Account, AccountKind, Availability, JobTerms, NodeEarnings, Price, Totals, Transfer,
-    TransferKind,
-};
-
-const ACCOUNT_COLUMNS: &str = "id, name, kind, no_overdraft, debits_pending, debits_posted, \
-     credits_pending, credits_posted, created_at_ms";
-
-const TRANSFER_COLUMNS: &str = "id, kind, debit_account, credit_account, amount, pending_id, \
-     deadline_ms, job_id, node_id, tokens, memo, created_at_ms";
-
-fn account_from_row(row: &SqliteRow) -> Result<Account> {
-    let id: String = row.try_get("id")?;
-    let kind: String = row.try_get("kind")?;
-    let no_overdraft: i64 = row.try_get("no_overdraft")?;
-    Ok(Account {
-        kind: AccountKind::parse(&kind).ok_or_else(|| StoreError::Corrupt {
-            id: format!("account {id}"),
-            what: format!("unknown account kind {kind:?}"),
-        })?,
-        id,
-        name: row.try_get("name")?,
-        no_overdraft: no_overdraft != 0,
-        debits_pending: row.try_get("debits_pending")?,
-        debits_posted: row.try_get("debits_posted")?,
-        credits_pending: row.try_get("credits_pending")?,
-        credits_posted: row.try_get("credits_posted")?,
-        created_at_ms: row.try_get("created_at_ms")?,
-    })
-}
-
-fn transfer_from_row(row: &SqliteRow) -> Result<Transfer> {
-    let id: String = row.try_get("id")?;
-    let kind: String = row.try_get("kind")?;
-    Ok(Transfer {
-        kind: TransferKind::parse(&kind).ok_or_else(|| StoreError::Corrupt {
-            id: format!("transfer {id}"),
-            what: format!("unknown transfer kind {kind:?}"),
-        })?,
-        id,
-        debit: row.try_get("debit_account")?,
-        credit: row.try_get("credit_account")?,
-        amount: row.try_get("amount")?,
-        pending_id: row.try_get("pending_id")?,
-        deadline_ms: row.try_get("deadline_ms")?,
-        job_id: row.try_get("job_id")?,
-        node_id: row.try_get("node_id")?,
-        tokens: row.try_get("tokens")?,
-        memo: row.try_get("memo")?,
-        created_at_ms: row.try_get("created_at_ms")?,
-    })
-}
+use crate::domain::{Account, Availability, JobTerms, NodeEarnings, Totals, Transfer};
 
 /// Inserts `a`; with `if_absent`, an existing id is left as it is.
 pub(super) async fn insert_account(
@@ -95,7 +47,7 @@ pub(super) async fn account(conn: &mut SqliteConnection, id: &str) -> Result<Opt
     .bind(id)
     .fetch_optional(&mut *conn)
     .await?;
-    row.map(|r| account_from_row(&r)).transpose()
+    row.as_ref().map(rows::account).transpose()
 }
 
 pub(super) async fn transfer(conn: &mut SqliteConnection, id: &str) -> Result<Option<Transfer>> {
@@ -105,7 +57,7 @@ pub(super) async fn transfer(conn: &mut SqliteConnection, id: &str) -> Result<Op
     .bind(id)
     .fetch_optional(&mut *conn)
     .await?;
-    row.map(|r| transfer_from_row(&r)).transpose()
+    row.as_ref().map(rows::transfer).transpose()
 }
 
 pub(super) async fn history(
@@ -121,7 +73,7 @@ pub(super) async fn history(
     .bind(i64::from(limit))
     .fetch_all(&mut *conn)
     .await?;
-    rows.iter().map(transfer_from_row).collect()
+    rows.iter().map(rows::transfer).collect()
 }
 
 pub(super) async fn job_transfers(conn: &mut SqliteConnection, job: &str) -> Result<Vec<Transfer>> {
@@ -131,7 +83,7 @@ pub(super) async fn job_transfers(conn: &mut SqliteConnection, job: &str) -> Res
     .bind(job)
     .fetch_all(&mut *conn)
     .await?;
-    rows.iter().map(transfer_from_row).collect()
+    rows.iter().map(rows::transfer).collect()
 }
 
 pub(super) async fn earnings(
@@ -149,16 +101,7 @@ pub(super) async fn earnings(
     .bind(since_ms)
     .fetch_all(&mut *conn)
     .await?;
-    rows.iter()
-        .map(|r| {
-            Ok(NodeEarnings {
-                node_id: r.try_get("node_id")?,
-                micro_mlx: r.try_get("micro_mlx")?,
-                jobs: r.try_get("jobs")?,
-                tokens: r.try_get("tokens")?,
-            })
-        })
-        .collect()
+    rows.iter().map(rows::earnings).collect()
 }
 
 pub(super) async fn jobs_of(
@@ -310,19 +253,7 @@ pub(super) async fn job_terms(conn: &mut SqliteConnection, job: &str) -> Result<
     .bind(job)
     .fetch_optional(&mut *conn)
     .await?;
-    row.map(|r| {
-        let input: i64 = r.try_get("input_per_mtok")?;
-        let output: i64 = r.try_get("output_per_mtok")?;
-        Ok(JobTerms {
-            account: r.try_get("account_id")?,
-            price: Price {
-                input_per_mtok: input.max(0) as u64,
-                output_per_mtok: output.max(0) as u64,
-            },
-            max_price: r.try_get("max_price")?,
-        })
-    })
-    .transpose()
+    row.as_ref().map(rows::terms).transpose()
 }
 
 pub(super) async fn insert_terms(
@@ -510,24 +441,13 @@ pub(super) async fn payers(
         what: format!("do not encode: {e}"),
     })?;
     let rows = sqlx::query(
-        "SELECT id, no_overdraft, credits_posted - debits_posted - debits_pending FROM accounts \
-         WHERE id IN (SELECT value FROM json_each(?1))",
+        "SELECT id, no_overdraft, credits_posted - debits_posted - debits_pending AS available \
+         FROM accounts WHERE id IN (SELECT value FROM json_each(?1))",
     )
     .bind(list)
     .fetch_all(&mut *conn)
     .await?;
-    rows.iter()
-        .map(|r| {
-            let no_overdraft: i64 = r.try_get(1)?;
-            Ok((
-                r.try_get(0)?,
-                PayerBalance {
-                    no_overdraft: no_overdraft != 0,
-                    available: r.try_get(2)?,
-                },
-            ))
-        })
-        .collect()
+    rows.iter().map(rows::payer).collect()
 }
 
 pub(super) async fn operator_of(
@@ -609,17 +529,7 @@ pub(super) async fn availability(
     .bind(epoch)
     .fetch_all(&mut *conn)
     .await?;
-    rows.iter()
-        .map(|r| {
-            let memory: i64 = r.try_get("memory_bytes")?;
-            let online: i64 = r.try_get("online_ms")?;
-            Ok(Availability {
-                node_id: r.try_get("node_id")?,
-                memory_bytes: memory.max(0) as u64,
-                online_ms: online.max(0) as u64,
-            })
-        })
-        .collect()
+    rows.iter().map(rows::availability).collect()
 }
 
 pub(super) async fn mark_epoch_paid(

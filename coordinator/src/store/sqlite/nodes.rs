@@ -1,8 +1,8 @@
 //! Registered nodes: one row per node id, online or offline.
 
-use sqlx::{Row, SqliteConnection};
+use sqlx::SqliteConnection;
 
-use super::super::Result;
+use super::super::{rows, Result};
 use crate::domain::NodeRecord;
 
 pub(super) async fn upsert(conn: &mut SqliteConnection, node: &NodeRecord, now: i64) -> Result<()> {
@@ -56,19 +56,7 @@ pub(super) async fn get(
             .bind(id)
             .fetch_optional(&mut *conn)
             .await?;
-    row.map(|r| {
-        Ok((
-            NodeRecord {
-                id: r.try_get("id")?,
-                name: r.try_get("name")?,
-                hardware: r.try_get("hardware")?,
-                models: r.try_get("models")?,
-                version: r.try_get("version")?,
-            },
-            r.try_get("status")?,
-        ))
-    })
-    .transpose()
+    row.as_ref().map(rows::node).transpose()
 }
 
 pub(super) async fn count(conn: &mut SqliteConnection) -> Result<u64> {

@@ -4,9 +4,12 @@
 //! and INIT → RTR → RTS, posting through the context's ops table, polling)
 //! runs here without RDMA hardware. Test double only.
 //!
-//! Devices: `fake0` (port up), `fake_down` (port down), `fake_lossy` (its
-//! queue pairs silently drop their third send, as an unreliable-connected
-//! queue pair may). Queue pairs find each other by number, as on a fabric.
+//! Devices: `fake0` and `fake1` (ports up), `fake_down` (port down),
+//! `fake_lossy` (its queue pairs silently drop their third send, as an
+//! unreliable-connected queue pair may), `fake_flaky` (a cable that can be
+//! pulled: once [`break_flaky_after`]'s count of sends over it has passed,
+//! its frames are no longer delivered and every send completes with the
+//! error a reliable queue pair gives when its retries run out). Queue pairs find each other by number, as on a fabric.
 //! Reliable (RC) pairs queue a frame that finds no posted receive until one
 //! is posted; unreliable (UC) pairs drop it.
 //!
@@ -18,20 +21,39 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::ffi::{c_char, c_int, c_void};
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Mutex, MutexGuard, OnceLock};
 
 use super::ffi::*;
 
-const NAMES: [&std::ffi::CStr; 3] = [c"fake0", c"fake_down", c"fake_lossy"];
+const NAMES: [&std::ffi::CStr; 5] = [
+    c"fake0",
+    c"fake_down",
+    c"fake_lossy",
+    c"fake1",
+    c"fake_flaky",
+];
+const FLAKY: usize = 4;
 const LKEY: u32 = 0x5eed;
 const EINVAL: c_int = 22;
 const ENOMEM: c_int = 12;
 const IBV_WC_SEND: c_int = 0;
 const IBV_WC_LOC_LEN_ERR: c_int = 1;
+const IBV_WC_WR_FLUSH_ERR: c_int = 5;
 
 /// One byte per device; its address is the `ibv_device *`.
-static DEVICES: [u8; 3] = [0, 1, 2];
+static DEVICES: [u8; 5] = [0, 1, 2, 3, 4];
+
+/// Sends over `fake_flaky` so far, and after how many it breaks.
+static FLAKY_SENDS: AtomicU64 = AtomicU64::new(0);
+static FLAKY_BREAKS_AT: AtomicU64 = AtomicU64::new(u64::MAX);
+
+/// `fake_flaky` stops delivering after `sends` more sends over it (by any
+/// queue pair of the process).
+pub fn break_flaky_after(sends: u64) {
+    let now = FLAKY_SENDS.load(Ordering::SeqCst);
+    FLAKY_BREAKS_AT.store(now.saturating_add(sends), Ordering::SeqCst);
+}
 
 fn device_index(d: *const c_void) -> usize {
     (d as usize) - (DEVICES.as_ptr() as usize)
@@ -42,6 +64,33 @@ struct FakeCq {
     cq: Cq,
     wcs: VecDeque<Wc>,
     overrun: bool,
+    channel: *mut FakeChannel,
+    armed: bool,
+}
+
+/// A completion channel: a pipe whose read end is the channel's fd; an
+/// armed queue's next completion writes a byte and queues the event.
+#[repr(C)]
+struct FakeChannel {
+    ch: CompChannel,
+    write_fd: c_int,
+    events: VecDeque<*mut FakeCq>,
+}
+
+/// Events handed out by `ibv_get_cq_event`, process-wide.
+static CHANNEL_EVENTS: AtomicU64 = AtomicU64::new(0);
+
+/// Completion queues armed for an event (`ibv_req_notify_cq`), process-wide.
+static ARMED: AtomicU64 = AtomicU64::new(0);
+
+/// How many completion events waiters have taken from channels so far.
+pub fn channel_events() -> u64 {
+    CHANNEL_EVENTS.load(Ordering::SeqCst)
+}
+
+/// How many times a completion queue was armed so far.
+pub fn armed() -> u64 {
+    ARMED.load(Ordering::SeqCst)
 }
 
 #[repr(C)]
@@ -89,12 +138,73 @@ fn set_errno(e: c_int) {
 }
 
 unsafe fn push(cq: *mut FakeCq, wc: Wc) {
-    let cq = &mut *cq;
-    if cq.wcs.len() >= cq.cq.cqe as usize {
-        cq.overrun = true;
+    let q = &mut *cq;
+    if q.wcs.len() >= q.cq.cqe as usize {
+        q.overrun = true;
     }
-    cq.wcs.push_back(wc);
+    q.wcs.push_back(wc);
+    if q.armed && !q.channel.is_null() {
+        q.armed = false;
+        let ch = &mut *q.channel;
+        ch.events.push_back(cq);
+        let byte = 1u8;
+        libc::write(ch.write_fd, (&byte as *const u8).cast(), 1);
+    }
 }
+
+unsafe extern "C" fn req_notify_cq(cq: *mut Cq, _solicited_only: c_int) -> c_int {
+    let _w = world();
+    (*cq.cast::<FakeCq>()).armed = true;
+    ARMED.fetch_add(1, Ordering::SeqCst);
+    0
+}
+
+unsafe extern "C" fn create_comp_channel(ctx: *mut Context) -> *mut CompChannel {
+    let mut fds = [0 as c_int; 2];
+    if libc::pipe(fds.as_mut_ptr()) != 0 {
+        return std::ptr::null_mut();
+    }
+    Box::into_raw(Box::new(FakeChannel {
+        ch: CompChannel {
+            context: ctx,
+            fd: fds[0],
+            refcnt: 0,
+        },
+        write_fd: fds[1],
+        events: VecDeque::new(),
+    }))
+    .cast()
+}
+
+unsafe extern "C" fn destroy_comp_channel(ch: *mut CompChannel) -> c_int {
+    let _w = world();
+    let ch = Box::from_raw(ch.cast::<FakeChannel>());
+    libc::close(ch.ch.fd);
+    libc::close(ch.write_fd);
+    0
+}
+
+unsafe extern "C" fn get_cq_event(
+    ch: *mut CompChannel,
+    cq: *mut *mut Cq,
+    cq_context: *mut *mut c_void,
+) -> c_int {
+    let fd = (*ch).fd;
+    let mut byte = 0u8;
+    if libc::read(fd, (&mut byte as *mut u8).cast(), 1) != 1 {
+        return -1;
+    }
+    let _w = world();
+    let Some(q) = (*ch.cast::<FakeChannel>()).events.pop_front() else {
+        return -1;
+    };
+    *cq = q.cast();
+    *cq_context = (*q).cq.cq_context;
+    CHANNEL_EVENTS.fetch_add(1, Ordering::SeqCst);
+    0
+}
+
+unsafe extern "C" fn ack_cq_events(_cq: *mut Cq, _n: std::ffi::c_uint) {}
 
 unsafe extern "C" fn get_device_list(n: *mut c_int) -> *mut *mut c_void {
     if !n.is_null() {
@@ -123,7 +233,8 @@ unsafe extern "C" fn open_device(d: *mut c_void) -> *mut Context {
         ops: ContextOps {
             head: [std::ptr::null_mut(); 11],
             poll_cq: Some(poll_cq),
-            mid: [std::ptr::null_mut(); 13],
+            req_notify_cq: Some(req_notify_cq),
+            mid: [std::ptr::null_mut(); 12],
             post_send: Some(post_send),
             post_recv: Some(post_recv),
             tail: [std::ptr::null_mut(); 5],
@@ -200,20 +311,22 @@ unsafe extern "C" fn dereg_mr(mr: *mut Mr) -> c_int {
 unsafe extern "C" fn create_cq(
     ctx: *mut Context,
     cqe: c_int,
-    _cq_context: *mut c_void,
-    _channel: *mut c_void,
+    cq_context: *mut c_void,
+    channel: *mut CompChannel,
     _vector: c_int,
 ) -> *mut Cq {
     Box::into_raw(Box::new(FakeCq {
         cq: Cq {
             context: ctx,
-            channel: std::ptr::null_mut(),
-            cq_context: std::ptr::null_mut(),
+            channel: channel.cast(),
+            cq_context,
             handle: 0,
             cqe,
         },
         wcs: VecDeque::new(),
         overrun: false,
+        channel: channel.cast(),
+        armed: false,
     }))
     .cast()
 }
@@ -350,6 +463,26 @@ unsafe extern "C" fn post_send(qp: *mut Qp, wr: *mut SendWr, _bad: *mut *mut Sen
     let bytes = std::slice::from_raw_parts(sge.addr as *const u8, sge.length as usize).to_vec();
     q.sends += 1;
     let lost = q.device == 2 && q.sends == 3;
+    if q.device == FLAKY
+        && FLAKY_SENDS.fetch_add(1, Ordering::SeqCst) >= FLAKY_BREAKS_AT.load(Ordering::SeqCst)
+    {
+        // The cable is out: nothing arrives, the send fails.
+        let status = if q.qp.qp_type == IBV_QPT_RC {
+            IBV_WC_RETRY_EXC_ERR
+        } else {
+            IBV_WC_WR_FLUSH_ERR
+        };
+        push(
+            q.cq,
+            Wc {
+                wr_id: wr.wr_id,
+                status,
+                qp_num: q.qp.qp_num,
+                ..Wc::default()
+            },
+        );
+        return 0;
+    }
     match w.qps.get(&q.dest) {
         Some(&dest) if !lost => {
             let d = &mut *(dest as *mut FakeQp);
@@ -444,5 +577,11 @@ pub fn library() -> &'static Library {
         create_qp,
         modify_qp,
         destroy_qp,
+        channels: Some(Channels {
+            create: create_comp_channel,
+            destroy: destroy_comp_channel,
+            get_event: get_cq_event,
+            ack: ack_cq_events,
+        }),
     })
 }

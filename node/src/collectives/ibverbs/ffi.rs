@@ -271,6 +271,7 @@ pub struct Mr {
 }
 
 type PostSend = unsafe extern "C" fn(*mut Qp, *mut SendWr, *mut *mut SendWr) -> c_int;
+type ReqNotifyCq = unsafe extern "C" fn(*mut Cq, c_int) -> c_int;
 type PostRecv = unsafe extern "C" fn(*mut Qp, *mut RecvWr, *mut *mut RecvWr) -> c_int;
 type PollCq = unsafe extern "C" fn(*mut Cq, c_int, *mut Wc) -> c_int;
 
@@ -281,8 +282,9 @@ pub struct ContextOps {
     /// `_compat_query_device` .. `_compat_create_cq` (11 entries).
     pub head: [*mut c_void; 11],
     pub poll_cq: Option<PollCq>,
-    /// `req_notify_cq` .. `_compat_destroy_qp` (13 entries).
-    pub mid: [*mut c_void; 13],
+    pub req_notify_cq: Option<ReqNotifyCq>,
+    /// `_compat_cq_event` .. `_compat_destroy_qp` (12 entries).
+    pub mid: [*mut c_void; 12],
     pub post_send: Option<PostSend>,
     pub post_recv: Option<PostRecv>,
     /// `_compat_create_ah` .. `_compat_async_event` (5 entries).
@@ -328,6 +330,16 @@ pub struct Cq {
     pub cqe: c_int,
 }
 
+/// `struct ibv_comp_channel`: a file descriptor that becomes readable
+/// when an armed completion queue gets a completion.
+#[repr(C)]
+#[derive(Debug)]
+pub struct CompChannel {
+    pub context: *mut Context,
+    pub fd: c_int,
+    pub refcnt: c_int,
+}
+
 /// Opaque `struct ibv_device` / `struct ibv_pd`.
 pub type Device = c_void;
 pub type Pd = c_void;
@@ -344,11 +356,25 @@ type FnDeallocPd = unsafe extern "C" fn(*mut Pd) -> c_int;
 type FnRegMr = unsafe extern "C" fn(*mut Pd, *mut c_void, usize, c_int) -> *mut Mr;
 type FnDeregMr = unsafe extern "C" fn(*mut Mr) -> c_int;
 type FnCreateCq =
-    unsafe extern "C" fn(*mut Context, c_int, *mut c_void, *mut c_void, c_int) -> *mut Cq;
+    unsafe extern "C" fn(*mut Context, c_int, *mut c_void, *mut CompChannel, c_int) -> *mut Cq;
 type FnDestroyCq = unsafe extern "C" fn(*mut Cq) -> c_int;
 type FnCreateQp = unsafe extern "C" fn(*mut Pd, *mut QpInitAttr) -> *mut Qp;
 type FnModifyQp = unsafe extern "C" fn(*mut Qp, *mut QpAttr, c_int) -> c_int;
 type FnDestroyQp = unsafe extern "C" fn(*mut Qp) -> c_int;
+type FnCreateCompChannel = unsafe extern "C" fn(*mut Context) -> *mut CompChannel;
+type FnDestroyCompChannel = unsafe extern "C" fn(*mut CompChannel) -> c_int;
+type FnGetCqEvent = unsafe extern "C" fn(*mut CompChannel, *mut *mut Cq, *mut *mut c_void) -> c_int;
+type FnAckCqEvents = unsafe extern "C" fn(*mut Cq, std::ffi::c_uint);
+
+/// The completion-channel verbs, where the library has them (a library
+/// without them is waited on by polling).
+#[derive(Debug, Clone, Copy)]
+pub struct Channels {
+    pub create: FnCreateCompChannel,
+    pub destroy: FnDestroyCompChannel,
+    pub get_event: FnGetCqEvent,
+    pub ack: FnAckCqEvents,
+}
 
 /// The exported verbs, resolved from one library.
 #[derive(Debug)]
@@ -372,6 +398,7 @@ pub struct Library {
     pub create_qp: FnCreateQp,
     pub modify_qp: FnModifyQp,
     pub destroy_qp: FnDestroyQp,
+    pub channels: Option<Channels>,
 }
 
 fn dl_error() -> String {
@@ -402,7 +429,10 @@ impl Library {
             });
         }
         let sym = |name: &'static str| -> Result<*mut c_void, RdmaError> {
-            let cname = CString::new(name).expect("symbol names have no NUL");
+            let cname = CString::new(name).map_err(|_| RdmaError::SymbolMissing {
+                library: path.into(),
+                symbol: name,
+            })?;
             // SAFETY: valid handle and C string.
             let p = unsafe { libc::dlsym(handle, cname.as_ptr()) };
             if p.is_null() {
@@ -419,6 +449,14 @@ impl Library {
                 // SAFETY: the symbol is the verbs.h function of this name, whose
                 // C signature the field's type mirrors.
                 unsafe { std::mem::transmute::<*mut c_void, $ty>(sym($name)?) }
+            };
+        }
+        macro_rules! load_optional {
+            ($name:literal, $ty:ty) => {
+                sym($name).ok().map(|p| {
+                    // SAFETY: as in `load!`.
+                    unsafe { std::mem::transmute::<*mut c_void, $ty>(p) }
+                })
             };
         }
         Ok(Library {
@@ -440,6 +478,14 @@ impl Library {
             create_qp: load!("ibv_create_qp", FnCreateQp),
             modify_qp: load!("ibv_modify_qp", FnModifyQp),
             destroy_qp: load!("ibv_destroy_qp", FnDestroyQp),
+            channels: (|| {
+                Some(Channels {
+                    create: load_optional!("ibv_create_comp_channel", FnCreateCompChannel)?,
+                    destroy: load_optional!("ibv_destroy_comp_channel", FnDestroyCompChannel)?,
+                    get_event: load_optional!("ibv_get_cq_event", FnGetCqEvent)?,
+                    ack: load_optional!("ibv_ack_cq_events", FnAckCqEvents)?,
+                })
+            })(),
         })
     }
 
@@ -551,6 +597,8 @@ mod tests {
         assert!(size_of::<PortAttr>() >= 56);
 
         assert_eq!(size_of::<Mr>(), 48);
+        assert_eq!(size_of::<CompChannel>(), 16);
+        assert_eq!(offset_of!(CompChannel, fd), 8);
         assert_eq!(offset_of!(Mr, lkey), 36);
 
         // The ops table: 32 pointers; poll_cq is entry 11, post_send 25.
@@ -559,6 +607,10 @@ mod tests {
         assert_eq!(
             offset_of!(Context, ops) + offset_of!(ContextOps, poll_cq),
             8 + 11 * 8
+        );
+        assert_eq!(
+            offset_of!(Context, ops) + offset_of!(ContextOps, req_notify_cq),
+            8 + 12 * 8
         );
         assert_eq!(
             offset_of!(Context, ops) + offset_of!(ContextOps, post_send),

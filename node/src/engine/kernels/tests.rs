@@ -1,5 +1,10 @@
 //! Every instruction-set path against the scalar reference, the reference against
 //! a plain f32 product, and `QuantLinear` against candle's own quantized matmul.
+//!
+//! Which SIMD paths a test must run comes from the CPU's own report
+//! (`/proc/cpuinfo` on Linux; on aarch64 NEON is baseline), not from
+//! [`Isa::available`]: a detection bug that hides a path fails the test
+//! instead of silently skipping that path.
 
 use super::*;
 use rand::rngs::StdRng;
@@ -140,10 +145,96 @@ fn shapes(format: QuantFormat) -> [(usize, usize); 4] {
     }
 }
 
+/// The SIMD paths this CPU reports it can run, from the operating system's
+/// report rather than from [`Isa::available`] (which is under test).
+fn cpu_reported_isas() -> Vec<Isa> {
+    #[cfg(target_arch = "x86_64")]
+    {
+        let flags = cpu_flags();
+        let has = |f: &str| flags.iter().any(|x| x == f);
+        let mut isas = Vec::new();
+        if has("avx2") && has("fma") && has("f16c") {
+            isas.push(Isa::Avx2);
+            if has("avx512f") && has("avx512vl") && has("avx512_vnni") {
+                isas.push(Isa::Avx512Vnni);
+            }
+        }
+        isas
+    }
+    #[cfg(target_arch = "aarch64")]
+    {
+        // Advanced SIMD is part of every aarch64 target.
+        vec![Isa::Neon]
+    }
+    #[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
+    {
+        Vec::new()
+    }
+}
+
+/// The CPU flags Linux reports (`/proc/cpuinfo`); elsewhere, the ones the
+/// standard library detects, under Linux's names.
+#[cfg(target_arch = "x86_64")]
+fn cpu_flags() -> Vec<String> {
+    if let Ok(info) = std::fs::read_to_string("/proc/cpuinfo") {
+        if let Some(line) = info.lines().find(|l| l.starts_with("flags")) {
+            return line
+                .split(':')
+                .nth(1)
+                .unwrap_or("")
+                .split_whitespace()
+                .map(str::to_owned)
+                .collect();
+        }
+    }
+    let mut flags = Vec::new();
+    macro_rules! probe {
+        ($($f:tt => $name:expr),*) => {
+            $(if std::arch::is_x86_feature_detected!($f) { flags.push($name.to_owned()); })*
+        };
+    }
+    probe!("avx2" => "avx2", "fma" => "fma", "f16c" => "f16c", "avx512f" => "avx512f",
+        "avx512vl" => "avx512vl", "avx512vnni" => "avx512_vnni");
+    flags
+}
+
+/// The SIMD paths a test must exercise: every one the CPU reports, and
+/// [`Isa::available`] must offer exactly those (after `Scalar`).
+fn simd_paths() -> Vec<Isa> {
+    let reported = cpu_reported_isas();
+    let offered: Vec<Isa> = Isa::available()
+        .iter()
+        .copied()
+        .filter(|&i| i != Isa::Scalar)
+        .collect();
+    eprintln!("SIMD paths the CPU reports: {reported:?}; offered: {offered:?}");
+    assert_eq!(
+        offered, reported,
+        "the kernels offer other SIMD paths than the CPU reports"
+    );
+    reported
+}
+
+/// Fails unless every path the CPU reports ran `expected` times.
+fn assert_every_path_ran(ran: &std::collections::HashMap<Isa, usize>, expected: usize) {
+    let paths = simd_paths();
+    for isa in &paths {
+        assert_eq!(
+            ran.get(isa).copied().unwrap_or(0),
+            expected,
+            "{isa:?}: the CPU reports it, but it did not run every case"
+        );
+    }
+    assert_eq!(ran.len(), paths.len(), "paths run: {ran:?}");
+    eprintln!("SIMD paths exercised against the scalar reference: {ran:?}");
+}
+
 #[test]
 fn every_available_isa_matches_the_scalar_reference() {
     let mut rng = StdRng::seed_from_u64(7);
-    let mut checked = 0;
+    let paths = simd_paths();
+    let mut ran = std::collections::HashMap::new();
+    let mut cases = 0;
     for format in FORMATS {
         // Both split modes (m < 8 by weight rows, m >= 8 by activations).
         for (n, k) in shapes(format) {
@@ -155,7 +246,8 @@ fn every_available_isa_matches_the_scalar_reference() {
                 scratch.quantize_for(format, &x, m, k).expect("quantize");
                 let reference = product(&w, &mut scratch, Isa::Scalar);
                 let mags = magnitudes(&w, &scratch);
-                for &isa in Isa::available() {
+                cases += 1;
+                for &isa in &paths {
                     let got = product(&w, &mut scratch, isa);
                     assert_within_rounding(
                         &got,
@@ -163,20 +255,22 @@ fn every_available_isa_matches_the_scalar_reference() {
                         &mags,
                         &format!("{isa:?} {format:?} n={n} k={k} m={m}"),
                     );
-                    checked += 1;
+                    *ran.entry(isa).or_insert(0) += 1;
                 }
             }
         }
     }
-    // Every format, shape and row count ran on every path this CPU has.
-    assert_eq!(checked, FORMATS.len() * 4 * 4 * Isa::available().len());
+    // Every format, shape and row count ran on every path the CPU reports.
+    assert_every_path_ran(&ran, cases);
 }
 
 #[cfg(target_arch = "x86_64")]
 #[test]
 fn repacked_weights_match_the_row_major_reference_on_every_isa() {
     let mut rng = StdRng::seed_from_u64(11);
-    let mut checked = 0;
+    let paths = simd_paths();
+    let mut ran = std::collections::HashMap::new();
+    let mut cases = 0;
     for format in FORMATS {
         // One group, several groups, SmolLM2's k; activation rows that cover the
         // 4-row tiles, their tails and the transposed output of m > 1.
@@ -205,7 +299,9 @@ fn repacked_weights_match_the_row_major_reference_on_every_isa() {
                 scratch.quantize_for(format, &x, m, k).expect("quantize");
                 let reference = product(&w, &mut scratch, Isa::Scalar);
                 let mags = magnitudes(&w, &scratch);
-                for &isa in Isa::available() {
+                cases += 1;
+                // The scalar path reads the packed layout too.
+                for &isa in std::iter::once(&Isa::Scalar).chain(&paths) {
                     let mut got = vec![f32::NAN; m * n];
                     matmul_packed(&p, &mut scratch, &mut got, isa).expect("packed matmul");
                     assert_within_rounding(
@@ -214,12 +310,13 @@ fn repacked_weights_match_the_row_major_reference_on_every_isa() {
                         &mags,
                         &format!("packed {isa:?} {format:?} n={n} k={k} m={m}"),
                     );
-                    checked += 1;
+                    *ran.entry(isa).or_insert(0) += 1;
                 }
             }
         }
     }
-    assert_eq!(checked, FORMATS.len() * 3 * 4 * Isa::available().len());
+    assert_eq!(ran.remove(&Isa::Scalar), Some(cases), "packed scalar path");
+    assert_every_path_ran(&ran, cases);
     // Rows not in groups of 8 keep the row-major layout.
     let bytes = random_weights(&mut rng, QuantFormat::Q4_1, 12, 64);
     let w = QuantMatrix::new(QuantFormat::Q4_1, 12, 64, &bytes).expect("valid matrix");
@@ -388,6 +485,44 @@ fn quant_linear_matches_candles_quantized_matmul() {
                     "{dtype:?} rows={rows} out[{i}]: {x} vs candle {y}"
                 );
             }
+        }
+    }
+}
+
+/// One input through matrices of both activation schemes (`Q8_0` and
+/// `Q8_K`), as a layer's q, k and v may be: the shared path gives each the
+/// same result as its own call.
+#[test]
+fn shared_input_over_mixed_formats_equals_one_call_each() {
+    let mut rng = StdRng::seed_from_u64(5);
+    let k = 512;
+    let formats = [
+        QuantFormat::Q4K,
+        QuantFormat::Q8_0,
+        QuantFormat::Q6K,
+        QuantFormat::Q5_0,
+    ];
+    let linears: Vec<QuantLinear> = formats
+        .iter()
+        .map(|&format| {
+            let wf =
+                Tensor::from_vec(random_acts(&mut rng, 16 * k), (16, k), &Device::Cpu).expect("w");
+            let qt = QTensor::quantize(&wf, ggml_dtype(format)).expect("quantize weights");
+            QuantLinear::from_qtensor(Arc::new(qt)).expect("supported")
+        })
+        .collect();
+    let refs: Vec<&QuantLinear> = linears.iter().collect();
+    for rows in [1usize, 9] {
+        let x = random_acts(&mut rng, rows * k);
+        let mut outs = vec![vec![f32::NAN; rows * 16]; formats.len()];
+        {
+            let mut views: Vec<&mut [f32]> = outs.iter_mut().map(|o| &mut o[..]).collect();
+            QuantLinear::forward_shared(&refs, &x, rows, &mut views).expect("shared");
+        }
+        for (l, shared) in linears.iter().zip(&outs) {
+            let mut alone = vec![f32::NAN; rows * 16];
+            l.forward_local(&x, rows, &mut alone).expect("alone");
+            assert_eq!(shared, &alone, "{:?} rows={rows}", l.format());
         }
     }
 }

@@ -1,0 +1,409 @@
+//! What every SQL backend writes the same way: each [`super::Store`] and
+//! [`super::StoreTx`] method a call of the backend's own function of the
+//! same name in its `jobs`, `nodes`, `ledger`, `keys` and `audits` modules.
+//!
+//! The macros expand inside a backend's `impl Store` / `impl StoreTx`
+//! (after the methods it writes itself: `close`, `ping`, `durability`,
+//! `write`), where these names resolve: the modules, `now_ms`, the domain
+//! types, `self.conn()` (a pool connection), `self.begin()` (a
+//! transition's own transaction) and `conn(tx)` (a write transaction's
+//! connection).
+
+/// The [`super::Store`] methods from `insert_job` on.
+macro_rules! store_methods {
+    () => {
+        async fn insert_job(&self, job: &NewJob) -> Result<JobRecord> {
+            let now = now_ms();
+            jobs::insert(&mut *self.conn().await?, &[(job, now)]).await?;
+            Ok(JobRecord::queued(job, now))
+        }
+
+        async fn get_job(&self, id: JobId) -> Result<Option<JobRecord>> {
+            jobs::get(&mut *self.conn().await?, id).await
+        }
+
+        async fn list_jobs(&self, limit: u32) -> Result<Vec<JobRecord>> {
+            jobs::list(&mut *self.conn().await?, limit).await
+        }
+
+        async fn queued_jobs(&self, limit: u32) -> Result<Vec<JobRecord>> {
+            jobs::queued(&mut *self.conn().await?, limit).await
+        }
+
+        async fn job_accounts(&self, ids: &[JobId]) -> Result<HashMap<JobId, String>> {
+            jobs::accounts(&mut *self.conn().await?, ids).await
+        }
+
+        async fn count_queued(&self) -> Result<u64> {
+            jobs::count_queued(&mut *self.conn().await?).await
+        }
+
+        async fn job_stats(&self) -> Result<JobStats> {
+            jobs::stats(&mut *self.conn().await?).await
+        }
+
+        async fn assign(&self, id: JobId, attempt: u32, node_id: &str) -> Result<bool> {
+            let mut tx = self.begin().await?;
+            let done = jobs::assign(&mut tx, id, attempt, node_id, now_ms()).await?;
+            tx.commit().await?;
+            Ok(done)
+        }
+
+        async fn assign_many(&self, batch: &[(JobId, u32, String)]) -> Result<Vec<bool>> {
+            let now = now_ms();
+            let mut tx = self.begin().await?;
+            let mut done = Vec::with_capacity(batch.len());
+            for (id, attempt, node_id) in batch {
+                done.push(jobs::assign(&mut tx, *id, *attempt, node_id, now).await?);
+            }
+            tx.commit().await?;
+            Ok(done)
+        }
+
+        async fn claim_queued<F>(&self, limit: u32, place: F) -> Result<Vec<bool>>
+        where
+            F: FnOnce(Vec<(JobRecord, Option<String>)>) -> Vec<(JobId, u32, String)> + Send,
+        {
+            let mut tx = self.begin().await?;
+            let claimed = jobs::claim(&mut tx, limit).await?;
+            let picks = place(claimed);
+            let now = now_ms();
+            let mut done = Vec::with_capacity(picks.len());
+            for (id, attempt, node_id) in &picks {
+                done.push(jobs::assign(&mut tx, *id, *attempt, node_id, now).await?);
+            }
+            tx.commit().await?;
+            Ok(done)
+        }
+
+        async fn mark_running(&self, id: JobId, attempt: u32, node_id: &str) -> Result<bool> {
+            let mut tx = self.begin().await?;
+            let done = jobs::mark_running(&mut tx, id, attempt, node_id, now_ms()).await?;
+            tx.commit().await?;
+            Ok(done)
+        }
+
+        async fn complete(&self, c: &Completion) -> Result<bool> {
+            let mut tx = self.begin().await?;
+            let done = jobs::complete(&mut tx, c, now_ms()).await?;
+            tx.commit().await?;
+            Ok(done)
+        }
+
+        async fn end_attempt_streamed(
+            &self,
+            end: &StreamedEnd<'_>,
+            segment: &Segment,
+        ) -> Result<Option<AttemptEnd>> {
+            let mut tx = self.begin().await?;
+            let ended = jobs::end_attempt(&mut tx, end, segment, now_ms()).await?;
+            tx.commit().await?;
+            Ok(ended)
+        }
+
+        async fn segments(&self, job: JobId) -> Result<Vec<Segment>> {
+            jobs::segments(&mut *self.conn().await?, job).await
+        }
+
+        async fn cancel(&self, id: JobId) -> Result<CancelOutcome> {
+            let mut tx = self.begin().await?;
+            let outcome = jobs::cancel(&mut tx, id, now_ms()).await?;
+            tx.commit().await?;
+            Ok(outcome)
+        }
+
+        async fn requeue_orphans(&self, max_attempts: u32) -> Result<u64> {
+            let mut tx = self.begin().await?;
+            let n = jobs::requeue_orphans(&mut tx, max_attempts, now_ms()).await?;
+            tx.commit().await?;
+            Ok(n)
+        }
+
+        async fn upsert_node(&self, node: &NodeRecord) -> Result<()> {
+            nodes::upsert(&mut *self.conn().await?, node, now_ms()).await
+        }
+
+        async fn touch_node(&self, id: &str) -> Result<()> {
+            nodes::touch(&mut *self.conn().await?, id, now_ms()).await
+        }
+
+        async fn set_node_offline(&self, id: &str) -> Result<()> {
+            nodes::set_offline(&mut *self.conn().await?, id).await
+        }
+
+        async fn mark_all_nodes_offline(&self) -> Result<()> {
+            nodes::all_offline(&mut *self.conn().await?).await
+        }
+
+        async fn get_node(&self, id: &str) -> Result<Option<(NodeRecord, String)>> {
+            nodes::get(&mut *self.conn().await?, id).await
+        }
+
+        async fn count_nodes(&self) -> Result<u64> {
+            nodes::count(&mut *self.conn().await?).await
+        }
+
+        async fn insert_account(&self, account: &Account) -> Result<()> {
+            ledger::insert_account(&mut *self.conn().await?, account, false).await
+        }
+
+        async fn account(&self, id: &str) -> Result<Option<Account>> {
+            ledger::account(&mut *self.conn().await?, id).await
+        }
+
+        async fn transfer(&self, id: &str) -> Result<Option<Transfer>> {
+            ledger::transfer(&mut *self.conn().await?, id).await
+        }
+
+        async fn job_terms(&self, job: &str) -> Result<Option<JobTerms>> {
+            ledger::job_terms(&mut *self.conn().await?, job).await
+        }
+
+        async fn jobs_of(&self, account: &str, limit: u32) -> Result<Vec<String>> {
+            ledger::jobs_of(&mut *self.conn().await?, account, limit).await
+        }
+
+        async fn history(&self, account: &str, limit: u32) -> Result<Vec<Transfer>> {
+            ledger::history(&mut *self.conn().await?, account, limit).await
+        }
+
+        async fn job_transfers(&self, job: &str) -> Result<Vec<Transfer>> {
+            ledger::job_transfers(&mut *self.conn().await?, job).await
+        }
+
+        async fn earnings(&self, account: &str, since_ms: i64) -> Result<Vec<NodeEarnings>> {
+            ledger::earnings(&mut *self.conn().await?, account, since_ms).await
+        }
+
+        async fn nodes_of(&self, account: &str) -> Result<Vec<String>> {
+            ledger::nodes_of(&mut *self.conn().await?, account).await
+        }
+
+        async fn totals(&self) -> Result<Totals> {
+            ledger::totals(&mut *self.conn().await?).await
+        }
+
+        async fn balance_mismatches(&self) -> Result<Vec<String>> {
+            ledger::balance_mismatches(&mut *self.conn().await?).await
+        }
+
+        async fn ledger_anomalies(
+            &self,
+            now_ms: i64,
+            audit_window_ms: i64,
+        ) -> Result<Vec<(Anomaly, String)>> {
+            ledger::anomalies(&mut *self.conn().await?, now_ms, audit_window_ms).await
+        }
+
+        async fn due_holds(&self, now_ms: i64, limit: u32) -> Result<Vec<String>> {
+            ledger::due_holds(&mut *self.conn().await?, now_ms, limit).await
+        }
+
+        async fn unsettled_jobs(
+            &self,
+            now_ms: i64,
+            audit_window_ms: i64,
+            limit: u32,
+        ) -> Result<Vec<String>> {
+            ledger::unsettled_jobs(&mut *self.conn().await?, now_ms, audit_window_ms, limit).await
+        }
+
+        async fn record_online(
+            &self,
+            epoch: i64,
+            node_id: &str,
+            memory_bytes: u64,
+            online_ms: u64,
+        ) -> Result<()> {
+            ledger::record_online(
+                &mut *self.conn().await?,
+                epoch,
+                node_id,
+                memory_bytes,
+                online_ms,
+            )
+            .await
+        }
+
+        async fn unpaid_epochs(&self, current: i64) -> Result<Vec<i64>> {
+            ledger::unpaid_epochs(&mut *self.conn().await?, current).await
+        }
+
+        async fn insert_key(&self, key: &NewKey) -> Result<()> {
+            keys::insert(&mut *self.conn().await?, key).await
+        }
+
+        async fn key_by_hash(&self, hash: &[u8; 32], now_ms: i64) -> Result<Option<StoredKey>> {
+            keys::by_hash(&mut *self.conn().await?, hash, now_ms).await
+        }
+
+        async fn set_key_limits(&self, key_id: &str, limits: KeyLimits) -> Result<bool> {
+            keys::set_limits(&mut *self.conn().await?, key_id, limits).await
+        }
+
+        async fn revoke_key(
+            &self,
+            key_id: &str,
+            account: Option<&str>,
+            now_ms: i64,
+        ) -> Result<bool> {
+            keys::revoke(&mut *self.conn().await?, key_id, account, now_ms).await
+        }
+
+        async fn list_keys(&self, account: &str) -> Result<Vec<KeyInfo>> {
+            keys::list(&mut *self.conn().await?, account).await
+        }
+
+        async fn banned_nodes(&self) -> Result<Vec<String>> {
+            audits::banned(&mut *self.conn().await?).await
+        }
+
+        async fn audit_record(&self, node: &str) -> Result<AuditRecord> {
+            audits::record(&mut *self.conn().await?, node).await
+        }
+
+        async fn begin_audit(&self, job: &str, node: &str, now_ms: i64) -> Result<bool> {
+            audits::begin(&mut *self.conn().await?, job, node, now_ms).await
+        }
+
+        async fn miss_audit(&self, job: &str, now_ms: i64) -> Result<()> {
+            audits::miss(&mut *self.conn().await?, job, now_ms).await
+        }
+
+        async fn audit_state(&self, job: &str) -> Result<Option<String>> {
+            audits::state(&mut *self.conn().await?, job).await
+        }
+    };
+}
+pub(super) use store_methods;
+
+/// The [`super::StoreTx`] methods.
+macro_rules! tx_methods {
+    () => {
+        async fn commit(self) -> Result<()> {
+            Ok(self.tx.commit().await?)
+        }
+
+        async fn account(&mut self, id: &str) -> Result<Option<Account>> {
+            ledger::account(conn(self), id).await
+        }
+
+        async fn transfer(&mut self, id: &str) -> Result<Option<Transfer>> {
+            ledger::transfer(conn(self), id).await
+        }
+
+        async fn hold_deadline(&mut self, transfer_id: &str) -> Result<Option<i64>> {
+            ledger::hold_deadline(conn(self), transfer_id).await
+        }
+
+        async fn job_terms(&mut self, job: &str) -> Result<Option<JobTerms>> {
+            ledger::job_terms(conn(self), job).await
+        }
+
+        async fn get_job(&mut self, id: JobId) -> Result<Option<JobRecord>> {
+            jobs::get(conn(self), id).await
+        }
+
+        async fn segments(&mut self, job: JobId) -> Result<Vec<Segment>> {
+            jobs::segments(conn(self), job).await
+        }
+
+        async fn audit_state(&mut self, job: &str) -> Result<Option<String>> {
+            audits::state(conn(self), job).await
+        }
+
+        async fn operator_of(&mut self, node_id: &str) -> Result<Option<String>> {
+            ledger::operator_of(conn(self), node_id).await
+        }
+
+        async fn add_debit(&mut self, account: &str, amount: i64, pending: bool) -> Result<bool> {
+            ledger::add_debit(conn(self), account, amount, pending).await
+        }
+
+        async fn add_credit(&mut self, account: &str, amount: i64, pending: bool) -> Result<bool> {
+            ledger::add_credit(conn(self), account, amount, pending).await
+        }
+
+        async fn resolve_pending(
+            &mut self,
+            account: &str,
+            side: Side,
+            pending: i64,
+            posted: i64,
+        ) -> Result<bool> {
+            ledger::resolve_pending(conn(self), account, side, pending, posted).await
+        }
+
+        async fn insert_transfers(&mut self, transfers: &[Transfer]) -> Result<()> {
+            ledger::insert_transfers(conn(self), transfers).await
+        }
+
+        async fn open_holds(&mut self, holds: &[OpenHold]) -> Result<()> {
+            ledger::open_holds(conn(self), holds).await
+        }
+
+        async fn close_hold(&mut self, transfer_id: &str) -> Result<()> {
+            ledger::close_hold(conn(self), transfer_id).await
+        }
+
+        async fn used_job_ids(&mut self, ids: &[String]) -> Result<HashSet<String>> {
+            ledger::used_job_ids(conn(self), ids).await
+        }
+
+        async fn payers(&mut self, accounts: &[&str]) -> Result<HashMap<String, PayerBalance>> {
+            ledger::payers(conn(self), accounts).await
+        }
+
+        async fn insert_terms(&mut self, terms: &[(&str, &JobTerms)]) -> Result<()> {
+            ledger::insert_terms(conn(self), terms).await
+        }
+
+        async fn insert_jobs(&mut self, jobs: &[(&NewJob, i64)]) -> Result<()> {
+            jobs::insert(conn(self), jobs).await
+        }
+
+        async fn insert_account_if_absent(&mut self, account: &Account) -> Result<()> {
+            ledger::insert_account(conn(self), account, true).await
+        }
+
+        async fn link_operator(&mut self, node_id: &str, account: &str, now_ms: i64) -> Result<()> {
+            ledger::link_operator(conn(self), node_id, account, now_ms).await
+        }
+
+        async fn epoch_paid(&mut self, epoch: i64) -> Result<bool> {
+            ledger::epoch_paid(conn(self), epoch).await
+        }
+
+        async fn availability(&mut self, epoch: i64) -> Result<Vec<Availability>> {
+            ledger::availability(conn(self), epoch).await
+        }
+
+        async fn mark_epoch_paid(&mut self, epoch: i64, paid_ms: i64, total: i64) -> Result<()> {
+            ledger::mark_epoch_paid(conn(self), epoch, paid_ms, total).await
+        }
+
+        async fn end_audit(
+            &mut self,
+            job: &str,
+            passed: bool,
+            auditor: &str,
+            verdict: &[u8],
+            now_ms: i64,
+        ) -> Result<Option<String>> {
+            audits::end(conn(self), job, passed, auditor, verdict, now_ms).await
+        }
+
+        async fn count_audit(&mut self, node: &str, passed: bool) -> Result<()> {
+            audits::count(conn(self), node, passed).await
+        }
+
+        async fn audit_record(&mut self, node: &str) -> Result<AuditRecord> {
+            audits::record(conn(self), node).await
+        }
+
+        async fn ban_node(&mut self, node: &str, now_ms: i64) -> Result<()> {
+            audits::ban(conn(self), node, now_ms).await
+        }
+    };
+}
+pub(super) use tx_methods;
