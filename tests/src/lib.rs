@@ -303,23 +303,7 @@ impl Drop for TestCoordinator {
 pub fn catalogue_model(
     entry: &mlxnet_proto::catalogue::CatalogueEntry,
 ) -> mlxnet_coordinator::config::CatalogueModel {
-    let file = entry.primary_file();
-    let mut m = mlxnet_coordinator::config::smollm2_135m_instruct();
-    m.id = entry.id.clone();
-    m.architecture = entry.architecture.clone();
-    m.parameters = entry.parameters;
-    m.size_bytes = file.size_bytes;
-    m.sha256 = file.sha256.clone();
-    m.context_length = entry.context_length;
-    m.price_input_per_mtok = entry.price_input_per_mtok;
-    m.price_output_per_mtok = entry.price_output_per_mtok;
-    m.layers = entry.layers;
-    m.kv_heads = entry.kv_heads;
-    m.head_dim = entry.head_dim;
-    m.hidden_size = entry.hidden_size;
-    m.kv_element_bytes = entry.kv_element_bytes;
-    m.active_parameters = entry.active_parameters;
-    m
+    mlxnet_coordinator::config::CatalogueModel::from_entry(entry)
 }
 
 /// A coordinator config for tests: everything on `127.0.0.1:0`, data in `dir`.
