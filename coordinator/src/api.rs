@@ -1,6 +1,7 @@
 //! The client API over gRPC (package `mlxnet.v1`): jobs, models, network,
-//! accounts, plus the standard health and reflection services so stock tools
-//! (grpcurl, grpc_health_probe) work.
+//! accounts, plus the standard health and reflection services (reflection
+//! v1 and v1alpha) so stock tools (grpcurl, grpc_health_probe, Postman,
+//! Evans) work.
 //!
 //! Handlers are thin: they validate, call the dispatcher or store, and map
 //! errors once through `From<ApiError> for tonic::Status` ([`error`]).
@@ -21,7 +22,7 @@
 mod accounts;
 pub mod auth;
 pub mod error;
-mod jobs;
+pub mod jobs;
 pub mod limits;
 mod models;
 mod network;
@@ -88,10 +89,9 @@ pub enum ServeError {
 /// `limits` (counted by `admission`).
 pub async fn serve(
     listener: TcpListener,
-    ctx: ApiContext,
+    ctx: Arc<ApiContext>,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), ServeError> {
-    let ctx = Arc::new(ctx);
     let limits = ctx.limits.clone();
     let max = limits.max_request_bytes;
     let (health, health_service) = tonic_health::server::health_reporter();
@@ -109,6 +109,11 @@ pub async fn serve(
         .register_encoded_file_descriptor_set(FILE_DESCRIPTOR_SET)
         .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
         .build_v1()?;
+    // v1alpha too: older grpcurl, Postman and Evans ask only for it.
+    let reflection_v1alpha = tonic_reflection::server::Builder::configure()
+        .register_encoded_file_descriptor_set(FILE_DESCRIPTOR_SET)
+        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+        .build_v1alpha()?;
     tonic::transport::Server::builder()
         // Slow senders: a request must be read and answered (a stream:
         // started) in time; a connection that stops answering keep-alive
@@ -125,6 +130,7 @@ pub async fn serve(
         ))
         .add_service(health_service)
         .add_service(reflection)
+        .add_service(reflection_v1alpha)
         .add_service(
             JobsServer::new(jobs::JobsApi::new(Arc::clone(&ctx))).max_decoding_message_size(max),
         )

@@ -1,6 +1,7 @@
 //! Operational HTTP (axum): `/healthz` (the process answers), `/readyz` (the
 //! database answers), `/metrics` (Prometheus text); and the World page
-//! ([`crate::world::router`]), whose live streams it ends at shutdown.
+//! ([`crate::world::router`]), whose live streams it ends at shutdown; and
+//! the OpenAI-compatible API under `/v1` ([`crate::openai`]).
 //!
 //! # Abuse limits
 //! - At most [`HttpConfig::max_connections`] open connections (more are closed at
@@ -14,7 +15,9 @@
 //!   stream counts until it ends); more get 429 at once. `/healthz` is
 //!   exempt, so the process can always say it is alive.
 //! - A handler must produce its response within `request_timeout_ms`
-//!   (503 otherwise).
+//!   (503 otherwise), but for `/v1`: an answer there waits on its job, and
+//!   its body must arrive within `request_timeout_ms` instead.
+//! - Under `/v1` these refusals are in OpenAI's error shape.
 
 use std::{future::Future, sync::Arc, time::Duration};
 
@@ -39,8 +42,10 @@ use tokio::{
 use tracing::debug;
 
 use crate::{
+    api::ApiContext,
     link::session::Sessions,
     metrics::{Gauges, Metrics},
+    openai::{self, OpenAiError},
     store::{AnyStore, Store},
     util::{error_chain, net::Held},
     world::World,
@@ -65,24 +70,28 @@ pub const MAX_HEADER_BYTES: usize = 16 * 1024;
 const DRAIN: Duration = Duration::from_secs(5);
 
 /// What the HTTP routes read: the store (readiness, the queue gauge), the
-/// counters, the online nodes and the World page's state.
+/// counters, the online nodes, the World page's state, and the client API's
+/// context (the OpenAI-compatible API submits through it).
 #[derive(Clone)]
 pub struct HttpContext {
     pub store: AnyStore,
     pub metrics: Arc<Metrics>,
     pub sessions: Sessions,
     pub world: World,
+    pub api: Arc<ApiContext>,
 }
 
 /// The routes, over `ctx`.
 pub fn router(ctx: HttpContext) -> Router {
     let world = ctx.world.clone();
+    let api = Arc::clone(&ctx.api);
     Router::new()
         .route("/healthz", get(|| async { "ok\n" }))
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics))
         .with_state(Arc::new(ctx))
         .merge(crate::world::router(world))
+        .merge(openai::router(api))
 }
 
 /// The HTTP listener's request guard state (see the module docs).
@@ -94,23 +103,32 @@ struct Guard {
 }
 
 async fn guard(State(g): State<Arc<Guard>>, req: Request, next: Next) -> Response {
+    let path = req.uri().path();
+    let v1 = path == "/v1" || path.starts_with("/v1/");
     let declared = req
         .headers()
         .get(header::CONTENT_LENGTH)
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.parse::<u64>().ok());
     if declared.is_some_and(|n| n > g.max_body as u64) {
+        if v1 {
+            return OpenAiError::too_large(g.max_body).into_response();
+        }
         return (
             StatusCode::PAYLOAD_TOO_LARGE,
             format!("request body is over the limit of {} bytes\n", g.max_body),
         )
             .into_response();
     }
-    let permit: Option<OwnedSemaphorePermit> = if req.uri().path() == "/healthz" {
+    let permit: Option<OwnedSemaphorePermit> = if path == "/healthz" {
         None
     } else {
         match Arc::clone(&g.in_flight).try_acquire_owned() {
             Ok(p) => Some(p),
+            Err(_) if v1 => {
+                return OpenAiError::overloaded("too many requests in flight; retry later")
+                    .into_response()
+            }
             Err(_) => {
                 return (
                     StatusCode::TOO_MANY_REQUESTS,
@@ -123,6 +141,9 @@ async fn guard(State(g): State<Arc<Guard>>, req: Request, next: Next) -> Respons
     };
     let max_body = g.max_body;
     let req = req.map(|b| Body::new(http_body_util::Limited::new(b, max_body)));
+    if v1 {
+        return next.run(req).await.map(|b| Body::new(Held::new(b, permit)));
+    }
     match tokio::time::timeout(g.timeout, next.run(req)).await {
         Ok(resp) => resp.map(|b| Body::new(Held::new(b, permit))),
         Err(_) => (StatusCode::SERVICE_UNAVAILABLE, "request timed out\n").into_response(),

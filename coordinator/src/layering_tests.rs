@@ -39,8 +39,11 @@ const ALLOWED: &[(&str, &[&str])] = &[
             "util",
         ],
     ),
-    ("api", &BELOW_API),
-    ("http", &BELOW_API),
+    ("api", BELOW_HTTP.split_at(2).1),
+    // The OpenAI-compatible API is a second front of the client API (its
+    // keys, limits and submit path); the HTTP listener serves it.
+    ("openai", BELOW_HTTP.split_at(1).1),
+    ("http", &BELOW_HTTP),
     (
         "dispatch",
         &[
@@ -85,7 +88,10 @@ const ALLOWED: &[(&str, &[&str])] = &[
     ("util", &[]),
 ];
 
-const BELOW_API: [&str; 12] = [
+/// What `http` may import; `openai` all but itself, `api` neither of the two.
+const BELOW_HTTP: [&str; 14] = [
+    "openai",
+    "api",
     "dispatch",
     "link",
     "jobs",

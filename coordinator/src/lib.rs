@@ -20,6 +20,8 @@
 //!   current state.
 //! - [`catalogue`]: the models jobs may name, pinned by file digest.
 //! - [`http`]: `/healthz`, `/readyz`, `/metrics`; [`metrics`]: the counters.
+//! - [`openai`]: the OpenAI-compatible HTTP API under `/v1` (on the HTTP
+//!   listener, through the client API's job pipeline).
 //! - [`world`]: the World page (map of every node), its JSON API and live stream.
 //! - [`domain`]: the values every layer speaks in (jobs, nodes, money, keys).
 //! - [`util`]: the lock, error-chain and clock helpers.
@@ -39,6 +41,7 @@ mod layering_tests;
 pub mod ledger;
 pub mod link;
 pub mod metrics;
+pub mod openai;
 pub mod scheduler;
 pub mod store;
 #[cfg(any(test, feature = "test-utils"))]

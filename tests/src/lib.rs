@@ -225,6 +225,9 @@ pub struct TestCoordinator {
     pub fingerprint: String,
     pub config: CoordinatorConfig,
     pub accounts: Accounts,
+    /// Its ledger (accounts, keys and their limits), for what no client API
+    /// sets.
+    pub ledger: mlxnet_coordinator::ledger::Ledger,
     stop: Option<oneshot::Sender<()>>,
     task: Option<JoinHandle<anyhow::Result<()>>>,
 }
@@ -285,6 +288,9 @@ pub fn node_config_for(
         path: test_model(),
     }];
     config.threads = Some(1);
+    // Thousands of positions of KV cache: plenty for tests, small beside
+    // the default (a quarter of the free memory).
+    config.kv_cache_bytes = Some(256 << 20);
     config.reconnect_min_ms = 50;
     config.reconnect_max_ms = 500;
     config.operator_account = operator_account.to_string();
@@ -323,6 +329,7 @@ pub async fn spawn_coordinator(config: CoordinatorConfig) -> anyhow::Result<Test
     let http_addr = app.http_addr();
     let fingerprint = app.cert_fingerprint();
     let accounts = Accounts::load_or_create(&app, &config.data_dir).await?;
+    let ledger = app.ledger().clone();
     // Later starts on the same data dir reuse the ports this one got, so
     // nodes that pinned the address find it again after a restart.
     let mut config = config;
@@ -343,6 +350,7 @@ pub async fn spawn_coordinator(config: CoordinatorConfig) -> anyhow::Result<Test
         fingerprint,
         config,
         accounts,
+        ledger,
         stop: Some(stop),
         task: Some(task),
     })

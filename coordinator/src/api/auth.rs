@@ -107,7 +107,9 @@ pub struct Auth<S> {
     admission: Arc<Admission>,
 }
 
-async fn authenticate(
+/// The caller behind `headers`' bearer key, if it has `scope` (also used by
+/// the OpenAI-compatible HTTP API).
+pub async fn authenticate(
     ledger: &Ledger,
     headers: &http::HeaderMap,
     scope: Scope,

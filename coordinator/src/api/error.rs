@@ -21,6 +21,14 @@ pub enum ApiError {
     ResourceExhausted(String),
     #[error("{0}")]
     FailedPrecondition(String),
+    /// The balance cannot cover the job's hold (gRPC: FAILED_PRECONDITION;
+    /// HTTP: 402).
+    #[error("{0}")]
+    InsufficientFunds(String),
+    /// No online node or pod could ever hold the job (gRPC:
+    /// FAILED_PRECONDITION; HTTP: 503).
+    #[error("{0}")]
+    NoNode(String),
     /// No key, or an unknown, revoked or expired one: one message for all.
     #[error("{UNAUTHENTICATED}")]
     Unauthenticated,
@@ -40,7 +48,7 @@ impl From<LedgerError> for ApiError {
         match err {
             LedgerError::InsufficientFunds {
                 needed, available, ..
-            } => ApiError::FailedPrecondition(format!(
+            } => ApiError::InsufficientFunds(format!(
                 "insufficient balance: this job may cost up to {} MLX ({needed} micro-MLX) \
                  and {} MLX ({available} micro-MLX) is available; lower max_tokens or add funds",
                 mlx(needed),
@@ -69,7 +77,9 @@ impl From<ApiError> for tonic::Status {
             ApiError::InvalidArgument(m) => tonic::Status::invalid_argument(m),
             ApiError::NotFound(m) => tonic::Status::not_found(m),
             ApiError::ResourceExhausted(m) => tonic::Status::resource_exhausted(m),
-            ApiError::FailedPrecondition(m) => tonic::Status::failed_precondition(m),
+            ApiError::FailedPrecondition(m)
+            | ApiError::InsufficientFunds(m)
+            | ApiError::NoNode(m) => tonic::Status::failed_precondition(m),
             ApiError::Unauthenticated => tonic::Status::unauthenticated(UNAUTHENTICATED),
             ApiError::PermissionDenied(m) => tonic::Status::permission_denied(m),
             ApiError::Internal(source) => {

@@ -22,7 +22,7 @@ use crate::{
     catalogue::Catalogue,
     domain::{
         job::{is_terminal_event, terminal_event, to_proto},
-        Caller, CancelOutcome, JobState, JobTerms, NewJob, Scope,
+        Caller, CancelOutcome, JobRecord, JobState, JobTerms, NewJob, Scope,
     },
     ledger::settle,
     store::Store,
@@ -206,6 +206,170 @@ fn job_terms(
     })
 }
 
+/// The events of job `id` from its start (replayed) until it ends, as the
+/// gRPC Watch sends them (the caller has checked the job is theirs). The
+/// stream ends after the terminal event, or with an error when the
+/// coordinator stops or the watch fell behind.
+pub async fn watch_events(
+    d: &Arc<ApiContext>,
+    id: JobId,
+) -> Result<mpsc::Receiver<Result<JobEvent, Status>>, ApiError> {
+    // Subscribe before reading the store, so nothing that happens after
+    // the read is missed.
+    let sub = d.hub.subscribe(id);
+    let job = match d.store.get_job(id).await {
+        Ok(Some(job)) => job,
+        Ok(None) => {
+            drop(sub);
+            d.hub.forget_if_idle(id);
+            return Err(not_found(id));
+        }
+        Err(e) => {
+            drop(sub);
+            d.hub.forget_if_idle(id);
+            return Err(ApiError::from(e));
+        }
+    };
+    let (tx, rx) = mpsc::channel::<Result<JobEvent, Status>>(64);
+    let d = Arc::clone(d);
+    tokio::spawn(async move {
+        let event = |e: job_event::Event| {
+            Ok(JobEvent {
+                job_id: id.to_string(),
+                event: Some(e),
+            })
+        };
+        if let Some(end) = terminal_event(&job) {
+            drop(sub);
+            d.hub.forget_if_idle(id);
+            let _ = tx.send(Ok(end)).await;
+            return;
+        }
+        let first = match job.state {
+            JobState::Queued => job_event::Event::Queued(job_event::Queued {
+                attempt: job.attempt,
+                reason: job.error.clone().unwrap_or_default(),
+            }),
+            _ => job_event::Event::Assigned(job_event::Assigned {
+                node_id: job.node_id.clone().unwrap_or_default(),
+                attempt: job.attempt,
+            }),
+        };
+        if tx.send(event(first)).await.is_err() {
+            return;
+        }
+        for chunk in sub.tokens {
+            if tx
+                .send(event(job_event::Event::Tokens(chunk)))
+                .await
+                .is_err()
+            {
+                return;
+            }
+        }
+        let mut rx = sub.rx;
+        loop {
+            let next = tokio::select! {
+                _ = d.shutdown.cancelled() => {
+                    let _ = tx.send(Err(Status::unavailable("the coordinator is shutting down"))).await;
+                    return;
+                }
+                _ = tx.closed() => return,
+                n = rx.recv() => n,
+            };
+            match next {
+                Ok(e) => {
+                    let end = is_terminal_event(&e);
+                    if tx.send(Ok(e)).await.is_err() || end {
+                        return;
+                    }
+                }
+                Err(RecvError::Lagged(_)) | Err(RecvError::Closed) => {
+                    // Fell behind, or the job ended and its channel closed:
+                    // the store has the truth.
+                    let now = d.store.get_job(id).await;
+                    match now {
+                        Ok(Some(job)) if job.state.is_terminal() => {
+                            if let Some(end) = terminal_event(&job) {
+                                let _ = tx.send(Ok(end)).await;
+                            }
+                        }
+                        Ok(_) => {
+                            let _ = tx
+                                .send(Err(Status::data_loss(
+                                    "the watch fell behind the job; watch again",
+                                )))
+                                .await;
+                        }
+                        Err(e) => {
+                            let _ = tx.send(Err(ApiError::from(e).into())).await;
+                        }
+                    }
+                    return;
+                }
+            }
+        }
+    });
+    Ok(rx)
+}
+
+/// Whether an online node that takes jobs holds `model`'s file.
+fn serving_now(d: &ApiContext, model: &str) -> bool {
+    let Some(m) = d.catalogue.get(model) else {
+        return false;
+    };
+    d.sessions
+        .all()
+        .iter()
+        .any(|s| s.models.contains(&m.sha256) && !s.is_draining())
+}
+
+/// Validates `request` for `me` and submits it as a job: every check
+/// (catalogue, limits, a node that could ever hold it, the price limit, the
+/// queue's room, the balance) passes before anything is stored, so a refused
+/// request holds no tokens and creates no job. The gRPC Submit and the
+/// OpenAI-compatible HTTP API both come through here; with `now`, a job no
+/// online node serves at this moment is refused ([`ApiError::NoNode`])
+/// instead of queued (an HTTP client waits on its answer).
+pub async fn submit_job(
+    d: &ApiContext,
+    me: &Caller,
+    request: SubmitJobRequest,
+    now: bool,
+) -> Result<JobRecord, ApiError> {
+    let price_limit = request.max_price_micro_mlx;
+    let job = validate_submit(request, &d.catalogue, &d.limits, rand::random)?;
+    if let Some(why) = d.dispatcher.never_fits(&job) {
+        return Err(ApiError::NoNode(format!(
+            "no online node or pod could ever hold this job: {why}"
+        )));
+    }
+    if now && !serving_now(d, &job.model) {
+        return Err(ApiError::NoNode(format!(
+            "no online node serves model {} now; try again later",
+            job.model
+        )));
+    }
+    let terms = job_terms(&d.catalogue, &job, me.account_id.clone(), price_limit)?;
+    let queued = d
+        .admission
+        .queued(|| d.store.count_queued())
+        .await
+        .map_err(ApiError::from)?;
+    if queued >= d.limits.max_queued_jobs {
+        return Err(ApiError::ResourceExhausted(format!(
+            "the queue is full ({queued} jobs waiting); try again later"
+        )));
+    }
+    let record = d
+        .dispatcher
+        .submit(job, &terms)
+        .await
+        .map_err(ApiError::from)?;
+    d.admission.note_queued();
+    Ok(record)
+}
+
 impl JobsApi {
     /// A job is visible to the account that submitted it, and to admins; to
     /// anyone else it does not exist.
@@ -239,35 +403,7 @@ type EventStream = Pin<Box<dyn Stream<Item = Result<JobEvent, Status>> + Send>>;
 impl Jobs for JobsApi {
     async fn submit(&self, req: Request<SubmitJobRequest>) -> Result<Response<Job>, Status> {
         let me = caller(&req)?;
-        let request = req.into_inner();
-        let price_limit = request.max_price_micro_mlx;
-        let job = validate_submit(request, &self.d.catalogue, &self.d.limits, rand::random)?;
-        if let Some(why) = self.d.dispatcher.never_fits(&job) {
-            return Err(ApiError::FailedPrecondition(format!(
-                "no online node or pod could ever hold this job: {why}"
-            ))
-            .into());
-        }
-        let terms = job_terms(&self.d.catalogue, &job, me.account_id, price_limit)?;
-        let queued = self
-            .d
-            .admission
-            .queued(|| self.d.store.count_queued())
-            .await
-            .map_err(ApiError::from)?;
-        if queued >= self.d.limits.max_queued_jobs {
-            return Err(ApiError::ResourceExhausted(format!(
-                "the queue is full ({queued} jobs waiting); try again later"
-            ))
-            .into());
-        }
-        let record = self
-            .d
-            .dispatcher
-            .submit(job, &terms)
-            .await
-            .map_err(ApiError::from)?;
-        self.d.admission.note_queued();
+        let record = submit_job(&self.d, &me, req.into_inner(), false).await?;
         Ok(Response::new(to_proto(&record)))
     }
 
@@ -294,102 +430,7 @@ impl Jobs for JobsApi {
         let me = caller(&req)?;
         let id = parse_id(&req.into_inner().job_id)?;
         self.check_owner(&me, id).await?;
-        // Subscribe before reading the store, so nothing that happens after
-        // the read is missed.
-        let sub = self.d.hub.subscribe(id);
-        let job = match self.d.store.get_job(id).await {
-            Ok(Some(job)) => job,
-            Ok(None) => {
-                drop(sub);
-                self.d.hub.forget_if_idle(id);
-                return Err(not_found(id).into());
-            }
-            Err(e) => {
-                drop(sub);
-                self.d.hub.forget_if_idle(id);
-                return Err(ApiError::from(e).into());
-            }
-        };
-        let (tx, rx) = mpsc::channel::<Result<JobEvent, Status>>(64);
-        let d = Arc::clone(&self.d);
-        tokio::spawn(async move {
-            let event = |e: job_event::Event| {
-                Ok(JobEvent {
-                    job_id: id.to_string(),
-                    event: Some(e),
-                })
-            };
-            if let Some(end) = terminal_event(&job) {
-                drop(sub);
-                d.hub.forget_if_idle(id);
-                let _ = tx.send(Ok(end)).await;
-                return;
-            }
-            let first = match job.state {
-                JobState::Queued => job_event::Event::Queued(job_event::Queued {
-                    attempt: job.attempt,
-                    reason: job.error.clone().unwrap_or_default(),
-                }),
-                _ => job_event::Event::Assigned(job_event::Assigned {
-                    node_id: job.node_id.clone().unwrap_or_default(),
-                    attempt: job.attempt,
-                }),
-            };
-            if tx.send(event(first)).await.is_err() {
-                return;
-            }
-            for chunk in sub.tokens {
-                if tx
-                    .send(event(job_event::Event::Tokens(chunk)))
-                    .await
-                    .is_err()
-                {
-                    return;
-                }
-            }
-            let mut rx = sub.rx;
-            loop {
-                let next = tokio::select! {
-                    _ = d.shutdown.cancelled() => {
-                        let _ = tx.send(Err(Status::unavailable("the coordinator is shutting down"))).await;
-                        return;
-                    }
-                    _ = tx.closed() => return,
-                    n = rx.recv() => n,
-                };
-                match next {
-                    Ok(e) => {
-                        let end = is_terminal_event(&e);
-                        if tx.send(Ok(e)).await.is_err() || end {
-                            return;
-                        }
-                    }
-                    Err(RecvError::Lagged(_)) | Err(RecvError::Closed) => {
-                        // Fell behind, or the job ended and its channel closed:
-                        // the store has the truth.
-                        let now = d.store.get_job(id).await;
-                        match now {
-                            Ok(Some(job)) if job.state.is_terminal() => {
-                                if let Some(end) = terminal_event(&job) {
-                                    let _ = tx.send(Ok(end)).await;
-                                }
-                            }
-                            Ok(_) => {
-                                let _ = tx
-                                    .send(Err(Status::data_loss(
-                                        "the watch fell behind the job; watch again",
-                                    )))
-                                    .await;
-                            }
-                            Err(e) => {
-                                let _ = tx.send(Err(ApiError::from(e).into())).await;
-                            }
-                        }
-                        return;
-                    }
-                }
-            }
-        });
+        let rx = watch_events(&self.d, id).await?;
         Ok(Response::new(
             Box::pin(ReceiverStream::new(rx)) as EventStream
         ))

@@ -188,6 +188,7 @@ async fn register(
             mode: ctx.mode.to_string(),
             operator_account: ctx.operator_account.clone(),
             pod: ctx.pod.as_ref().map(|p| p.runtime.info()),
+            batch: ctx.batch.clone(),
         })),
     };
     write_frame(&mut send, &hello).await?;
@@ -299,6 +300,19 @@ async fn serve(
                     .ok()
                     .and_then(Result::ok)
                     .unwrap_or(ctx.hardware.free_memory_bytes);
+                let batches = ctx.models.batch_stats();
+                let kv_free = batches
+                    .iter()
+                    .map(|(_, s)| (s.kv_pages_free * crate::engine::kv::PAGE) as u64)
+                    .min()
+                    .unwrap_or(0);
+                // Read once: the flag and the list sent describe one moment.
+                let models_changed = ctx.models.changed();
+                let models = if models_changed {
+                    ctx.models.cached_models()
+                } else {
+                    Vec::new()
+                };
                 let beat = NodeControl {
                     msg: Some(node_control::Msg::Heartbeat(Heartbeat {
                         free_memory_bytes: ctx.offered_memory(free),
@@ -308,12 +322,11 @@ async fn serve(
                             .as_ref()
                             .and_then(|p| p.runtime.degraded())
                             .unwrap_or_default(),
-                        models_changed: ctx.models.changed(),
-                        models: if ctx.models.changed() {
-                            ctx.models.cached_models()
-                        } else {
-                            Vec::new()
-                        },
+                        kv_positions_free: kv_free,
+                        prompt_tokens: batches.iter().map(|(_, s)| s.prompt_tokens).sum(),
+                        prefix_hit_tokens: batches.iter().map(|(_, s)| s.prefix_hit_tokens).sum(),
+                        models_changed,
+                        models,
                     })),
                 };
                 write_frame(send, &beat).await?;

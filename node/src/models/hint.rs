@@ -102,7 +102,10 @@ async fn pull_and_load(
         path: store.file_path(&entry.id, &entry.primary_file().name),
     };
     let backend = models.backend().clone();
-    let loaded = tokio::task::spawn_blocking(move || LoadedModel::load(&model, &backend)).await??;
+    let (slots, kv_bytes) = models.batch_for_new_model();
+    let loaded =
+        tokio::task::spawn_blocking(move || LoadedModel::load(&model, &backend, slots, kv_bytes))
+            .await??;
     models.insert(loaded);
     Ok(())
 }

@@ -109,6 +109,7 @@ fn hello(node: &SigningKey, signature: Vec<u8>) -> Hello {
         mode: "dedicated".into(),
         operator_account: String::new(),
         pod: None,
+        batch: None,
     }
 }
 
@@ -192,6 +193,10 @@ async fn send_result(
     send: &mut quinn::SendStream,
     signed: mlxnet_proto::v1::SignedClaim,
 ) -> anyhow::Result<()> {
+    // A claim covers what its attempt streamed: stream its tokens first.
+    if let Some(c) = &signed.claim {
+        write_frame(send, &mlxnet_coordinator::test_utils::tokens_of(0, c)).await?;
+    }
     let update = JobUpdate {
         msg: Some(job_update::Msg::Result(signed)),
     };

@@ -10,6 +10,7 @@ mod handoff;
 mod jobs;
 mod ledger;
 mod models;
+mod openai;
 mod owner;
 mod pod;
 mod restart;

@@ -1,0 +1,244 @@
+//! `POST /v1/chat/completions`: OpenAI chat requests as chat jobs.
+//!
+//! Read: `model`, `messages` (roles system, developer (as system), user,
+//! assistant; content a string or a list of text parts), `stream`,
+//! `stream_options.include_usage`, `max_tokens` / `max_completion_tokens`,
+//! `temperature` (0-2), `top_p` (0-1), `seed`, `stop` (string or list), `n`
+//! (1), `user`, `parallel_tool_calls`, `presence_penalty` /
+//! `frequency_penalty` (0 only), `logit_bias` (empty only),
+//! `response_format` (`text` only), `tools` (empty only), `tool_choice`
+//! (`none` or `auto` only), `logprobs` (false only). Anything else, or a
+//! value this network cannot honour, is a 400 naming the parameter.
+
+use std::sync::Arc;
+
+use axum::{
+    extract::Request,
+    response::{IntoResponse, Response},
+    Json,
+};
+use mlxnet_proto::v1::{job_input, ChatMessage, ChatMessages, SubmitJobRequest};
+use serde_json::{json, Value};
+
+use super::{
+    accept, job, params::Params, sampling, stream, JobMeta, OpenAiError, Outcome, Started,
+};
+use crate::api::ApiContext;
+
+/// A parsed chat request.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ChatRequest {
+    pub submit: SubmitJobRequest,
+    pub stream: bool,
+    pub include_usage: bool,
+}
+
+/// The chat role a message's role is sent to the model as.
+fn role(r: &str) -> Result<&'static str, OpenAiError> {
+    match r {
+        "system" | "developer" => Ok("system"),
+        "user" => Ok("user"),
+        "assistant" => Ok("assistant"),
+        "tool" | "function" => Err(OpenAiError::unsupported(
+            "messages",
+            "tool results (role \"tool\") are not served yet: this network does not serve tool calls",
+        )),
+        other => Err(OpenAiError::invalid(
+            format!(
+                "invalid role {:?}: one of system, developer, user, assistant",
+                other.chars().take(32).collect::<String>()
+            ),
+            Some("messages"),
+        )),
+    }
+}
+
+/// A message's content: a string, or a list of text parts joined.
+pub fn content(v: Option<Value>, at: &str) -> Result<String, OpenAiError> {
+    match v {
+        None | Some(Value::Null) => Ok(String::new()),
+        Some(Value::String(s)) => Ok(s),
+        Some(Value::Array(parts)) => {
+            let mut text = String::new();
+            for p in parts {
+                match (p.get("type").and_then(Value::as_str), p.get("text")) {
+                    (Some("text"), Some(Value::String(t))) => text.push_str(t),
+                    (Some(kind), _) if kind != "text" => {
+                        return Err(OpenAiError::unsupported(
+                            at,
+                            &format!("content parts of type {kind:?} are not served (text only)"),
+                        ))
+                    }
+                    _ => {
+                        return Err(OpenAiError::invalid(
+                            format!("{at}: a content part must be {{\"type\": \"text\", \"text\": \"...\"}}"),
+                            Some(at),
+                        ))
+                    }
+                }
+            }
+            Ok(text)
+        }
+        Some(_) => Err(OpenAiError::invalid(
+            format!("{at}: content must be a string or a list of text parts"),
+            Some(at),
+        )),
+    }
+}
+
+fn messages(v: Option<Value>) -> Result<Vec<ChatMessage>, OpenAiError> {
+    let Some(Value::Array(items)) = v else {
+        return Err(OpenAiError::invalid(
+            "messages is required: a list of {role, content}",
+            Some("messages"),
+        ));
+    };
+    let mut out = Vec::with_capacity(items.len());
+    for (i, m) in items.into_iter().enumerate() {
+        let at = format!("messages[{i}]");
+        let Value::Object(mut m) = m else {
+            return Err(OpenAiError::invalid(
+                format!("{at} must be an object"),
+                Some(&at),
+            ));
+        };
+        let r = match m.remove("role") {
+            Some(Value::String(r)) => role(&r)?,
+            _ => {
+                return Err(OpenAiError::invalid(
+                    format!("{at}.role is required"),
+                    Some(&at),
+                ))
+            }
+        };
+        if m.get("tool_calls").is_some_and(|v| !v.is_null()) {
+            return Err(OpenAiError::unsupported(
+                "messages",
+                "assistant tool_calls are not served yet",
+            ));
+        }
+        let text = content(m.remove("content"), &format!("{at}.content"))?;
+        // `name` labels a participant; the templates have no place for it.
+        m.remove("name");
+        m.remove("refusal");
+        if let Some(k) = m.keys().find(|k| !m[k.as_str()].is_null()) {
+            return Err(OpenAiError::invalid(
+                format!("{at}: unknown field {k:?}"),
+                Some(&at),
+            ));
+        }
+        out.push(ChatMessage {
+            role: r.into(),
+            content: text,
+        });
+    }
+    Ok(out)
+}
+
+/// Parses a chat request body (nothing is submitted here).
+pub fn parse(map: serde_json::Map<String, Value>) -> Result<ChatRequest, OpenAiError> {
+    let mut p = Params::new(map);
+    let model = p.required_string("model")?;
+    let msgs = messages(p.take("messages"))?;
+    let stream = p.bool("stream")?.unwrap_or(false);
+    let include_usage = p.include_usage(stream)?;
+    let max_tokens = p.max_tokens()?;
+    let temperature = p.number("temperature", 0.0, 2.0)?;
+    let top_p = p.number("top_p", 0.0, 1.0)?;
+    let seed = p.seed("seed")?;
+    let stop = p.stop("stop")?;
+    p.only_one("n")?;
+    p.string("user")?;
+    p.bool("parallel_tool_calls")?;
+    p.zero_only("presence_penalty", -2.0, 2.0)?;
+    p.zero_only("frequency_penalty", -2.0, 2.0)?;
+    p.no_logit_bias()?;
+    if let Some(rf) = p.take("response_format") {
+        match rf.get("type").and_then(Value::as_str) {
+            Some("text") => {}
+            Some("json_object") | Some("json_schema") => {
+                return Err(OpenAiError::unsupported(
+                    "response_format",
+                    "structured output (json_object, json_schema) is not served yet",
+                ))
+            }
+            _ => {
+                return Err(OpenAiError::invalid(
+                    "response_format.type must be text, json_object or json_schema",
+                    Some("response_format"),
+                ))
+            }
+        }
+    }
+    match p.take("tools") {
+        None => {}
+        Some(Value::Array(t)) if t.is_empty() => {}
+        Some(_) => {
+            return Err(OpenAiError::unsupported(
+                "tools",
+                "tool calls are not served yet",
+            ))
+        }
+    }
+    match p.take("tool_choice") {
+        None => {}
+        Some(Value::String(s)) if s == "none" || s == "auto" => {}
+        Some(_) => {
+            return Err(OpenAiError::unsupported(
+                "tool_choice",
+                "tool calls are not served yet (only \"none\" or \"auto\" without tools)",
+            ))
+        }
+    }
+    if p.bool("logprobs")? == Some(true) {
+        return Err(OpenAiError::unsupported(
+            "logprobs",
+            "log probabilities are not served yet",
+        ));
+    }
+    if p.integer("top_logprobs", 0, 20)?.is_some_and(|n| n > 0) {
+        return Err(OpenAiError::unsupported(
+            "top_logprobs",
+            "log probabilities are not served yet",
+        ));
+    }
+    p.finish()?;
+    Ok(ChatRequest {
+        submit: job(
+            model,
+            job_input::Kind::Chat(ChatMessages { messages: msgs }),
+            sampling(temperature, top_p, seed, stop, max_tokens),
+        ),
+        stream,
+        include_usage,
+    })
+}
+
+pub async fn run(d: &Arc<ApiContext>, req: Request) -> Result<Response, OpenAiError> {
+    let headers = req.headers().clone();
+    let (caller, permit, body) = accept(d, &headers, req).await?;
+    let chat = parse(body)?;
+    let job = Started::new(d, &caller, chat.submit, permit).await?;
+    if chat.stream {
+        let usage = chat.include_usage;
+        return Ok(job.stream(|m, e, c| stream::sse(m, e, c, stream::Shape::Chat, usage)));
+    }
+    let ok = |meta: &JobMeta, end: Outcome| {
+        Json(json!({
+            "id": meta.id.to_string(),
+            "object": "chat.completion",
+            "created": meta.created,
+            "model": meta.model,
+            "system_fingerprint": meta.fingerprint,
+            "choices": [{
+                "index": 0,
+                "message": {"role": "assistant", "content": end.text, "refusal": null},
+                "logprobs": null,
+                "finish_reason": end.finish,
+            }],
+            "usage": end.usage(),
+        }))
+        .into_response()
+    };
+    Ok(job.finish(ok, IntoResponse::into_response).await)
+}

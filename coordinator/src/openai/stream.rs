@@ -1,0 +1,211 @@
+//! A job's events as OpenAI answers: the outcome a non-streaming answer is
+//! built from ([`outcome`]), and the server-sent-event stream of chunks
+//! ([`sse`]): the first chunk (the chat role), one chunk per token event,
+//! a last chunk with `finish_reason`, with `stream_options.include_usage` a
+//! usage chunk with `choices: []`, then `data: [DONE]`. A job that fails
+//! mid-stream ends it with `data: {"error": ...}` (what the official clients
+//! raise as an error).
+
+use std::convert::Infallible;
+
+use axum::{
+    http::StatusCode,
+    response::{
+        sse::{Event, KeepAlive, Sse},
+        IntoResponse, Response,
+    },
+};
+use mlxnet_proto::v1::{job_event, JobEvent};
+use serde_json::{json, Value};
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+
+use super::{finish_reason, new_text, CancelOnDrop, Events, JobMeta, OpenAiError};
+
+/// How a job ended well.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Outcome {
+    pub text: String,
+    pub prompt_tokens: u32,
+    pub completion_tokens: u32,
+    /// OpenAI's `finish_reason`.
+    pub finish: &'static str,
+    /// The claim's own: "eos", "stop" (a stop string) or "length".
+    pub claim_finish: String,
+}
+
+impl Outcome {
+    pub fn usage(&self) -> Value {
+        json!({
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+        })
+    }
+}
+
+fn server_error(status: StatusCode, message: String) -> OpenAiError {
+    OpenAiError {
+        status,
+        message,
+        kind: "server_error",
+        param: None,
+        code: None,
+    }
+}
+
+/// The watch stopped before the job ended.
+pub fn ended_early() -> OpenAiError {
+    server_error(
+        StatusCode::SERVICE_UNAVAILABLE,
+        "the job's event stream ended before the job did".into(),
+    )
+}
+
+/// The outcome an event ends the job with (`None`: not an ending).
+pub fn outcome(e: Result<JobEvent, tonic::Status>) -> Result<Option<Outcome>, OpenAiError> {
+    let e = e.map_err(|s| server_error(StatusCode::SERVICE_UNAVAILABLE, s.message().to_owned()))?;
+    match e.event {
+        Some(job_event::Event::Completed(c)) => {
+            let job = c.job.unwrap_or_default();
+            let claim = job.result.and_then(|r| r.claim).unwrap_or_default();
+            Ok(Some(Outcome {
+                text: job.output_text,
+                prompt_tokens: claim.prompt_tokens,
+                completion_tokens: claim.completion_tokens,
+                finish: finish_reason(&claim.finish_reason),
+                claim_finish: claim.finish_reason,
+            }))
+        }
+        Some(job_event::Event::Failed(f)) => Err(server_error(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            format!("the job failed: {}", f.reason),
+        )),
+        Some(job_event::Event::Cancelled(_)) => Err(server_error(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "the job was cancelled".into(),
+        )),
+        _ => Ok(None),
+    }
+}
+
+/// Which API's chunks.
+#[derive(Clone, Debug)]
+pub enum Shape {
+    /// `chat.completion.chunk` with deltas.
+    Chat,
+    /// `text_completion` chunks; `echo` is the prompt sent first.
+    Text { echo: Option<String> },
+}
+
+impl Shape {
+    fn chunk(&self, meta: &JobMeta, text: Option<&str>, finish: Option<&str>, role: bool) -> Value {
+        let choice = match self {
+            Shape::Chat => {
+                let mut delta = serde_json::Map::new();
+                if role {
+                    delta.insert("role".into(), json!("assistant"));
+                }
+                if let Some(t) = text {
+                    delta.insert("content".into(), json!(t));
+                }
+                json!({"index": 0, "delta": delta, "logprobs": null, "finish_reason": finish})
+            }
+            Shape::Text { .. } => {
+                json!({"index": 0, "text": text.unwrap_or(""), "logprobs": null, "finish_reason": finish})
+            }
+        };
+        self.object(meta, vec![choice])
+    }
+
+    fn object(&self, meta: &JobMeta, choices: Vec<Value>) -> Value {
+        let object = match self {
+            Shape::Chat => "chat.completion.chunk",
+            Shape::Text { .. } => "text_completion",
+        };
+        json!({
+            "id": meta.id.to_string(),
+            "object": object,
+            "created": meta.created,
+            "model": meta.model,
+            "system_fingerprint": meta.fingerprint,
+            "choices": choices,
+        })
+    }
+}
+
+fn data(v: &Value) -> Event {
+    Event::default().data(v.to_string())
+}
+
+/// The SSE answer following `events` to the job's end.
+pub fn sse(
+    meta: JobMeta,
+    mut events: Events,
+    mut cancel: CancelOnDrop,
+    shape: Shape,
+    include_usage: bool,
+) -> Response {
+    let (tx, rx) = mpsc::channel::<Result<Event, Infallible>>(32);
+    tokio::spawn(async move {
+        let with_usage = |mut v: Value| {
+            if include_usage {
+                v["usage"] = Value::Null;
+            }
+            v
+        };
+        let first = match &shape {
+            Shape::Chat => Some(shape.chunk(&meta, Some(""), None, true)),
+            Shape::Text { echo: Some(p) } => Some(shape.chunk(&meta, Some(p), None, false)),
+            Shape::Text { echo: None } => None,
+        };
+        if let Some(first) = first {
+            if tx.send(Ok(data(&with_usage(first)))).await.is_err() {
+                return;
+            }
+        }
+        let mut sent = 0u32;
+        loop {
+            let next = tokio::select! {
+                _ = tx.closed() => return,
+                e = events.recv() => e,
+            };
+            let Some(e) = next else {
+                let _ = tx.send(Ok(data(&ended_early().body()))).await;
+                return;
+            };
+            if let Some(text) = new_text(&e, &mut sent) {
+                if let Some(text) = text {
+                    let v = with_usage(shape.chunk(&meta, Some(&text), None, false));
+                    if tx.send(Ok(data(&v))).await.is_err() {
+                        return;
+                    }
+                }
+                continue;
+            }
+            match outcome(e) {
+                Ok(None) => continue,
+                Ok(Some(end)) => {
+                    cancel.disarm();
+                    let last = with_usage(shape.chunk(&meta, None, Some(end.finish), false));
+                    let _ = tx.send(Ok(data(&last))).await;
+                    if include_usage {
+                        let mut u = shape.object(&meta, Vec::new());
+                        u["usage"] = end.usage();
+                        let _ = tx.send(Ok(data(&u))).await;
+                    }
+                    let _ = tx.send(Ok(Event::default().data("[DONE]"))).await;
+                    return;
+                }
+                Err(err) => {
+                    cancel.disarm();
+                    let _ = tx.send(Ok(data(&err.body()))).await;
+                    return;
+                }
+            }
+        }
+    });
+    Sse::new(ReceiverStream::new(rx))
+        .keep_alive(KeepAlive::default())
+        .into_response()
+}

@@ -1,0 +1,194 @@
+//! The request parsers: what is read, what is refused and with which
+//! parameter named (the whole API runs against a real node in the tests
+//! crate).
+
+use axum::http::StatusCode;
+use mlxnet_proto::v1::job_input;
+use serde_json::{json, Value};
+
+use super::{chat, completions, messages, OpenAiError};
+
+fn obj(v: Value) -> serde_json::Map<String, Value> {
+    match v {
+        Value::Object(m) => m,
+        _ => unreachable!("test bodies are objects"),
+    }
+}
+
+fn chat_err(v: Value) -> OpenAiError {
+    chat::parse(obj(v)).expect_err("refused")
+}
+
+#[test]
+fn a_chat_request_becomes_a_chat_job() {
+    let c = chat::parse(obj(json!({
+        "model": "m",
+        "messages": [
+            {"role": "developer", "content": "Be brief."},
+            {"role": "user", "content": [{"type": "text", "text": "Hi "}, {"type": "text", "text": "there"}]},
+        ],
+        "max_completion_tokens": 7,
+        "temperature": 0,
+        "seed": -1,
+        "stop": "\n",
+        "stream": true,
+        "stream_options": {"include_usage": true},
+        "user": "u1",
+        "n": 1,
+        "presence_penalty": 0,
+        "logprobs": false,
+        "tool_choice": "none",
+    })))
+    .expect("valid");
+    assert!(c.stream && c.include_usage);
+    let s = c.submit.sampling.expect("sampling");
+    assert_eq!(
+        (s.max_tokens, s.temperature, s.seed),
+        (7, 0.0, Some(u64::MAX))
+    );
+    assert_eq!(s.stop, vec!["\n".to_string()]);
+    let Some(job_input::Kind::Chat(m)) = c.submit.input.and_then(|i| i.kind) else {
+        panic!("a chat input");
+    };
+    assert_eq!(m.messages[0].role, "system");
+    assert_eq!(m.messages[1].content, "Hi there");
+}
+
+#[test]
+fn openai_defaults_apply() {
+    let c = chat::parse(obj(
+        json!({"model": "m", "messages": [{"role": "user", "content": "x"}]}),
+    ))
+    .expect("valid");
+    let s = c.submit.sampling.expect("sampling");
+    // OpenAI's temperature default is 1; max_tokens 0 = the listener's default.
+    assert_eq!(
+        (s.temperature, s.top_p, s.max_tokens, s.seed),
+        (1.0, 1.0, 0, None)
+    );
+    let t = completions::parse(obj(json!({"model": "m", "prompt": ["once"]}))).expect("valid");
+    assert_eq!(
+        t.submit.sampling.expect("sampling").max_tokens,
+        completions::DEFAULT_MAX_TOKENS
+    );
+}
+
+#[test]
+fn what_cannot_be_honoured_is_refused_by_name() {
+    let base = || json!({"model": "m", "messages": [{"role": "user", "content": "x"}]});
+    let with = |k: &str, v: Value| {
+        let mut b = base();
+        b[k] = v;
+        chat_err(b)
+    };
+    for (k, v) in [
+        ("temperature", json!(2.5)),
+        ("top_p", json!(-0.1)),
+        ("n", json!(2)),
+        ("presence_penalty", json!(0.5)),
+        ("logit_bias", json!({"50256": -100})),
+        ("response_format", json!({"type": "json_object"})),
+        (
+            "tools",
+            json!([{"type": "function", "function": {"name": "f"}}]),
+        ),
+        ("tool_choice", json!("required")),
+        ("logprobs", json!(true)),
+        ("stream_options", json!({"include_usage": true})),
+        ("max_tokens", json!(0)),
+        ("seed", json!("7")),
+        ("frobnicate", json!(1)),
+    ] {
+        let e = with(k, v);
+        assert_eq!(e.status, StatusCode::BAD_REQUEST, "{k}: {e:?}");
+        assert_eq!(e.param.as_deref(), Some(k), "{k}: {e:?}");
+        assert_eq!(e.body()["error"]["type"], "invalid_request_error");
+    }
+    let bad_role =
+        chat_err(json!({"model": "m", "messages": [{"role": "wizard", "content": "x"}]}));
+    assert_eq!(bad_role.param.as_deref(), Some("messages"));
+    let no_model = chat_err(json!({"messages": []}));
+    assert_eq!(no_model.param.as_deref(), Some("model"));
+    let image = chat_err(
+        json!({"model": "m", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}),
+    );
+    assert_eq!(image.code, Some("unsupported_parameter"));
+    let suffix = completions::parse(obj(json!({"model": "m", "prompt": "a", "suffix": "b"})))
+        .expect_err("refused");
+    assert_eq!(suffix.param.as_deref(), Some("suffix"));
+    let many =
+        completions::parse(obj(json!({"model": "m", "prompt": ["a", "b"]}))).expect_err("refused");
+    assert_eq!(many.param.as_deref(), Some("prompt"));
+}
+
+#[test]
+fn errors_have_openai_shape_and_status() {
+    use crate::api::error::ApiError;
+    let cases = [
+        (
+            ApiError::InvalidArgument("x".into()),
+            400,
+            "invalid_request_error",
+        ),
+        (ApiError::NotFound("x".into()), 404, "invalid_request_error"),
+        (
+            ApiError::ResourceExhausted("x".into()),
+            429,
+            "rate_limit_error",
+        ),
+        (
+            ApiError::InsufficientFunds("x".into()),
+            402,
+            "insufficient_quota",
+        ),
+        (ApiError::NoNode("x".into()), 503, "server_error"),
+        (ApiError::Unauthenticated, 401, "invalid_request_error"),
+        (
+            ApiError::PermissionDenied("x".into()),
+            403,
+            "permission_error",
+        ),
+    ];
+    for (e, status, kind) in cases {
+        let o = OpenAiError::from(e);
+        assert_eq!(o.status.as_u16(), status);
+        let b = o.body();
+        assert_eq!(b["error"]["type"], kind);
+        for k in ["message", "type", "param", "code"] {
+            assert!(b["error"].get(k).is_some(), "{k} missing from {b}");
+        }
+    }
+}
+
+#[test]
+fn an_anthropic_request_becomes_a_chat_job() {
+    let m = messages::parse(obj(json!({
+        "model": "m",
+        "max_tokens": 5,
+        "system": [{"type": "text", "text": "Be brief."}],
+        "messages": [{"role": "user", "content": "Hi"}],
+        "stop_sequences": ["."],
+        "top_k": 3,
+        "metadata": {"user_id": "u"},
+    })))
+    .expect("valid");
+    let s = m.submit.sampling.expect("sampling");
+    assert_eq!(
+        (s.max_tokens, s.top_k, s.stop.clone()),
+        (5, 3, vec![".".to_string()])
+    );
+    let Some(job_input::Kind::Chat(c)) = m.submit.input.and_then(|i| i.kind) else {
+        panic!("a chat input");
+    };
+    assert_eq!(
+        (c.messages[0].role.as_str(), c.messages[0].content.as_str()),
+        ("system", "Be brief.")
+    );
+    let no_max = messages::parse(obj(json!({"model": "m", "messages": []}))).expect_err("refused");
+    assert_eq!(no_max.param.as_deref(), Some("max_tokens"));
+    let tools = messages::parse(obj(
+        json!({"model": "m", "max_tokens": 1, "messages": [], "tools": []}),
+    ))
+    .expect_err("refused");
+    assert_eq!(tools.param.as_deref(), Some("tools"));
+}
