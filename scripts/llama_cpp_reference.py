@@ -1,8 +1,16 @@
 #!/usr/bin/env python3
 """Records llama.cpp's token ids for the engine's reference tests.
 
-Runs the test model (SmolLM2-135M-Instruct Q4_1 GGUF) through llama.cpp via the
-PyPI package llama-cpp-python and writes node/src/engine/testdata/llama_cpp_reference.json:
+Runs a test model through llama.cpp via the PyPI package llama-cpp-python:
+- `smollm2` (default): SmolLM2-135M-Instruct Q4_1 GGUF, written to
+  node/src/engine/testdata/llama_cpp_reference.json;
+- `gemma3`: Gemma 3 270M (base) Q4_K_M GGUF, written to
+  node/src/engine/testdata/llama_cpp_reference_gemma3.json: the two text
+  prompts plus one of over 600 tokens (past Gemma's 512-position sliding
+  window, so the windowed layers are exercised), no chat prompt (a base
+  model has no chat template).
+
+Each file holds:
 
 - "greedy": for three fixed prompts, the prompt's token ids and the ids of the
   greedy continuation (argmax of llama.cpp's logits, up to N_PREDICT tokens,
@@ -17,7 +25,7 @@ PyPI package llama-cpp-python and writes node/src/engine/testdata/llama_cpp_refe
   special tokens recognised.
 
 Usage: pip install llama-cpp-python jinja2; scripts/fetch-test-model.sh;
-       python3 scripts/llama_cpp_reference.py
+       python3 scripts/llama_cpp_reference.py [smollm2|gemma3]
 On CPUs with AMX, the default llama-cpp-python build can die with SIGILL in
 ggml's AMX code; the model is loaded with use_extra_bufts=False when the
 installed version accepts it, or build it with
@@ -30,8 +38,16 @@ import os
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-MODEL = os.path.join(ROOT, "models", "SmolLM2-135M-Instruct.Q4_1.gguf")
-OUT = os.path.join(ROOT, "node", "src", "engine", "testdata", "llama_cpp_reference.json")
+TESTDATA = os.path.join(ROOT, "node", "src", "engine", "testdata")
+MODELS = {
+    "smollm2": ("SmolLM2-135M-Instruct.Q4_1.gguf", "llama_cpp_reference.json"),
+    "gemma3": ("gemma-3-270m-q4_k_m.gguf", "llama_cpp_reference_gemma3.json"),
+}
+WHICH = sys.argv[1] if len(sys.argv) > 1 else "smollm2"
+if WHICH not in MODELS:
+    sys.exit(f"usage: {sys.argv[0]} [{'|'.join(MODELS)}]")
+MODEL = os.path.join(ROOT, "models", MODELS[WHICH][0])
+OUT = os.path.join(TESTDATA, MODELS[WHICH][1])
 N_PREDICT = 32
 
 TEXT_PROMPTS = [
@@ -42,6 +58,11 @@ TEXT_PROMPTS = [
 # template's default system prompt it rambles about L'Étoile (llama.cpp too).
 CHAT_SYSTEM = "You are a helpful assistant."
 CHAT_QUESTION = "What is the capital of France?"
+
+# Past Gemma 3's sliding window of 512 positions: the bench prompt five times,
+# then a question about it.
+with open(os.path.join(ROOT, "node", "benches", "prompt-128.txt"), encoding="utf-8") as _f:
+    LONG_PROMPT = (_f.read().strip() + "\n\n") * 5 + "In one sentence, the passage above says that"
 
 TRICKY = [
     "12345",
@@ -73,7 +94,7 @@ def sha256(path):
 def load():
     from llama_cpp import Llama
 
-    kwargs = dict(model_path=MODEL, n_ctx=1024, n_threads=2, seed=0, verbose=False, logits_all=True)
+    kwargs = dict(model_path=MODEL, n_ctx=1024, n_batch=1024, n_threads=2, seed=0, verbose=False, logits_all=True)
     try:
         return Llama(use_extra_bufts=False, **kwargs)
     except TypeError:
@@ -106,20 +127,26 @@ def main():
 
     llm = load()
     meta = llm.metadata
-    template = jinja2.Environment(loader=jinja2.BaseLoader()).from_string(meta["tokenizer.chat_template"])
-    chat_text = template.render(
-        messages=[{"role": "system", "content": CHAT_SYSTEM}, {"role": "user", "content": CHAT_QUESTION}],
-        add_generation_prompt=True,
-        bos_token="",
-        eos_token="",
-    )
+    prompts = list(TEXT_PROMPTS)
+    if WHICH == "gemma3":
+        prompts.append(LONG_PROMPT)
+    else:
+        template = jinja2.Environment(loader=jinja2.BaseLoader()).from_string(meta["tokenizer.chat_template"])
+        prompts.append(
+            template.render(
+                messages=[{"role": "system", "content": CHAT_SYSTEM}, {"role": "user", "content": CHAT_QUESTION}],
+                add_generation_prompt=True,
+                bos_token="",
+                eos_token="",
+            )
+        )
     eog = {llm.token_eos()}
     for i in range(llm.n_vocab()):
         if llama_cpp.llama_vocab_is_eog(llama_cpp.llama_model_get_vocab(llm.model), i):
             eog.add(i)
 
     greedy_runs = []
-    for prompt in TEXT_PROMPTS + [chat_text]:
+    for prompt in prompts:
         toks = llm.tokenize(prompt.encode("utf-8"), add_bos=True, special=True)
         output, margins = greedy(llm, toks, eog)
         greedy_runs.append(

@@ -55,6 +55,8 @@ pub enum AppError {
     Ledger(#[source] Box<crate::ledger::LedgerError>),
     #[error(transparent)]
     Catalogue(#[from] CatalogueError),
+    #[error(transparent)]
+    CatalogueFile(#[from] crate::catalogue::file::CatalogueFileError),
     #[error("node-link certificate")]
     Tls(#[from] TlsError),
     #[error("binding {what} on {addr}")]
@@ -102,7 +104,7 @@ impl Application {
             path: config.data_dir.display().to_string(),
             source,
         })?;
-        let catalogue = Arc::new(Catalogue::new(&config.catalogue)?);
+        let catalogue = Arc::new(Catalogue::new(&config.catalogue_models()?)?);
         let identity = Identity::load_or_create(&config.data_dir)?;
         let server_config = identity.server_config(
             config.link().idle_timeout(),

@@ -5,6 +5,11 @@
 //! - Ids are unique; every digest is 32 bytes (checked by the config).
 //! - A node "serves" a model only if its Hello reported a cached file with the
 //!   catalogue's digest for that id; a matching id with another digest does not count.
+//!
+//! The models come from the config's `catalogue` list and the catalogue file
+//! ([`file`], in the shared format of `mlxnet_proto::catalogue`), read at start.
+
+pub mod file;
 
 use std::collections::HashMap;
 

@@ -50,6 +50,10 @@ pub struct CoordinatorConfig {
     /// The database and its pool (see [`crate::store::StoreConfig`]).
     pub store: crate::store::StoreConfig,
     pub catalogue: Vec<CatalogueModel>,
+    /// The catalogue file (`mlxnet-coordinator catalogue add|list|remove`);
+    /// its models join `catalogue`, replacing entries of the same id.
+    /// Default `<data_dir>/catalogue.toml` when that file exists.
+    pub catalogue_file: Option<PathBuf>,
     pub limits: Limits,
     /// How often nodes are told to heartbeat.
     pub heartbeat_interval_ms: u64,
@@ -86,6 +90,7 @@ impl Default for CoordinatorConfig {
             database_url: None,
             store: crate::store::StoreConfig::default(),
             catalogue: vec![smollm2_135m_instruct()],
+            catalogue_file: None,
             limits: Limits::default(),
             heartbeat_interval_ms: 5_000,
             heartbeat_timeout_ms: 15_000,
@@ -117,6 +122,7 @@ impl fmt::Debug for CoordinatorConfig {
             )
             .field("store.acquire_timeout_ms", &self.store.acquire_timeout_ms)
             .field("catalogue", &self.catalogue)
+            .field("catalogue_file", &self.catalogue_file)
             .field("limits", &self.limits)
             .field("heartbeat_interval_ms", &self.heartbeat_interval_ms)
             .field("heartbeat_timeout_ms", &self.heartbeat_timeout_ms)
@@ -141,6 +147,24 @@ impl CoordinatorConfig {
             audit: crate::audit::AuditConfig::off(),
             ..Self::default()
         }
+    }
+
+    /// The catalogue file, and whether it was named (a named file must
+    /// exist; the default one may be absent).
+    pub fn catalogue_path(&self) -> (PathBuf, bool) {
+        match &self.catalogue_file {
+            Some(p) => (p.clone(), true),
+            None => (self.data_dir.join("catalogue.toml"), false),
+        }
+    }
+
+    /// Every model jobs may name: `catalogue` with the catalogue file's.
+    pub fn catalogue_models(
+        &self,
+    ) -> Result<Vec<CatalogueModel>, crate::catalogue::file::CatalogueFileError> {
+        let (path, named) = self.catalogue_path();
+        let file = crate::catalogue::file::read(&path, !named)?;
+        Ok(crate::catalogue::file::merged(&self.catalogue, &file))
     }
 
     /// The dispatcher's settings.

@@ -39,6 +39,33 @@ enum Command {
         #[arg(long, default_value = "admin")]
         name: String,
     },
+    /// The catalogue file (the models the coordinator adds to its configured
+    /// ones at start; format of `proto/catalogue.toml`).
+    Catalogue {
+        /// The file. Default: `catalogue_file` of the config, else
+        /// `<data dir>/catalogue.toml`.
+        #[arg(long)]
+        file: Option<PathBuf>,
+        #[command(subcommand)]
+        action: CatalogueAction,
+    },
+}
+
+#[derive(Subcommand)]
+enum CatalogueAction {
+    /// Every model jobs may name: the configured ones and the file's.
+    List,
+    /// Adds the models of a catalogue TOML (what `mlx-node models describe`
+    /// prints) to the file; all or none.
+    Add {
+        /// A catalogue TOML with one or more `[[model]]` entries.
+        entries: PathBuf,
+        /// Replace an entry of the same id.
+        #[arg(long)]
+        replace: bool,
+    },
+    /// Removes a model from the file.
+    Remove { id: String },
 }
 
 #[tokio::main]
@@ -67,6 +94,9 @@ async fn main() -> anyhow::Result<()> {
     if let Some(url) = args.database_url {
         config.database_url = Some(url);
     }
+    if let Some(Command::Catalogue { file, action }) = args.command {
+        return catalogue_command(&config, file, action);
+    }
     if let Some(Command::AdminKey { name }) = args.command {
         let key = mlxnet_coordinator::app::bootstrap_admin_key(&config, &name)
             .await
@@ -90,5 +120,58 @@ async fn main() -> anyhow::Result<()> {
     app.run_until_stopped()
         .await
         .context("coordinator stopped with an error")?;
+    Ok(())
+}
+
+/// `mlxnet-coordinator catalogue ...`: edits the catalogue file (a running
+/// coordinator reads it at its next start).
+fn catalogue_command(
+    config: &CoordinatorConfig,
+    path_flag: Option<PathBuf>,
+    action: CatalogueAction,
+) -> anyhow::Result<()> {
+    use mlxnet_coordinator::catalogue::file;
+    let (path, named) = match path_flag {
+        Some(p) => (p, true),
+        None => config.catalogue_path(),
+    };
+    match action {
+        CatalogueAction::List => {
+            let models = config.catalogue_models()?;
+            mlxnet_coordinator::catalogue::Catalogue::new(&models)?;
+            let from_file = file::read(&path, !named)?;
+            for m in &models {
+                let from = if from_file.get(&m.id).is_some() {
+                    "file"
+                } else {
+                    "config"
+                };
+                println!(
+                    "{:<28} {:<10} {:>10} bytes  sha256 {}  ({from})",
+                    m.id, m.architecture, m.size_bytes, m.sha256
+                );
+            }
+            eprintln!("catalogue file: {}", path.display());
+        }
+        CatalogueAction::Add { entries, replace } => {
+            let text = std::fs::read_to_string(&entries)
+                .with_context(|| format!("reading {}", entries.display()))?;
+            let new = mlxnet_proto::catalogue::Catalogue::parse(&text)
+                .with_context(|| format!("{} is not a valid catalogue", entries.display()))?;
+            anyhow::ensure!(
+                !new.models.is_empty(),
+                "{} holds no [[model]] entry",
+                entries.display()
+            );
+            let ids = file::add(&path, &new, replace)?;
+            println!("added {} to {}", ids.join(", "), path.display());
+            eprintln!("(the coordinator serves them from its next start)");
+        }
+        CatalogueAction::Remove { id } => {
+            file::remove(&path, &id)?;
+            println!("removed {id} from {}", path.display());
+            eprintln!("(the coordinator stops offering it at its next start)");
+        }
+    }
     Ok(())
 }

@@ -3,20 +3,31 @@
 //!
 //! `cargo bench -p mlx-node --bench engine_vs_llamacpp`
 //!
-//! For each thread count (1 and 2 by default) this binary runs, as child
-//! processes so each gets its own thread pools:
+//! Models (rows), each at every thread count (1 and 2 by default):
+//! - `smollm2`: SmolLM2-135M-Instruct Q4_1 (the test model);
+//! - `gemma3`: Gemma 3 270M Q4_K_M (real; Q4_K, Q6_K, Q5_0 and Q8_0 tensors);
+//! - `llama1b-q4km` and `llama1b-q8`: a random-weight 1B-class Llama
+//!   (`support/random_llama.rs`, written into `models/` on first use) in
+//!   Q4_K_M and Q8_0; 32 new tokens per run instead of 128, to keep the run
+//!   short.
+//!
+//! For each model and thread count this binary runs, as child processes so
+//! each gets its own thread pools:
 //! - our engine (`Engine::load` + `Engine::generate`, greedy, the fixed
-//!   128-token prompt of `prompt-128.txt`, 128 new tokens), one warm-up then
-//!   `runs` measured generations;
+//!   128-token prompt of `prompt-128.txt`), one warm-up then `runs`
+//!   measured generations;
 //! - llama.cpp through llama-cpp-python (`scripts/bench-vs-llama-cpp.py`):
-//!   same file, prompt, threads, prefill in one batch, 128 greedy tokens;
+//!   same file, prompt, threads, prefill in one batch, greedy tokens;
 //!
 //! then prints a table with the medians and the ratios ours / llama.cpp.
 //! Without llama-cpp-python it says how to install it and prints our numbers.
 //!
-//! Settings (environment, all optional): `MLXNET_BENCH_MODEL` (GGUF path,
-//! default `models/SmolLM2-135M-Instruct.Q4_1.gguf` in the workspace),
-//! `MLXNET_BENCH_THREADS` (comma-separated, default `1,2`),
+//! `-- --prepare` only writes the random models and exits.
+//!
+//! Settings (environment, all optional): `MLXNET_BENCH_MODELS`
+//! (comma-separated names from the list above, default all of them whose
+//! files are there or can be written), `MLXNET_BENCH_MODEL` (one GGUF path
+//! instead), `MLXNET_BENCH_THREADS` (comma-separated, default `1,2`),
 //! `MLXNET_BENCH_RUNS` (default 3), `MLXNET_BENCH_PYTHON` (default `python3`).
 //!
 //! Decode tokens/s counts the forward passes after the first sampled token:
@@ -32,10 +43,16 @@ use anyhow::{bail, Context};
 use mlx_node::engine::{Engine, GenerateRequest, PromptInput, Resume, Sampling};
 use serde_json::{json, Value};
 
+#[path = "support/random_llama.rs"]
+mod random_llama;
 use mlx_node::test_utils::{setting, workspace};
 
 const GEN_TOKENS: usize = 128;
+/// New tokens per run on the 1B models (a run of 128 would take minutes).
+const GEN_TOKENS_1B: usize = 32;
 const PROMPT: &str = include_str!("prompt-128.txt");
+const SMOLLM2: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
+const GEMMA3: &str = "gemma-3-270m-q4_k_m.gguf";
 
 fn median(mut v: Vec<f64>) -> f64 {
     if v.is_empty() {
@@ -58,14 +75,14 @@ fn numbers(v: &Value, key: &str) -> Vec<f64> {
 }
 
 /// Child mode: our engine at the thread count the parent set in the environment.
-fn run_ours(model: &Path, runs: usize) -> anyhow::Result<Value> {
+fn run_ours(model: &Path, runs: usize, gen_tokens: usize) -> anyhow::Result<Value> {
     let t = Instant::now();
     let mut engine = Engine::load(model).with_context(|| format!("loading {}", model.display()))?;
     let load_s = t.elapsed().as_secs_f64();
     let request = GenerateRequest {
         input: PromptInput::Text(PROMPT.trim_end_matches('\n').to_string()),
         sampling: Sampling {
-            max_tokens: GEN_TOKENS,
+            max_tokens: gen_tokens,
             ..Sampling::default()
         },
         resume: Resume::default(),
@@ -125,19 +142,26 @@ fn child_json(mut cmd: Command, what: &str) -> anyhow::Result<(Value, Option<i32
     }
 }
 
-fn ours(model: &Path, threads: usize, runs: usize) -> anyhow::Result<Value> {
+fn ours(model: &Path, threads: usize, runs: usize, gen_tokens: usize) -> anyhow::Result<Value> {
     let mut cmd = Command::new(std::env::current_exe()?);
     cmd.args([
         "--child-ours",
         &model.display().to_string(),
         &runs.to_string(),
+        &gen_tokens.to_string(),
     ])
     .env("CANDLE_NUM_THREADS", threads.to_string())
     .env("RAYON_NUM_THREADS", threads.to_string());
     Ok(child_json(cmd, "our engine")?.0)
 }
 
-fn llama(model: &Path, threads: usize, runs: usize, prompt_file: &Path) -> anyhow::Result<Value> {
+fn llama(
+    model: &Path,
+    threads: usize,
+    runs: usize,
+    gen_tokens: usize,
+    prompt_file: &Path,
+) -> anyhow::Result<Value> {
     let python = setting("MLXNET_BENCH_PYTHON").unwrap_or_else(|| "python3".into());
     let script = workspace().join("scripts/bench-vs-llama-cpp.py");
     let make = |extra: bool| {
@@ -146,7 +170,7 @@ fn llama(model: &Path, threads: usize, runs: usize, prompt_file: &Path) -> anyho
             .args(["--model", &model.display().to_string()])
             .args(["--threads", &threads.to_string()])
             .args(["--prompt-file", &prompt_file.display().to_string()])
-            .args(["--gen-tokens", &GEN_TOKENS.to_string()])
+            .args(["--gen-tokens", &gen_tokens.to_string()])
             .args(["--runs", &runs.to_string()]);
         if !extra {
             cmd.arg("--no-extra-bufts");
@@ -172,22 +196,85 @@ fn ratio(a: f64, b: f64) -> String {
     }
 }
 
+/// One row group of the table: a model file and how many tokens to generate.
+struct Row {
+    name: String,
+    path: PathBuf,
+    gen_tokens: usize,
+}
+
+/// The models to measure (see the module doc).
+fn rows() -> anyhow::Result<Vec<Row>> {
+    if let Some(path) = setting("MLXNET_BENCH_MODEL") {
+        let path = PathBuf::from(path);
+        if !path.exists() {
+            bail!("model {} not found", path.display());
+        }
+        let name = path
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        return Ok(vec![Row {
+            name,
+            path,
+            gen_tokens: GEN_TOKENS,
+        }]);
+    }
+    let models = workspace().join("models");
+    let wanted = setting("MLXNET_BENCH_MODELS")
+        .unwrap_or_else(|| "smollm2,gemma3,llama1b-q4km,llama1b-q8".into());
+    let mut rows = Vec::new();
+    for name in wanted.split(',').map(str::trim).filter(|n| !n.is_empty()) {
+        let (path, gen_tokens) = match name {
+            "smollm2" => (models.join(SMOLLM2), GEN_TOKENS),
+            "gemma3" => (models.join(GEMMA3), GEN_TOKENS),
+            "llama1b-q4km" | "llama1b-q8" => {
+                let mix = if name == "llama1b-q8" {
+                    random_llama::Mix::Q8_0
+                } else {
+                    random_llama::Mix::Q4KM
+                };
+                (
+                    random_llama::ensure(&models, &models.join(SMOLLM2), mix)?,
+                    GEN_TOKENS_1B,
+                )
+            }
+            other => bail!("unknown model {other:?} in MLXNET_BENCH_MODELS"),
+        };
+        if !path.exists() {
+            bail!(
+                "model {} not found: fetch it with scripts/fetch-test-model.sh",
+                path.display()
+            );
+        }
+        rows.push(Row {
+            name: name.to_string(),
+            path,
+            gen_tokens,
+        });
+    }
+    Ok(rows)
+}
+
 fn main() -> anyhow::Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
     if args.first().map(String::as_str) == Some("--child-ours") {
-        let model = PathBuf::from(args.get(1).context("--child-ours <model> <runs>")?);
+        let model = PathBuf::from(args.get(1).context("--child-ours <model> <runs> <gen>")?);
         let runs = args.get(2).and_then(|r| r.parse().ok()).unwrap_or(3);
-        println!("{}", run_ours(&model, runs)?);
+        let gen = args
+            .get(3)
+            .and_then(|r| r.parse().ok())
+            .unwrap_or(GEN_TOKENS);
+        println!("{}", run_ours(&model, runs, gen)?);
         return Ok(());
     }
-    let model = setting("MLXNET_BENCH_MODEL")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| workspace().join("models/SmolLM2-135M-Instruct.Q4_1.gguf"));
-    if !model.exists() {
-        bail!(
-            "model {} not found: fetch it with scripts/fetch-test-model.sh or set MLXNET_BENCH_MODEL",
-            model.display()
-        );
+    let rows_wanted = rows()?;
+    if args.iter().any(|a| a == "--prepare") {
+        // Only write the random models (outside a quiet-machine slot).
+        for r in &rows_wanted {
+            println!("{}: {}", r.name, r.path.display());
+        }
+        return Ok(());
     }
     let threads: Vec<usize> = setting("MLXNET_BENCH_THREADS")
         .unwrap_or_else(|| "1,2".into())
@@ -201,74 +288,86 @@ fn main() -> anyhow::Result<()> {
         .max(1);
     let prompt_file = Path::new(env!("CARGO_MANIFEST_DIR")).join("benches/prompt-128.txt");
 
-    let name = model
-        .file_name()
-        .map(|n| n.to_string_lossy().into_owned())
-        .unwrap_or_default();
-    println!("engine vs llama.cpp: {name}, greedy, {GEN_TOKENS} new tokens, median of {runs} runs after 1 warm-up");
+    println!("engine vs llama.cpp: greedy, median of {runs} runs after 1 warm-up");
     let mut rows = Vec::new();
     let mut notes = Vec::new();
-    for &t in &threads {
-        let o = ours(&model, t, runs)?;
-        let l = match llama(&model, t, runs, &prompt_file) {
-            Ok(v) if v.get("error").is_some() => {
+    for row in &rows_wanted {
+        let model = &row.path;
+        let gen = row.gen_tokens;
+        for &t in &threads {
+            let o = ours(model, t, runs, gen)?;
+            let l = match llama(model, t, runs, gen, &prompt_file) {
+                Ok(v) if v.get("error").is_some() => {
+                    notes.push(format!(
+                        "llama.cpp not measured: {}. Install: {}",
+                        v["error"].as_str().unwrap_or("?"),
+                        v["install"]
+                            .as_str()
+                            .unwrap_or("pip install llama-cpp-python")
+                    ));
+                    None
+                }
+                Ok(v) => Some(v),
+                Err(e) => {
+                    notes.push(format!(
+                        "llama.cpp failed on {} at {t} threads: {e:#}",
+                        row.name
+                    ));
+                    None
+                }
+            };
+            let (op, od) = (
+                median(numbers(&o, "prefill_tok_s")),
+                median(numbers(&o, "decode_tok_s")),
+            );
+            let (lp, ld) = match &l {
+                Some(l) => (
+                    median(numbers(l, "prefill_tok_s")),
+                    median(numbers(l, "decode_tok_s")),
+                ),
+                None => (f64::NAN, f64::NAN),
+            };
+            if let Some(l) = &l {
+                if l["prompt_tokens"] != o["prompt_tokens"] {
+                    notes.push(format!(
+                        "{}: prompt lengths differ: ours {} tokens, llama.cpp {}",
+                        row.name, o["prompt_tokens"], l["prompt_tokens"]
+                    ));
+                }
+                if l["first_ids"] != o["first_ids"] {
+                    notes.push(format!(
+                        "{}: greedy ids differ at {t} threads: ours {} vs llama.cpp {}",
+                        row.name, o["first_ids"], l["first_ids"]
+                    ));
+                }
+                if l["extra_bufts"] == json!(false) {
+                    notes.push(format!("{}: llama.cpp at {t} threads ran with use_extra_bufts=False (its default build died)", row.name));
+                }
+            }
+            if o["gen_tokens"] != json!(gen) {
                 notes.push(format!(
-                    "llama.cpp not measured: {}. Install: {}",
-                    v["error"].as_str().unwrap_or("?"),
-                    v["install"]
-                        .as_str()
-                        .unwrap_or("pip install llama-cpp-python")
-                ));
-                None
-            }
-            Ok(v) => Some(v),
-            Err(e) => {
-                notes.push(format!("llama.cpp failed at {t} threads: {e:#}"));
-                None
-            }
-        };
-        let (op, od) = (
-            median(numbers(&o, "prefill_tok_s")),
-            median(numbers(&o, "decode_tok_s")),
-        );
-        let (lp, ld) = match &l {
-            Some(l) => (
-                median(numbers(l, "prefill_tok_s")),
-                median(numbers(l, "decode_tok_s")),
-            ),
-            None => (f64::NAN, f64::NAN),
-        };
-        if let Some(l) = &l {
-            if l["prompt_tokens"] != o["prompt_tokens"] {
-                notes.push(format!(
-                    "prompt lengths differ: ours {} tokens, llama.cpp {}",
-                    o["prompt_tokens"], l["prompt_tokens"]
+                    "{}: our engine generated {} tokens at {t} threads (finish: {})",
+                    row.name, o["gen_tokens"], o["finish"]
                 ));
             }
-            if l["first_ids"] != o["first_ids"] {
-                notes.push(format!(
-                    "greedy ids differ at {t} threads: ours {} vs llama.cpp {}",
-                    o["first_ids"], l["first_ids"]
-                ));
-            }
-            if l["extra_bufts"] == json!(false) {
-                notes.push(format!("llama.cpp at {t} threads ran with use_extra_bufts=False (its default build died)"));
-            }
-        }
-        if o["gen_tokens"] != json!(GEN_TOKENS) {
-            notes.push(format!(
-                "our engine generated {} tokens at {t} threads (finish: {})",
-                o["gen_tokens"], o["finish"]
+            rows.push((
+                row.name.clone(),
+                gen,
+                t,
+                o["prompt_tokens"].clone(),
+                op,
+                lp,
+                od,
+                ld,
             ));
         }
-        rows.push((t, o["prompt_tokens"].clone(), op, lp, od, ld));
     }
     println!();
-    println!("| threads | prompt | prefill ours | prefill llama.cpp | ratio | decode ours | decode llama.cpp | ratio |");
-    println!("|--------:|-------:|-------------:|------------------:|------:|------------:|-----------------:|------:|");
-    for (t, p, op, lp, od, ld) in rows {
+    println!("| model | new tokens | threads | prompt | prefill ours | prefill llama.cpp | ratio | decode ours | decode llama.cpp | ratio |");
+    println!("|:------|-----------:|--------:|-------:|-------------:|------------------:|------:|------------:|-----------------:|------:|");
+    for (name, gen, t, p, op, lp, od, ld) in rows {
         println!(
-            "| {t} | {p} | {op:.1} | {lp:.1} | {} | {od:.1} | {ld:.1} | {} |",
+            "| {name} | {gen} | {t} | {p} | {op:.1} | {lp:.1} | {} | {od:.1} | {ld:.1} | {} |",
             ratio(op, lp),
             ratio(od, ld)
         );

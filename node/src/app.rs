@@ -27,7 +27,7 @@ use crate::{
     hardware::{self, HardwareError},
     identity::{Identity, IdentityError},
     link::{self, LinkContext, LinkError, LinkStatus},
-    models::{BatchSettings, HeldModel, ModelError, ModelSet},
+    models::{store::ModelStore, BatchSettings, HeldModel, ModelError, ModelSet},
     pod::{
         hostfile::PodConfig,
         runtime::{PodError, PodRuntime, PodSetup},
@@ -113,8 +113,12 @@ impl Node {
             None => {
                 let entries = config.models.clone();
                 tracing::info!(device = %config.device, backend = backend.name(), "engine device");
+                let dir = config.store.dir_in(&config.data_dir);
+                let policy = config.store.policy();
                 let models = tokio::task::spawn_blocking(move || {
-                    ModelSet::load_on(&entries, batch, &backend)
+                    let store = ModelStore::open(&dir, policy)
+                        .map_err(|e| ModelError::Store(Box::new(e)))?;
+                    ModelSet::load_with_store(&entries, Arc::new(store), batch, &backend)
                 })
                 .await??;
                 (models, None)
@@ -199,6 +203,7 @@ impl Node {
                         backend: "cpu (pod)".into(),
                     }],
                     None => models
+                        .all()
                         .iter()
                         .map(|m| HeldModelView {
                             id: m.held.id.clone(),

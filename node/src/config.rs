@@ -98,6 +98,9 @@ pub struct NodeConfig {
     /// Set when this node is a member of a pod (see [`PodSettings`]).
     /// Default none: a single Mac.
     pub pod: Option<PodSettings>,
+    /// The folder of pulled catalogue models and the owner's rules for it
+    /// (see [`StoreSettings`]).
+    pub store: StoreSettings,
     /// Test knob for the audit tests: the node replaces every generated
     /// token with another before signing, as a cheating node would. Only
     /// settable in code (never from a file or the environment).
@@ -140,6 +143,74 @@ pub struct PodSettings {
 
 fn default_pod_port() -> u16 {
     32323
+}
+
+/// Where pulled models live and what the owner allows there. Every model
+/// installed in the folder is served, beside the `models` entries.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct StoreSettings {
+    /// The model folder. Default `<data_dir>/models`.
+    #[serde(default)]
+    pub dir: Option<PathBuf>,
+    /// Disk the pulled models may take together; the models used longest
+    /// ago are removed to make room. Default: no limit.
+    #[serde(default)]
+    pub quota_bytes: Option<u64>,
+    /// Larger models are refused. Default: no limit.
+    #[serde(default)]
+    pub max_model_bytes: Option<u64>,
+    /// Licenses (as the catalogue names them: "gemma", "llama3.1", ...)
+    /// the owner refuses. Default none. From the environment,
+    /// `gemma,llama3.1`.
+    #[serde(
+        default,
+        deserialize_with = "list_or_text",
+        skip_serializing_if = "Vec::is_empty"
+    )]
+    pub refuse_licenses: Vec<String>,
+    /// A catalogue file (TOML) to pull from instead of the built-in one.
+    #[serde(default)]
+    pub catalogue: Option<PathBuf>,
+}
+
+/// A list of names as the file writes it, or as one string `a,b` (empty:
+/// none), the form of an environment variable.
+fn list_or_text<'de, D>(d: D) -> Result<Vec<String>, D::Error>
+where
+    D: serde::Deserializer<'de>,
+{
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum Names {
+        List(Vec<String>),
+        Text(String),
+    }
+    Ok(match Names::deserialize(d)? {
+        Names::List(list) => list,
+        Names::Text(text) => text
+            .split(',')
+            .map(str::trim)
+            .filter(|s| !s.is_empty())
+            .map(str::to_owned)
+            .collect(),
+    })
+}
+
+impl StoreSettings {
+    /// The model folder for a node whose data directory is `data_dir`.
+    pub fn dir_in(&self, data_dir: &Path) -> PathBuf {
+        self.dir.clone().unwrap_or_else(|| data_dir.join("models"))
+    }
+
+    /// The owner's rules.
+    pub fn policy(&self) -> crate::models::store::StorePolicy {
+        crate::models::store::StorePolicy {
+            quota_bytes: self.quota_bytes,
+            max_model_bytes: self.max_model_bytes,
+            refuse_licenses: self.refuse_licenses.clone(),
+        }
+    }
 }
 
 /// When and how much of the machine is lent (`[lending]`). Which rules
@@ -482,6 +553,7 @@ pub struct ConfigLayer {
     pub location: Option<Location>,
     pub operator_account: Option<String>,
     pub pod: Option<PodSettings>,
+    pub store: Option<StoreSettings>,
 }
 
 /// Models as the file lists them, or as one string `id=path,id=path`
@@ -576,6 +648,7 @@ impl NodeConfig {
             location: None,
             operator_account: String::new(),
             pod: None,
+            store: StoreSettings::default(),
             test_cheat: false,
         }
     }
@@ -963,6 +1036,45 @@ mod tests {
             .unwrap_err()
             .to_string()
             .contains("MLX_NODE__POD__PARALLELISM"));
+    }
+
+    #[test]
+    fn store_rules_merge_key_by_key_from_the_file_and_env() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("node.toml");
+        std::fs::write(
+            &file,
+            "[store]\nquota_bytes = 1000\nrefuse_licenses = [\"gemma\"]\n",
+        )
+        .unwrap();
+        // The env refines the quota and leaves the file's licenses.
+        let c = NodeConfig::load(
+            Some(&file),
+            env(&[("MLX_NODE__STORE__QUOTA_BYTES", "2000")]),
+            ConfigLayer::default(),
+        )
+        .unwrap();
+        assert_eq!(c.store.quota_bytes, Some(2000));
+        assert_eq!(c.store.refuse_licenses, vec!["gemma".to_string()]);
+        assert_eq!(c.store.dir_in(Path::new("/d")), PathBuf::from("/d/models"));
+        // Licenses from the env as a comma list replace the file's.
+        let c = NodeConfig::load(
+            Some(&file),
+            env(&[
+                ("MLX_NODE__STORE__REFUSE_LICENSES", "llama3.1, gemma"),
+                ("MLX_NODE__STORE__DIR", "/m"),
+            ]),
+            ConfigLayer::default(),
+        )
+        .unwrap();
+        assert_eq!(c.store.quota_bytes, Some(1000));
+        assert_eq!(c.store.refuse_licenses, vec!["llama3.1", "gemma"]);
+        assert_eq!(c.store.dir_in(Path::new("/d")), PathBuf::from("/m"));
+        let bad = ConfigLayer::from_env(env(&[("MLX_NODE__STORE__QUOTA_BYTES", "lots")]));
+        assert!(bad
+            .unwrap_err()
+            .to_string()
+            .contains("MLX_NODE__STORE__QUOTA_BYTES"));
     }
 
     #[test]

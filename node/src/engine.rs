@@ -16,6 +16,8 @@
 //! - `model`: the Llama-family transformer (Llama 2/3, SmolLM2, Mistral, Qwen2,
 //!   Qwen3) with a preallocated KV cache; layers are separate modules so a later
 //!   pod can shard heads and feed-forward columns.
+//! - `gemma3`: what Gemma 3 adds to that block (post norms, GeGLU, scaled
+//!   embeddings, interleaved sliding-window and global layers).
 //! - [`kv`]: the paged KV cache (a fixed pool of pages shared by the
 //!   sequences of a batch) and the attention over it.
 //! - [`batch`]: continuous batching: [`batch::BatchModel`] (the per-
@@ -58,8 +60,9 @@ use std::time::{Duration, Instant};
 pub mod audit;
 pub mod batch;
 pub mod cli;
-mod config;
+pub(crate) mod config;
 pub mod device;
+mod gemma3;
 mod gguf;
 pub mod kernels;
 pub mod kv;
@@ -324,7 +327,9 @@ pub enum EngineError {
     },
     #[error("unsupported tensor type for {name}: {dtype}")]
     UnsupportedTensorType { name: String, dtype: String },
-    #[error("unsupported model architecture {0:?} (supported: llama, mistral, qwen2, qwen3)")]
+    #[error(
+        "unsupported model architecture {0:?} (supported: llama, mistral, qwen2, qwen3, gemma3)"
+    )]
     UnsupportedArchitecture(String),
     #[error("tokenizer: {0}")]
     Tokenizer(String),
@@ -682,6 +687,90 @@ pub struct AuditRequest {
     pub sampling: Sampling,
     pub output_token_ids: Vec<u32>,
     pub facts: audit::ClaimFacts,
+}
+
+/// What a GGUF file says about itself: the facts of a catalogue entry.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FileFacts {
+    pub architecture: String,
+    /// Elements of every tensor.
+    pub parameters: u64,
+    /// From `general.file_type` ("Q4_K_M", "Q8_0", ...), or "unknown".
+    pub quantization: String,
+    pub context_length: usize,
+    /// `general.license`, if the file names one.
+    pub license: Option<String>,
+    pub layers: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    pub hidden_size: usize,
+}
+
+/// llama.cpp's `llama_ftype` names.
+fn file_type_name(t: u64) -> &'static str {
+    match t {
+        0 => "F32",
+        1 => "F16",
+        2 => "Q4_0",
+        3 => "Q4_1",
+        7 => "Q8_0",
+        8 => "Q5_0",
+        9 => "Q5_1",
+        10 => "Q2_K",
+        11 => "Q3_K_S",
+        12 => "Q3_K_M",
+        13 => "Q3_K_L",
+        14 => "Q4_K_S",
+        15 => "Q4_K_M",
+        16 => "Q5_K_S",
+        17 => "Q5_K_M",
+        18 => "Q6_K",
+        32 => "BF16",
+        _ => "unknown",
+    }
+}
+
+/// Reads a GGUF file's header (metadata and tensor directory, no weights)
+/// for its catalogue facts; any architecture, supported here or not.
+pub fn describe_gguf(path: &Path) -> Result<FileFacts, EngineError> {
+    let file = gguf::GgufFile::open(path)?;
+    let arch = file
+        .get("general.architecture")
+        .and_then(gguf::MetaValue::as_str)
+        .ok_or_else(|| EngineError::Config("missing general.architecture".into()))?
+        .to_string();
+    let int = |k: &str| {
+        file.get(&format!("{arch}.{k}"))
+            .and_then(gguf::MetaValue::as_u64)
+            .map(|v| v as usize)
+    };
+    let hidden_size = int("embedding_length").unwrap_or(0);
+    let heads = int("attention.head_count").unwrap_or(0);
+    let parameters = file
+        .tensors
+        .values()
+        .map(|t| t.shape.iter().product::<usize>() as u64)
+        .sum();
+    Ok(FileFacts {
+        parameters,
+        quantization: file
+            .get("general.file_type")
+            .and_then(gguf::MetaValue::as_u64)
+            .map_or("unknown", file_type_name)
+            .to_string(),
+        context_length: int("context_length").unwrap_or(0),
+        license: file
+            .get("general.license")
+            .and_then(gguf::MetaValue::as_str)
+            .map(str::to_string),
+        layers: int("block_count").unwrap_or(0),
+        kv_heads: int("attention.head_count_kv").unwrap_or(heads),
+        head_dim: int("attention.key_length")
+            .or_else(|| hidden_size.checked_div(heads))
+            .unwrap_or(0),
+        hidden_size,
+        architecture: arch,
+    })
 }
 
 type Loaded = (device::EngineModel, Tokenizer, Option<String>);

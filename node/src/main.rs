@@ -12,6 +12,7 @@ use mlx_node::{
     engine::cli::{self as engine_cli, BenchArgs, GenerateArgs},
     hardware,
     identity::Identity,
+    models::cli::{self as models_cli, ModelsCommand},
     pod::runtime::Parallelism,
     service,
 };
@@ -92,6 +93,13 @@ enum Command {
     },
     /// Print this machine's hardware profile as JSON.
     Hardware,
+    /// The node's model folder: pull catalogue models, list, remove, verify.
+    Models {
+        #[command(flatten)]
+        config: ConfigArgs,
+        #[command(subcommand)]
+        command: ModelsCommand,
+    },
     /// Generate text from a model file (no network).
     Generate(GenerateArgs),
     /// Measure prefill and decode speed of a model file.
@@ -334,8 +342,13 @@ fn load_config(args: &ConfigArgs, mut flags: ConfigLayer) -> anyhow::Result<Node
 }
 
 fn init_tracing() {
+    init_tracing_at("info");
+}
+
+/// Logs to stderr at `level` unless `RUST_LOG` says otherwise.
+fn init_tracing_at(level: &str) {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(level));
     tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
@@ -435,6 +448,17 @@ fn main() -> anyhow::Result<()> {
             let report = runtime.block_on(mlx_node::earnings::fetch(&grpc, &api_key))?;
             print!("{}", mlx_node::earnings::render(&report, &this));
             Ok(())
+        }
+        Command::Models { config, command } => {
+            let config = load_config(&config, ConfigLayer::default())?;
+            // On a terminal the progress bar speaks; logs would draw over it.
+            use std::io::IsTerminal;
+            init_tracing_at(if std::io::stderr().is_terminal() {
+                "warn"
+            } else {
+                "info"
+            });
+            models_cli::run(&config, command)
         }
         Command::Status {
             config,

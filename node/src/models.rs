@@ -1,6 +1,18 @@
 //! The model files this node holds, identified by the SHA-256 of the file,
 //! and the loaded engine for each.
 //!
+//! # Layout
+//! - this file: [`HeldModel`] (a file and its digest) and [`ModelSet`] (the
+//!   engines a node serves);
+//! - [`store`]: the node's model folder: catalogue models pulled within the
+//!   owner's quota and rules, least recently used evicted;
+//! - [`download`]: HTTP(S) fetches with mirrors, Range resume, streaming
+//!   SHA-256, and piece-by-piece fetches for a pod member's shard;
+//! - [`progress`]: a progress bar on a terminal, log lines in a service;
+//! - [`shard`]: a pod member's fetch of only the pieces its share reads;
+//! - [`hint`]: automatic pulls of models the coordinator says are in demand;
+//! - [`cli`]: `mlx-node models pull|list|remove|verify|describe|available`.
+//!
 //! On start every configured file is hashed (streaming, 1 MiB at a time) and
 //! reported to the coordinator as a `CachedModel`; then one [`Engine`] per
 //! model is loaded. A job names a catalogue id and the digest the catalogue
@@ -21,11 +33,23 @@
 //! model not held, or with another digest, is a [`Refusal`] (the job's
 //! fault, not retried on this node).
 
+pub mod cli;
+pub mod download;
+#[cfg(test)]
+pub(crate) mod fetch_tests;
+pub mod hint;
+pub mod progress;
+pub mod shard;
+pub mod store;
+
 use std::{
     collections::BTreeMap,
     io::Read,
     path::{Path, PathBuf},
-    sync::Arc,
+    sync::{
+        atomic::{AtomicBool, Ordering},
+        Arc, RwLock,
+    },
 };
 
 use mlxnet_proto::v1::CachedModel;
@@ -56,6 +80,8 @@ pub enum ModelError {
         path: PathBuf,
         source: Box<EngineError>,
     },
+    #[error("model folder: {0}")]
+    Store(Box<store::StoreError>),
 }
 
 /// Why a job's model request is refused.
@@ -164,10 +190,66 @@ pub struct BatchSettings {
     pub kv_cache_bytes: u64,
 }
 
-/// Every model the node serves, by catalogue id.
+impl LoadedModel {
+    /// Hashes the file of `entry` and loads its engine on `backend` behind
+    /// a batch thread with a KV pool of `kv_bytes`. Blocking.
+    pub fn load(
+        entry: &ModelEntry,
+        backend: &Backend,
+        slots: usize,
+        kv_bytes: u64,
+    ) -> Result<LoadedModel, ModelError> {
+        let held = HeldModel::hash(entry)?;
+        Self::load_held(held, backend, slots, kv_bytes)
+    }
+
+    fn load_held(
+        held: HeldModel,
+        backend: &Backend,
+        slots: usize,
+        kv_bytes: u64,
+    ) -> Result<LoadedModel, ModelError> {
+        tracing::info!(model = %held.id, path = %held.path.display(), sha256 = %hex::encode(held.sha256), backend = backend.name(), "loading model");
+        let failed = |source: EngineError| ModelError::Load {
+            id: held.id.clone(),
+            path: held.path.clone(),
+            source: Box::new(source),
+        };
+        let engine = Engine::load_on(&held.path, backend).map_err(failed)?;
+        let info = engine.info().clone();
+        let backend = engine.backend();
+        let cfg = BatchConfig::new(slots, engine.kv_shape(), kv_bytes);
+        let kv_positions = cfg.kv_pages * crate::engine::kv::PAGE;
+        let batch = BatchThread::for_engine(engine, cfg).map_err(failed)?;
+        tracing::info!(model = %held.id, slots = batch.stats().slots, kv_positions, "batch ready");
+        Ok(LoadedModel {
+            held,
+            info,
+            backend,
+            batch,
+            kv_positions,
+        })
+    }
+}
+
+/// Every model the node serves, by catalogue id. Models can be added (a
+/// pull finished) and removed (evicted) while the node runs; a job keeps
+/// the model it resolved until it ends.
 #[derive(Default)]
 pub struct ModelSet {
-    by_id: BTreeMap<String, Arc<LoadedModel>>,
+    by_id: RwLock<BTreeMap<String, Arc<LoadedModel>>>,
+    /// The model folder some of them came from (told when they are used).
+    store: Option<Arc<store::ModelStore>>,
+    /// The set differs from what the node's Hello listed.
+    changed: AtomicBool,
+    /// A hinted pull is under way (one at a time).
+    pulling: AtomicBool,
+    /// Where its engines compute (a pulled model loads there too).
+    backend: Backend,
+    /// Sequences per step, and the KV pool bytes of each model (the start's
+    /// share: a pulled model gets the same).
+    slots: usize,
+    kv_bytes_per_model: u64,
 }
 
 impl ModelSet {
@@ -191,36 +273,123 @@ impl ModelSet {
         let kv_bytes = batch.kv_cache_bytes / held.len().max(1) as u64;
         let mut by_id = BTreeMap::new();
         for held in held {
-            tracing::info!(model = %held.id, path = %held.path.display(), sha256 = %hex::encode(held.sha256), backend = backend.name(), "loading model");
-            let failed = |source: EngineError| ModelError::Load {
-                id: held.id.clone(),
-                path: held.path.clone(),
-                source: Box::new(source),
-            };
-            let engine = Engine::load_on(&held.path, backend).map_err(failed)?;
-            let info = engine.info().clone();
-            let backend = engine.backend();
-            let cfg = BatchConfig::new(batch.slots, engine.kv_shape(), kv_bytes);
-            let kv_positions = cfg.kv_pages * crate::engine::kv::PAGE;
-            let batch = BatchThread::for_engine(engine, cfg).map_err(failed)?;
-            tracing::info!(model = %held.id, slots = batch.stats().slots, kv_positions, "batch ready");
-            by_id.insert(
-                held.id.clone(),
-                Arc::new(LoadedModel {
-                    held,
-                    info,
-                    backend,
-                    batch,
-                    kv_positions,
-                }),
-            );
+            let loaded = LoadedModel::load_held(held, backend, batch.slots, kv_bytes)?;
+            by_id.insert(loaded.held.id.clone(), Arc::new(loaded));
         }
-        Ok(Self { by_id })
+        Ok(Self {
+            by_id: RwLock::new(by_id),
+            backend: backend.clone(),
+            slots: batch.slots,
+            kv_bytes_per_model: kv_bytes,
+            ..Self::default()
+        })
+    }
+
+    fn read(&self) -> std::sync::RwLockReadGuard<'_, BTreeMap<String, Arc<LoadedModel>>> {
+        self.by_id.read().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn write(&self) -> std::sync::RwLockWriteGuard<'_, BTreeMap<String, Arc<LoadedModel>>> {
+        self.by_id.write().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Adds (or replaces) a loaded model.
+    pub fn insert(&self, model: LoadedModel) {
+        self.write().insert(model.held.id.clone(), Arc::new(model));
+        self.changed.store(true, Ordering::SeqCst);
+    }
+
+    /// Stops serving `id` (a job running on it finishes).
+    pub fn remove(&self, id: &str) -> bool {
+        let gone = self.write().remove(id).is_some();
+        if gone {
+            self.changed.store(true, Ordering::SeqCst);
+        }
+        gone
+    }
+
+    /// Whether the served models differ from the Hello's list.
+    pub fn changed(&self) -> bool {
+        self.changed.load(Ordering::SeqCst)
+    }
+
+    /// Ids of the models a job is running on now: one whose batch ran or
+    /// queued a sequence at its last step, or that a job holds (a job keeps
+    /// the model it resolved until it ends, before its batch sees it too).
+    pub fn busy(&self) -> Vec<String> {
+        self.read()
+            .values()
+            .filter(|m| {
+                let stats = m.batch.stats();
+                stats.running + stats.waiting > 0 || Arc::strong_count(m) > 1
+            })
+            .map(|m| m.held.id.clone())
+            .collect()
+    }
+
+    /// Sequences per step and KV pool bytes for a model loaded now (a pull).
+    pub fn batch_for_new_model(&self) -> (usize, u64) {
+        (self.slots, self.kv_bytes_per_model)
+    }
+
+    /// Claims the one pull slot; `false` when a pull is under way.
+    pub fn begin_pull(&self) -> bool {
+        !self.pulling.swap(true, Ordering::SeqCst)
+    }
+
+    /// Frees the pull slot.
+    pub fn end_pull(&self) {
+        self.pulling.store(false, Ordering::SeqCst);
+    }
+
+    /// Whether model `id` is served with file digest `sha256`.
+    pub fn holds(&self, id: &str, sha256: &[u8]) -> bool {
+        self.read().get(id).is_some_and(|m| m.held.sha256 == sha256)
+    }
+
+    /// Every configured file plus every model installed in `store` (a
+    /// configured id wins over an installed one), loaded; the store's
+    /// models are marked used.
+    pub fn load_with_store(
+        entries: &[ModelEntry],
+        store: Arc<store::ModelStore>,
+        batch: BatchSettings,
+        backend: &Backend,
+    ) -> Result<Self, ModelError> {
+        let mut all = entries.to_vec();
+        let installed = store
+            .entries()
+            .map_err(|e| ModelError::Store(Box::new(e)))?;
+        for e in installed {
+            if !all.iter().any(|c| c.id == e.id) {
+                all.push(e);
+            }
+        }
+        let mut set = Self::load_on(&all, batch, backend)?;
+        for id in set.read().keys() {
+            if !entries.iter().any(|c| &c.id == id) {
+                store
+                    .touch(id)
+                    .map_err(|e| ModelError::Store(Box::new(e)))?;
+            }
+        }
+        set.store = Some(store);
+        Ok(set)
+    }
+
+    /// Where the set's engines compute.
+    pub fn backend(&self) -> &Backend {
+        &self.backend
+    }
+
+    /// The model folder, when the set was loaded with one.
+    pub fn store(&self) -> Option<&Arc<store::ModelStore>> {
+        self.store.as_ref()
     }
 
     /// Each model's batch, as of its last step.
     pub fn batch_stats(&self) -> Vec<(String, BatchStats)> {
-        self.by_id
+        self.read()
             .iter()
             .map(|(id, m)| (id.clone(), m.batch.stats()))
             .collect()
@@ -229,12 +398,12 @@ impl ModelSet {
     /// The most sequences any model's batch runs at once (`None` without
     /// models).
     pub fn slots(&self) -> Option<usize> {
-        self.by_id.values().map(|m| m.batch.stats().slots).max()
+        self.read().values().map(|m| m.batch.stats().slots).max()
     }
 
     /// The fewest KV positions any model's pool holds (0 without models).
     pub fn kv_positions(&self) -> usize {
-        self.by_id
+        self.read()
             .values()
             .map(|m| m.kv_positions)
             .min()
@@ -243,30 +412,31 @@ impl ModelSet {
 
     /// What `Hello` reports.
     pub fn cached_models(&self) -> Vec<CachedModel> {
-        self.by_id.values().map(|m| m.held.cached()).collect()
+        self.read().values().map(|m| m.held.cached()).collect()
     }
 
     /// The model a job may run on: held, with exactly the digest it wants.
     pub fn resolve(&self, model: &str, sha256: &[u8]) -> Result<Arc<LoadedModel>, Refusal> {
         let loaded = self
-            .by_id
+            .read()
             .get(model)
+            .cloned()
             .ok_or_else(|| Refusal::NotHeld(model.to_owned()))?;
         loaded.held.check_digest(sha256)?;
-        Ok(loaded.clone())
+        Ok(loaded)
     }
 
-    /// Every model, by catalogue id.
-    pub fn iter(&self) -> impl Iterator<Item = &Arc<LoadedModel>> {
-        self.by_id.values()
+    /// Every model served now, by catalogue id.
+    pub fn all(&self) -> Vec<Arc<LoadedModel>> {
+        self.read().values().cloned().collect()
     }
 
     pub fn len(&self) -> usize {
-        self.by_id.len()
+        self.read().len()
     }
 
     pub fn is_empty(&self) -> bool {
-        self.by_id.is_empty()
+        self.read().is_empty()
     }
 }
 

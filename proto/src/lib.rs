@@ -3,6 +3,8 @@
 //! # Layout
 //! - [`v1`]: generated prost/tonic types of package `mlxnet.v1` (client API
 //!   services, node-link frames, the result claim).
+//! - [`catalogue`]: the model catalogue as data (TOML): ids, licenses,
+//!   memory figures, files pinned by SHA-256 with their mirrors.
 //! - [`chips`]: the Apple silicon chip table (memory bandwidth, GPU cores,
 //!   compute, Thunderbolt 5), used by the node's profile and the scheduler.
 //! - [`ids`]: [`ids::NodeId`] (an ed25519 public key) and [`ids::JobId`].
@@ -22,6 +24,7 @@
 
 pub mod auth;
 pub mod bearer;
+pub mod catalogue;
 pub mod chips;
 pub mod claim;
 pub mod env;

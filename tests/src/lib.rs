@@ -12,6 +12,7 @@
 //! - [`spawn_node`] / [`TestNode`]: an `mlx-node` dialing that coordinator.
 //! - [`Client`]: gRPC clients of the coordinator, authenticated with an API
 //!   key, and [`Client::run_job`], which submits and watches a job to its end.
+//! - [`mirror`]: a model mirror (a folder over HTTP with Range) for pulls.
 //! - [`Accounts`]: what every test coordinator starts with: an admin key, a
 //!   client account with [`CLIENT_GRANT`] micro-MLX and a submit+read key, and
 //!   an operator account (its nodes earn into it) with a read key. They are
@@ -53,6 +54,8 @@ pub use mlxnet_coordinator::{
     util::now_ms,
 };
 pub use mlxnet_proto::bearer::{Authed, Bearer};
+
+pub mod mirror;
 
 /// Catalogue id of the test model.
 pub const TEST_MODEL_ID: &str = mlxnet_coordinator::test_utils::MODEL;
@@ -300,6 +303,13 @@ impl Drop for TestCoordinator {
             let _ = stop.send(());
         }
     }
+}
+
+/// The coordinator's catalogue entry for a built-in catalogue model.
+pub fn catalogue_model(
+    entry: &mlxnet_proto::catalogue::CatalogueEntry,
+) -> mlxnet_coordinator::config::CatalogueModel {
+    mlxnet_coordinator::config::CatalogueModel::from_entry(entry)
 }
 
 /// A coordinator config for tests: everything on `127.0.0.1:0`, data in `dir`.

@@ -27,6 +27,9 @@ pub enum Architecture {
     Qwen2,
     /// Qwen3: RMS norm on each head of q and k, no biases.
     Qwen3,
+    /// Gemma 3 (`super::gemma3`): q/k norms, norms after attention and the
+    /// feed-forward, GeGLU, scaled embeddings, sliding-window layers.
+    Gemma3,
 }
 
 impl Architecture {
@@ -35,8 +38,37 @@ impl Architecture {
             "llama" | "mistral" => Ok(Architecture::Llama),
             "qwen2" => Ok(Architecture::Qwen2),
             "qwen3" => Ok(Architecture::Qwen3),
+            "gemma3" | "gemma3_text" => Ok(Architecture::Gemma3),
             other => Err(EngineError::UnsupportedArchitecture(other.to_string())),
         }
+    }
+}
+
+/// The feed-forward's gate activation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Activation {
+    /// SwiGLU: `silu(gate) * up`.
+    Silu,
+    /// GeGLU with the tanh approximation of GELU (Gemma).
+    GeluTanh,
+}
+
+/// Sliding-window attention on some layers.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SlidingWindow {
+    /// A query sees the keys of the last `window` positions (itself included).
+    pub window: usize,
+    /// Layer `i` is windowed unless `i % pattern == pattern - 1` (Gemma 3:
+    /// 6, five local layers then one global); 0 windows every layer.
+    pub pattern: usize,
+    /// Rotary base of the windowed layers.
+    pub rope_theta: f32,
+}
+
+impl SlidingWindow {
+    /// Whether layer `layer` attends through the window.
+    pub fn applies(&self, layer: usize) -> bool {
+        self.pattern == 0 || layer % self.pattern < self.pattern - 1
     }
 }
 
@@ -78,6 +110,16 @@ pub struct ModelConfig {
     pub rope_scaling: RopeScaling,
     pub qkv_bias: bool,
     pub qk_norm: bool,
+    pub activation: Activation,
+    /// RMS norms on the attention and feed-forward outputs before the
+    /// residual adds (Gemma).
+    pub post_norms: bool,
+    /// Token embeddings are multiplied by this (Gemma: `sqrt(hidden)`).
+    pub embed_scale: f32,
+    /// Scale of the attention logits (`1 / sqrt(head_dim)` unless the
+    /// model says otherwise).
+    pub attn_scale: f32,
+    pub sliding_window: Option<SlidingWindow>,
 }
 
 impl ModelConfig {
@@ -124,6 +166,21 @@ impl ModelConfig {
         }
         if !(self.rms_eps.is_finite() && self.rms_eps >= 0.0) {
             return bad(format!("rms norm epsilon {} is invalid", self.rms_eps));
+        }
+        let positive = |v: f32| v.is_finite() && v > 0.0;
+        if !positive(self.embed_scale) || !positive(self.attn_scale) {
+            return bad(format!(
+                "embedding scale {} and attention scale {} must be positive",
+                self.embed_scale, self.attn_scale
+            ));
+        }
+        if let Some(w) = &self.sliding_window {
+            if w.window == 0 || !(w.rope_theta.is_finite() && w.rope_theta > 0.0) {
+                return bad(format!(
+                    "sliding window {} with rope theta {} is invalid",
+                    w.window, w.rope_theta
+                ));
+            }
         }
         match &self.rope_scaling {
             RopeScaling::Linear { factor } if !(factor.is_finite() && *factor > 0.0) => {
@@ -206,7 +263,8 @@ impl ModelConfig {
                 )))
             }
         };
-        ModelConfig {
+        let gemma = architecture == Architecture::Gemma3;
+        let cfg = ModelConfig {
             architecture,
             hidden_size,
             layers: int("block_count")?,
@@ -222,10 +280,19 @@ impl ModelConfig {
             rope_interleaved: architecture == Architecture::Llama,
             rope_scaling,
             qkv_bias: architecture == Architecture::Qwen2,
-            qk_norm: architecture == Architecture::Qwen3,
-            architecture_name: arch_name,
+            qk_norm: matches!(architecture, Architecture::Qwen3 | Architecture::Gemma3),
+            activation: Activation::Silu,
+            post_norms: false,
+            embed_scale: 1.0,
+            attn_scale: 1.0 / (head_dim as f32).sqrt(),
+            sliding_window: None,
+            architecture_name: arch_name.clone(),
+        };
+        if gemma {
+            super::gemma3::from_gguf(cfg, &|k| meta.get(&key(k)))?.validate()
+        } else {
+            cfg.validate()
         }
-        .validate()
     }
 
     /// From a Hugging Face `config.json`.
@@ -237,6 +304,13 @@ impl ModelConfig {
             .clone()
             .ok_or_else(|| EngineError::Config("config.json: missing model_type".into()))?;
         let architecture = Architecture::parse(&arch_name)?;
+        if architecture == Architecture::Gemma3 {
+            // Gemma's norms are stored as `w - 1` in checkpoints (GGUF adds
+            // the 1); only its GGUF form is read here.
+            return Err(EngineError::UnsupportedArchitecture(format!(
+                "{arch_name} from safetensors (use its GGUF)"
+            )));
+        }
         let heads = c.num_attention_heads;
         let head_dim = match c.head_dim {
             Some(d) => d,
@@ -288,6 +362,11 @@ impl ModelConfig {
                 .attention_bias
                 .unwrap_or(architecture == Architecture::Qwen2),
             qk_norm: architecture == Architecture::Qwen3,
+            activation: Activation::Silu,
+            post_norms: false,
+            embed_scale: 1.0,
+            attn_scale: 1.0 / (head_dim as f32).sqrt(),
+            sliding_window: None,
             architecture_name: arch_name,
         }
         .validate()

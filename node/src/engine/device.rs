@@ -107,9 +107,10 @@ pub enum DeviceError {
 }
 
 /// Where an engine computes.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Default)]
 pub enum Backend {
     /// The fast CPU path: our SIMD kernels on f32 slices (`model`).
+    #[default]
     Native,
     /// The device path on a candle device (`Device::Cpu` included).
     Device(Device),
@@ -271,6 +272,13 @@ impl DeviceModel {
         w: &WeightSource<'_>,
         device: &Device,
     ) -> Result<Self, EngineError> {
+        if cfg.architecture == super::config::Architecture::Gemma3 {
+            // Windowed layers, post-norms, GeGLU and scaled embeddings are
+            // in the fast CPU path only ([`EngineModel::load`] sends it there).
+            return Err(EngineError::Config(
+                "gemma3 runs on the CPU path only (--device cpu)".into(),
+            ));
+        }
         let dev = device;
         let h = cfg.hidden_size;
         let hd = cfg.head_dim;
@@ -612,6 +620,13 @@ impl EngineModel {
     ) -> Result<Self, EngineError> {
         Ok(match backend {
             Backend::Native => EngineModel::Native(Model::load(cfg, w)?),
+            Backend::Device(_) if cfg.architecture == super::config::Architecture::Gemma3 => {
+                tracing::warn!(
+                    backend = backend.name(),
+                    "gemma3 runs on the CPU path only: this model computes on the CPU"
+                );
+                EngineModel::Native(Model::load(cfg, w)?)
+            }
             Backend::Device(d) => EngineModel::Device(DeviceModel::load(cfg, w, d)?),
         })
     }

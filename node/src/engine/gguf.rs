@@ -312,35 +312,117 @@ impl GgufFile {
 
 type Parsed = (HashMap<String, MetaValue>, HashMap<String, TensorEntry>);
 
+/// A GGUF file's header read from its first bytes: metadata and where each
+/// tensor's data lies (not checked against the file's length).
+#[derive(Debug, Clone)]
+pub struct Header {
+    pub metadata: HashMap<String, MetaValue>,
+    pub tensors: HashMap<String, TensorEntry>,
+    /// Bytes the header takes (where tensor data starts).
+    pub data_start: u64,
+}
+
+/// Parses the header from the first bytes of a GGUF file. `Ok(None)` when
+/// `prefix` ends before the tensor directory does (read more and retry);
+/// an error for anything malformed.
+pub fn parse_header(prefix: &[u8]) -> Result<Option<Header>, EngineError> {
+    match parse_directory(prefix) {
+        Ok((metadata, raw, data_start)) => {
+            let mut tensors = HashMap::new();
+            for e in raw {
+                let start = data_start
+                    .checked_add(e.offset)
+                    .and_then(|s| usize::try_from(s).ok())
+                    .ok_or_else(|| {
+                        err(format!("tensor {}: offset {} overflows", e.name, e.offset))
+                    })?;
+                let entry = TensorEntry {
+                    dtype: e.dtype,
+                    shape: e.shape,
+                    start,
+                    len: e.len,
+                };
+                if tensors.insert(e.name.clone(), entry).is_some() {
+                    return Err(err(format!("tensor {} appears twice", e.name)));
+                }
+            }
+            Ok(Some(Header {
+                metadata,
+                tensors,
+                data_start,
+            }))
+        }
+        Err(Truncated::Short(_)) => Ok(None),
+        Err(Truncated::Bad(e)) => Err(e),
+    }
+}
+
+/// A tensor directory entry before its range is checked.
+struct RawEntry {
+    name: String,
+    dtype: GgmlDType,
+    shape: Vec<usize>,
+    offset: u64,
+    len: usize,
+}
+
+/// Metadata, tensor directory, and where tensor data starts.
+type Directory = (HashMap<String, MetaValue>, Vec<RawEntry>, u64);
+
+/// Why the directory could not be read: the bytes end too soon, or are wrong.
+enum Truncated {
+    Short(EngineError),
+    Bad(EngineError),
+}
+
+impl From<EngineError> for Truncated {
+    fn from(e: EngineError) -> Self {
+        match &e {
+            EngineError::Gguf(m) if m.starts_with("truncated file") => Truncated::Short(e),
+            _ => Truncated::Bad(e),
+        }
+    }
+}
+
 fn parse_bytes(buf: &[u8]) -> Result<Parsed, EngineError> {
+    let (metadata, raw, data_start) = parse_directory(buf).map_err(|t| match t {
+        Truncated::Short(e) | Truncated::Bad(e) => e,
+    })?;
+    check_ranges(buf, metadata, raw, data_start)
+}
+
+/// Header, metadata and tensor directory.
+fn parse_directory(buf: &[u8]) -> Result<Directory, Truncated> {
     let mut c = Cursor { buf, pos: 0 };
     let magic = c.array::<4>("magic").map_err(|_| {
-        err(format!(
+        Truncated::Bad(err(format!(
             "not a gguf file: {} bytes, too short for the magic",
             buf.len()
-        ))
+        )))
     })?;
     if &magic != MAGIC {
-        return Err(err(format!(
+        return Err(Truncated::Bad(err(format!(
             "not a gguf file: bad magic {:?} (expected \"GGUF\")",
             String::from_utf8_lossy(&magic)
-        )));
+        ))));
     }
     let version = c.u32("version")?;
     if version != 2 && version != 3 {
-        return Err(err(format!(
+        return Err(Truncated::Bad(err(format!(
             "unsupported gguf version {version} (supported: 2, 3)"
-        )));
+        ))));
     }
     let tensor_count = c.u64("tensor count")?;
     let kv_count = c.u64("metadata count")?;
-    // Each entry takes well over 8 bytes; anything larger is corruption.
+    // Each entry takes well over 8 bytes; anything larger is corruption (or,
+    // for a prefix of the file, too few bytes so far).
     let max_entries = (buf.len() / 8) as u64;
     if tensor_count > max_entries || kv_count > max_entries {
         return Err(err(format!(
-            "truncated or corrupt header: {tensor_count} tensors and {kv_count} metadata entries cannot fit in {} bytes",
+            "truncated file or corrupt header: {tensor_count} tensors and {kv_count} metadata entries cannot fit in {} bytes",
             buf.len()
-        )));
+        ))
+        .into());
     }
     let mut metadata = HashMap::new();
     for _ in 0..kv_count {
@@ -348,28 +430,17 @@ fn parse_bytes(buf: &[u8]) -> Result<Parsed, EngineError> {
         let ty = c.u32(&key)?;
         let value = c.value(ty, &key, 0)?;
         if metadata.insert(key.clone(), value).is_some() {
-            return Err(err(format!("metadata key {key} appears twice")));
+            return Err(err(format!("metadata key {key} appears twice")).into());
         }
     }
     let alignment = match metadata.get("general.alignment") {
         None => DEFAULT_ALIGNMENT,
         Some(v) => match v.as_u64() {
             Some(a) if a > 0 && a.is_power_of_two() && a <= 1 << 20 => a,
-            _ => {
-                return Err(err(format!(
-                    "general.alignment {v:?} is not a power of two"
-                )))
-            }
+            _ => return Err(err(format!("general.alignment {v:?} is not a power of two")).into()),
         },
     };
 
-    struct RawEntry {
-        name: String,
-        dtype: GgmlDType,
-        shape: Vec<usize>,
-        offset: u64,
-        len: usize,
-    }
     let mut raw = Vec::new();
     for _ in 0..tensor_count {
         let name = c.string("tensor name")?;
@@ -377,7 +448,8 @@ fn parse_bytes(buf: &[u8]) -> Result<Parsed, EngineError> {
         if n_dims == 0 || n_dims > MAX_DIMS {
             return Err(err(format!(
                 "tensor {name}: {n_dims} dimensions (1 to 4 allowed)"
-            )));
+            ))
+            .into());
         }
         let mut dims = Vec::with_capacity(n_dims);
         for _ in 0..n_dims {
@@ -399,7 +471,8 @@ fn parse_bytes(buf: &[u8]) -> Result<Parsed, EngineError> {
         if elems == 0 || dims[0] % block != 0 {
             return Err(err(format!(
                 "tensor {name}: shape {dims:?} is not a whole number of {dtype:?} blocks of {block}"
-            )));
+            ))
+            .into());
         }
         let len = (elems / block)
             .checked_mul(dtype.type_size())
@@ -415,6 +488,24 @@ fn parse_bytes(buf: &[u8]) -> Result<Parsed, EngineError> {
         });
     }
     let data_start = (c.pos as u64).div_ceil(alignment) * alignment;
+    // Offsets are relative to the aligned data start.
+    if let Some(e) = raw.iter().find(|e| e.offset % alignment != 0) {
+        return Err(err(format!(
+            "tensor {}: offset {} is not aligned to {alignment}",
+            e.name, e.offset
+        ))
+        .into());
+    }
+    Ok((metadata, raw, data_start))
+}
+
+/// Checks every tensor's data lies inside `buf`.
+fn check_ranges(
+    buf: &[u8],
+    metadata: HashMap<String, MetaValue>,
+    raw: Vec<RawEntry>,
+    data_start: u64,
+) -> Result<Parsed, EngineError> {
     let mut tensors = HashMap::new();
     for e in raw {
         let start = data_start
@@ -435,10 +526,10 @@ fn parse_bytes(buf: &[u8]) -> Result<Parsed, EngineError> {
             )));
         }
         // candle reads the blocks in place as f32/f16 structs.
-        if e.offset % alignment != 0 || start % 4 != 0 {
+        if start % 4 != 0 {
             return Err(err(format!(
-                "tensor {}: offset {} is not aligned to {alignment}",
-                e.name, e.offset
+                "tensor {}: data at {start} is not 4-byte aligned",
+                e.name
             )));
         }
         let entry = TensorEntry {

@@ -1,21 +1,32 @@
-//! Fast CPU matrix products for quantized weights: GGUF `Q4_0`, `Q4_1` and `Q8_0`
-//! weight matrices times f32 activations, for the engine's weight matmuls.
+//! Fast CPU matrix products for quantized weights: GGUF `Q4_0`, `Q4_1`, `Q5_0`,
+//! `Q8_0` and the K-quants `Q4_K`, `Q5_K`, `Q6_K` weight matrices times f32
+//! activations, for the engine's weight matmuls.
 //!
 //! Why this exists: candle 0.11's CPU kernel for `Q4_1` is scalar, and its fast x86
 //! kernels need `k` divisible by 256 (SmolLM2's `k` is 576), which leaves the node at
-//! a third of llama.cpp's speed. These kernels follow ggml's scheme:
-//! - the activations are quantized once per call into 8-bit blocks of 32 values
-//!   (ggml's `Q8_0`/`Q8_1`: scale `d = max|x| / 127`, kept rounded to f16 as ggml
-//!   does, quants `round(x / d)`), see [`Scratch::quantize`];
+//! a third of llama.cpp's speed; its K-quant kernels do not repack, so the formats
+//! real models ship in (`Q4_K_M`: Q4_K, Q6_K and, where a row is not a multiple
+//! of 256, Q5_0) were the slow ones. These kernels follow ggml's scheme:
+//! - the activations are quantized once per call into 8-bit blocks (see
+//!   [`Scratch::quantize`]): for the 32-value formats ggml's `Q8_0`/`Q8_1` (scale
+//!   `d = max|x| / 127`, kept rounded to f16 as ggml does, quants `round(x / d)`);
+//!   for the K-quants ggml's `Q8_K` (256 values, f32 scale, and the sum of every
+//!   16 quants);
 //! - each output is a sum over blocks of `d_w * d_x * (integer dot of 32 quants)`,
-//!   plus `m_w * s_x` for formats with a block minimum (`Q4_1`; `Q4_0`'s implicit
-//!   offset of -8 is folded in the same way);
+//!   plus `m_w * s_x` for formats with a block minimum (`Q4_1`; `Q4_0`'s and
+//!   `Q5_0`'s implicit offsets of -8 and -16 are folded in the same way); for a
+//!   K-quant super-block of 256, `d_x * (d_w * sum_j sc_j * dot_j - dmin_w *
+//!   sum_j m_j * bsum_j)` with the 6-bit (or, `Q6_K`, 8-bit) sub-block scales
+//!   applied to exact integer dots, as ggml computes it;
 //! - the integer dots run on the best instruction set of the CPU, chosen at run
 //!   time ([`Isa::detect`]): AVX-512 VNNI (`vpdpbusd` on 256-bit registers), AVX2
 //!   (`vpmaddubsw`), NEON (widening multiplies), or portable scalar code;
 //! - on x86-64, weights whose row count is a multiple of 8 are repacked at load
 //!   time with 8 rows interleaved ([`packed`]), so one integer dot instruction
-//!   advances 8 rows; that layout replaces the original (same size);
+//!   advances 8 rows; that layout replaces the original (the same size; the
+//!   K-quants' 6-bit sub-block scales are stored unpacked, 3% more);
+//!   K-quant matrices whose row count is not a multiple of 8 (no real model
+//!   has one) run the portable kernel on x86-64;
 //! - work is split over candle's persistent barrier pool, the same threads that
 //!   candle's own CPU ops use, so the two never compete for cores.
 //!
@@ -71,8 +82,11 @@ mod tests;
 #[allow(unsafe_code, reason = "SIMD intrinsics (see # Unsafe above)")]
 mod x86;
 
-/// Values per quantization block, for every format here.
+/// Values per block of the 32-value formats (and per K-quant sub-block).
 pub const BLOCK: usize = 32;
+
+/// Values per K-quant super-block (ggml's `QK_K`).
+pub const SUPER: usize = 256;
 
 /// Most parts a product is split into (bounded so the per-call bookkeeping lives on the stack).
 const MAX_PARTS: usize = 64;
@@ -95,8 +109,11 @@ pub enum KernelError {
     #[error("weights must be a matrix (rows, columns), got shape {0:?}")]
     NotAMatrix(Vec<usize>),
     /// The reduction length must be a whole number of blocks.
-    #[error("row length {k} is not a multiple of the block size 32")]
-    RowNotBlocks { k: usize },
+    #[error("row length {k} is not a multiple of the block size {block}")]
+    RowNotBlocks { k: usize, block: usize },
+    /// The activations were quantized for another kind of weights.
+    #[error("activations were quantized for {had:?} weights, not {want:?}")]
+    ActsScheme { had: QuantFormat, want: QuantFormat },
     /// The byte buffer does not hold exactly `n * k / 32` blocks.
     #[error("weight bytes: expected {expected} bytes for {n}x{k}, got {got}")]
     ByteLength {
@@ -136,16 +153,46 @@ pub enum QuantFormat {
     Q4_1,
     /// f16 scale `d`, 32 x i8 `q`: value `d * q`. 34 bytes.
     Q8_0,
+    /// f16 scale `d`, 32 high bits `qh` (u32), 32 x 4-bit low bits: value
+    /// `d * (q - 16)` with `q` 5-bit. 22 bytes.
+    Q5_0,
+    /// 256 values: f16 `d`, f16 `dmin`, 12 bytes of 6-bit scales and mins of
+    /// 8 sub-blocks of 32, 128 bytes of 4-bit `q`: value `d * sc_j * q - dmin * m_j`.
+    /// 144 bytes.
+    Q4K,
+    /// `Q4_K` plus 32 bytes of high bits: 5-bit `q`. 176 bytes.
+    Q5K,
+    /// 256 values: 128 bytes of low 4 bits, 64 of high 2 bits, 16 i8 scales
+    /// (one per 16 values), f16 `d`: value `d * sc_j * (q - 32)`. 210 bytes.
+    Q6K,
 }
 
 impl QuantFormat {
-    /// Bytes per block of 32 values.
+    /// Bytes per block.
     pub const fn block_bytes(self) -> usize {
         match self {
             QuantFormat::Q4_0 => 18,
             QuantFormat::Q4_1 => 20,
             QuantFormat::Q8_0 => 34,
+            QuantFormat::Q5_0 => 22,
+            QuantFormat::Q4K => 144,
+            QuantFormat::Q5K => 176,
+            QuantFormat::Q6K => 210,
         }
+    }
+
+    /// Values per block: 32, or 256 for the K-quants.
+    pub const fn block_len(self) -> usize {
+        if self.is_k() {
+            SUPER
+        } else {
+            BLOCK
+        }
+    }
+
+    /// A K-quant (256-value super-blocks, `Q8_K` activations).
+    pub const fn is_k(self) -> bool {
+        matches!(self, QuantFormat::Q4K | QuantFormat::Q5K | QuantFormat::Q6K)
     }
 
     /// The format of a candle quantized dtype, if it has a kernel here.
@@ -154,6 +201,10 @@ impl QuantFormat {
             GgmlDType::Q4_0 => Some(QuantFormat::Q4_0),
             GgmlDType::Q4_1 => Some(QuantFormat::Q4_1),
             GgmlDType::Q8_0 => Some(QuantFormat::Q8_0),
+            GgmlDType::Q5_0 => Some(QuantFormat::Q5_0),
+            GgmlDType::Q4K => Some(QuantFormat::Q4K),
+            GgmlDType::Q5K => Some(QuantFormat::Q5K),
+            GgmlDType::Q6K => Some(QuantFormat::Q6K),
             _ => None,
         }
     }
@@ -230,10 +281,11 @@ impl<'a> QuantMatrix<'a> {
         k: usize,
         bytes: &'a [u8],
     ) -> Result<Self, KernelError> {
-        if !k.is_multiple_of(BLOCK) {
-            return Err(KernelError::RowNotBlocks { k });
+        let block = format.block_len();
+        if !k.is_multiple_of(block) {
+            return Err(KernelError::RowNotBlocks { k, block });
         }
-        let expected = n * (k / BLOCK) * format.block_bytes();
+        let expected = n * (k / block) * format.block_bytes();
         if bytes.len() != expected {
             return Err(KernelError::ByteLength {
                 n,
@@ -265,24 +317,33 @@ impl<'a> QuantMatrix<'a> {
     }
 
     fn row_bytes(&self) -> usize {
-        self.k / BLOCK * self.format.block_bytes()
+        self.k / self.format.block_len() * self.format.block_bytes()
     }
 }
 
 /// Activations quantized to 8-bit blocks, plus reusable buffers for products.
 ///
-/// Holds, for `rows` rows of `k` values: the quants, each block's scale `d`
-/// (rounded to f16 like ggml), `s81` = ggml `Q8_1`'s f16-rounded `d * sum(q)`
-/// (the `Q4_1` minimum term), and `sx` = `d * sum(q)` unrounded (the `Q4_0`
-/// offset term). Buffers only grow.
+/// Holds, for `rows` rows of `k` values, in one of two schemes:
+/// - for the 32-value formats: the quants, each block's scale `d` (rounded to
+///   f16 like ggml), `s81` = ggml `Q8_1`'s f16-rounded `d * sum(q)` (the
+///   `Q4_1` minimum term), and `sx` = `d * sum(q)` unrounded (the `Q4_0` and
+///   `Q5_0` offset term);
+/// - for the K-quants (ggml's `Q8_K`): the quants, each 256-block's f32
+///   scale in `d`, and in `bs` the sum of every 16 quants.
+///
+/// Buffers only grow.
 #[derive(Debug, Default)]
 pub struct Scratch {
     rows: usize,
     k: usize,
+    /// Quantized with `Q8_K` (for K-quant weights) rather than `Q8_0`.
+    k_scheme: bool,
     qs: Vec<i8>,
     d: Vec<f32>,
     s81: Vec<f32>,
     sx: Vec<f32>,
+    /// `Q8_K` only: sums of each 16 quants.
+    bs: Vec<i32>,
     /// Transposed output (`[n][rows]`) for products split over weight rows with more than one activation row.
     out_t: Vec<f32>,
 }
@@ -295,6 +356,8 @@ pub(crate) struct Acts<'a> {
     pub(crate) d: &'a [f32],
     /// Per block: the minimum-term factor for the weight format (`s81` or `sx`), empty for `Q8_0`.
     pub(crate) s: &'a [f32],
+    /// K-quants: per row, 16 sums of 16 quants per 256-block.
+    pub(crate) bs: &'a [i32],
 }
 
 /// One rectangle of a product: weight rows `[0, nr)` of `w` (which starts at the
@@ -317,10 +380,11 @@ impl Scratch {
         Scratch::default()
     }
 
-    /// Quantizes `rows` rows of `k` values (`x` is `[rows][k]`, row-major).
+    /// Quantizes `rows` rows of `k` values (`x` is `[rows][k]`, row-major)
+    /// for weights of the 32-value formats.
     pub fn quantize(&mut self, x: &[f32], rows: usize, k: usize) -> Result<(), KernelError> {
         if !k.is_multiple_of(BLOCK) {
-            return Err(KernelError::RowNotBlocks { k });
+            return Err(KernelError::RowNotBlocks { k, block: BLOCK });
         }
         if x.len() != rows * k {
             return Err(KernelError::Shape {
@@ -349,7 +413,55 @@ impl Scratch {
             *s81 = bs81;
             *sx = bsx;
         }
+        self.k_scheme = false;
         Ok(())
+    }
+
+    /// Quantizes `rows` rows of `k` values for K-quant weights (ggml's
+    /// `Q8_K`: 256-value blocks, f32 scales, sums of 16).
+    pub fn quantize_k(&mut self, x: &[f32], rows: usize, k: usize) -> Result<(), KernelError> {
+        if !k.is_multiple_of(SUPER) {
+            return Err(KernelError::RowNotBlocks { k, block: SUPER });
+        }
+        if x.len() != rows * k {
+            return Err(KernelError::Shape {
+                rows,
+                k,
+                n: 0,
+                wk: k,
+                out: x.len(),
+            });
+        }
+        let blocks = rows * k / SUPER;
+        self.rows = rows;
+        self.k = k;
+        self.qs.resize(rows * k, 0);
+        self.d.resize(blocks, 0.0);
+        self.bs.resize(blocks * SUPER / 16, 0);
+        let chunks = x
+            .chunks_exact(SUPER)
+            .zip(self.qs.chunks_exact_mut(SUPER))
+            .zip(self.d.iter_mut().zip(self.bs.chunks_exact_mut(SUPER / 16)));
+        for ((src, q), (d, bs)) in chunks {
+            *d = scalar::quantize_block_k(src, q, bs);
+        }
+        self.k_scheme = true;
+        Ok(())
+    }
+
+    /// Quantizes for weights of `format` (either scheme).
+    pub fn quantize_for(
+        &mut self,
+        format: QuantFormat,
+        x: &[f32],
+        rows: usize,
+        k: usize,
+    ) -> Result<(), KernelError> {
+        if format.is_k() {
+            self.quantize_k(x, rows, k)
+        } else {
+            self.quantize(x, rows, k)
+        }
     }
 
     /// Rows quantized by the last [`Scratch::quantize`].
@@ -359,12 +471,14 @@ impl Scratch {
 }
 
 /// Computes one rectangle on `isa` (which the caller has checked is available).
+/// On x86-64, row-major K-quant matrices (row count not a multiple of 8,
+/// never repacked) run the portable kernel.
 fn run_rect(isa: Isa, rect: &Rect<'_>, acts: &Acts<'_>, out: &mut [f32]) {
     match isa {
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 => x86::rect_avx2(rect, acts, out),
+        Isa::Avx2 if !rect.format.is_k() => x86::rect_avx2(rect, acts, out),
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx512Vnni => x86::rect_vnni(rect, acts, out),
+        Isa::Avx512Vnni if !rect.format.is_k() => x86::rect_vnni(rect, acts, out),
         #[cfg(target_arch = "aarch64")]
         Isa::Neon => neon::rect(rect, acts, out),
         _ => scalar::rect(rect, acts, out),
@@ -427,6 +541,16 @@ fn prepare<'s>(
     isa: Isa,
 ) -> Result<Option<(Acts<'s>, &'s mut Vec<f32>)>, KernelError> {
     isa.check()?;
+    if scratch.k_scheme != format.is_k() {
+        return Err(KernelError::ActsScheme {
+            had: if scratch.k_scheme {
+                QuantFormat::Q4K
+            } else {
+                QuantFormat::Q8_0
+            },
+            want: format,
+        });
+    }
     let m = scratch.rows;
     if scratch.k != k || out.len() != m * n {
         return Err(KernelError::Shape {
@@ -445,15 +569,17 @@ fn prepare<'s>(
         d,
         s81,
         sx,
+        bs,
         out_t,
         ..
     } = scratch;
     let s: &[f32] = match format {
-        QuantFormat::Q4_0 => sx,
+        QuantFormat::Q4_0 | QuantFormat::Q5_0 => sx,
         QuantFormat::Q4_1 => s81,
-        QuantFormat::Q8_0 => &[],
+        QuantFormat::Q8_0 | QuantFormat::Q4K | QuantFormat::Q5K | QuantFormat::Q6K => &[],
     };
-    Ok(Some((Acts { k, qs, d, s }, out_t)))
+    let bs: &[i32] = if format.is_k() { bs } else { &[] };
+    Ok(Some((Acts { k, qs, d, s, bs }, out_t)))
 }
 
 /// `out = acts × wᵀ`: `out` is `[rows][n]` for the `rows` activation rows last
@@ -658,10 +784,11 @@ impl QuantLinear {
         data: Arc<dyn AsRef<[u8]> + Send + Sync>,
         start: usize,
     ) -> Result<QuantLinear, KernelError> {
-        if !k.is_multiple_of(BLOCK) {
-            return Err(KernelError::RowNotBlocks { k });
+        let block = format.block_len();
+        if !k.is_multiple_of(block) {
+            return Err(KernelError::RowNotBlocks { k, block });
         }
-        let len = n * (k / BLOCK) * format.block_bytes();
+        let len = n * (k / block) * format.block_bytes();
         let available = (*data).as_ref().len().saturating_sub(start);
         if available < len {
             return Err(KernelError::ByteLength {
@@ -734,12 +861,14 @@ impl QuantLinear {
         out: &mut [f32],
         scratch: &mut Scratch,
     ) -> Result<(), KernelError> {
-        super::profile::time(Part::Quantize, || scratch.quantize(x, rows, self.k))?;
+        super::profile::time(Part::Quantize, || {
+            scratch.quantize_for(self.format, x, rows, self.k)
+        })?;
         self.forward_quantized(scratch, out)
     }
 
     /// `out = x Wᵀ` for the activations `x` last quantized into `scratch`
-    /// (`scratch.rows()` rows of `k`).
+    /// (`scratch.rows()` rows of `k`, in the scheme of this matrix's format).
     pub fn forward_quantized(
         &self,
         scratch: &mut Scratch,
@@ -775,9 +904,23 @@ impl QuantLinear {
         }
         SCRATCH.with(|scratch| {
             let scratch = &mut scratch.borrow_mut();
-            super::profile::time(Part::Quantize, || scratch.quantize(x, rows, k))?;
-            for (l, out) in ls.iter().zip(outs.iter_mut()) {
-                l.forward_quantized(scratch, out)?;
+            // Once per scheme: `Q8_0` for the 32-value formats, then `Q8_K`
+            // for the K-quants (a model may mix them within one group).
+            for k_scheme in [false, true] {
+                let mut quantized = false;
+                for (l, out) in ls
+                    .iter()
+                    .zip(outs.iter_mut())
+                    .filter(|(l, _)| l.format.is_k() == k_scheme)
+                {
+                    if !quantized {
+                        super::profile::time(Part::Quantize, || {
+                            scratch.quantize_for(l.format, x, rows, k)
+                        })?;
+                        quantized = true;
+                    }
+                    l.forward_quantized(scratch, out)?;
+                }
             }
             Ok(())
         })

@@ -2,10 +2,10 @@
 //!
 //! Every weight multiplication of the model goes through [`Linear`], so a
 //! faster kernel for a quantized format is swapped in here and nowhere else.
-//! GGUF Q4_0, Q4_1 and Q8_0 weights go through our SIMD kernels
-//! ([`super::kernels::QuantLinear`]); other quantized weights (K-quants) stay
-//! quantized and go through candle's `QMatMul`; float weights (F32/F16/BF16)
-//! are kept as f32.
+//! GGUF Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q5_K and Q6_K weights go through our
+//! SIMD kernels ([`super::kernels::QuantLinear`]); other quantized weights
+//! (Q5_1, Q2_K, Q3_K) stay quantized and go through candle's `QMatMul`; float
+//! weights (F32/F16/BF16) are kept as f32.
 //!
 //! # Invariants
 //! - The weight is `[out_features, in_features]`; the input's last dimension is
@@ -23,7 +23,7 @@ use super::EngineError;
 /// How the weight is multiplied.
 #[derive(Debug, Clone)]
 enum Weight {
-    /// Q4_0 / Q4_1 / Q8_0 blocks, through our kernels.
+    /// Blocks of a format our kernels take.
     Fast(QuantLinear),
     /// Anything else, through candle.
     Candle(QMatMul),
@@ -43,7 +43,9 @@ impl Linear {
     /// From a (possibly quantized) GGUF tensor.
     pub fn from_qtensor(weight: QTensor, bias: Option<Tensor>) -> Result<Self, EngineError> {
         let (out_features, in_features) = weight.shape().dims2()?;
-        let weight = if QuantLinear::supports(weight.dtype()) && in_features.is_multiple_of(32) {
+        let weight = if QuantLinear::supports(weight.dtype())
+            && in_features.is_multiple_of(weight.dtype().block_size())
+        {
             Weight::Fast(
                 QuantLinear::from_qtensor(Arc::new(weight)).map_err(candle_core::Error::wrap)?,
             )

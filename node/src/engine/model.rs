@@ -1,5 +1,6 @@
 //! The Llama-family decoder: Llama 2/3, SmolLM2, Mistral, Qwen2 (q/k/v bias),
-//! Qwen3 (per-head q/k RMS norm).
+//! Qwen3 (per-head q/k RMS norm), and Gemma 3 (`super::gemma3`: post norms,
+//! GeGLU, scaled embeddings, sliding-window layers with their own rotary base).
 //!
 //! Architecture (as in Hugging Face's `modeling_llama.py` and llama.cpp's
 //! `llm_build_llama`): token embedding, then per layer
@@ -26,7 +27,7 @@
 //!   token ids `< vocab_size` (the engine checks both).
 
 use super::batch::{Pass, SeqChunk};
-use super::config::{ModelConfig, RopeScaling};
+use super::config::{Activation, ModelConfig, RopeScaling};
 use super::kv::{self, Attend, KvLayer, KvPool, KvShape, Rows};
 use super::linear::Linear;
 use super::ops::{self, AttnShape, LayerCache, Rope};
@@ -50,6 +51,47 @@ pub struct Block {
     pub(crate) gate: Linear,
     pub(crate) up: Linear,
     pub(crate) down: Linear,
+    /// What Gemma adds; empty for the Llama family.
+    pub(crate) extras: LayerExtras,
+}
+
+/// A layer's parts beyond the Llama block (Gemma 3).
+#[derive(Debug, Clone, Default)]
+pub struct LayerExtras {
+    /// RMS norm of the attention output, before the residual add.
+    pub(crate) post_attn_norm: Option<Vec<f32>>,
+    /// RMS norm of the feed-forward output, before the residual add.
+    pub(crate) post_ffn_norm: Option<Vec<f32>>,
+    /// Sliding window: the layer sees only the last `window` positions and
+    /// uses the local rotary embedding.
+    pub(crate) window: Option<usize>,
+}
+
+impl LayerExtras {
+    /// Layer `i`'s extras as the config asks for them.
+    pub(crate) fn load(
+        cfg: &ModelConfig,
+        w: &WeightSource<'_>,
+        i: usize,
+    ) -> Result<Self, EngineError> {
+        let h = cfg.hidden_size;
+        let norm = |name: &str| -> Result<Option<Vec<f32>>, EngineError> {
+            if cfg.post_norms {
+                Ok(Some(w.vector(&format!("blk.{i}.{name}"), "weight", h)?))
+            } else {
+                Ok(None)
+            }
+        };
+        Ok(LayerExtras {
+            post_attn_norm: norm("post_attention_norm")?,
+            post_ffn_norm: norm("post_ffw_norm")?,
+            window: cfg
+                .sliding_window
+                .as_ref()
+                .filter(|sw| sw.applies(i))
+                .map(|sw| sw.window),
+        })
+    }
 }
 
 /// The rotary embedding the config and the file ask for (frequency factors
@@ -72,6 +114,19 @@ pub(crate) fn rope_for(cfg: &ModelConfig, w: &WeightSource<'_>) -> Result<Rope, 
     ))
 }
 
+/// The rotary embedding of sliding-window layers (Gemma 3), if any.
+pub(crate) fn local_rope_for(cfg: &ModelConfig) -> Option<Rope> {
+    cfg.sliding_window.as_ref().map(|sw| {
+        Rope::new(
+            cfg.rope_dims,
+            sw.rope_theta,
+            1.0,
+            None,
+            cfg.rope_interleaved,
+        )
+    })
+}
+
 /// Everything a block needs besides its weights, for one forward pass.
 pub(crate) struct Step<'a> {
     /// Tokens in this pass.
@@ -81,6 +136,10 @@ pub(crate) struct Step<'a> {
     pub shape: AttnShape,
     pub eps: f32,
     pub rope: &'a Rope,
+    /// The rotary embedding of windowed layers.
+    pub rope_local: Option<&'a Rope>,
+    pub act: Activation,
+    pub attn_scale: f32,
     /// Scratch for the cos/sin of one position.
     pub cs: &'a mut Vec<(f32, f32)>,
 }
@@ -125,6 +184,10 @@ impl Block {
         };
         let hn = norm(x, &self.attn_norm);
         let [mut q, mut k, v] = Linear::forward_shared([&self.q, &self.k, &self.v], &hn, s)?;
+        let rope = match (self.extras.window, step.rope_local) {
+            (Some(_), Some(local)) => local,
+            _ => step.rope,
+        };
         profile::time(Part::Norm, || {
             if let Some(w) = &self.q_norm {
                 ops::rms_norm(&mut q, w, eps);
@@ -133,33 +196,60 @@ impl Block {
                 ops::rms_norm(&mut k, w, eps);
             }
             for t in 0..s {
-                step.rope.cos_sin(rows.position(t), step.cs);
+                rope.cos_sin(rows.position(t), step.cs);
                 for head in q[t * shape.heads * hd..(t + 1) * shape.heads * hd].chunks_exact_mut(hd)
                 {
-                    step.rope.apply(head, step.cs);
+                    rope.apply(head, step.cs);
                 }
                 for head in
                     k[t * shape.kv_heads * hd..(t + 1) * shape.kv_heads * hd].chunks_exact_mut(hd)
                 {
-                    step.rope.apply(head, step.cs);
+                    rope.apply(head, step.cs);
                 }
             }
         });
         let att = profile::time(Part::Attention, || {
             kv::store(kv, rows, &k, &v);
-            kv::attention(&q, kv, rows, Attend::causal(shape.heads, hd))
+            let attend = Attend {
+                heads: shape.heads,
+                scale: step.attn_scale,
+                window: self.extras.window,
+            };
+            kv::attention(&q, kv, rows, attend)
         });
         let mut o = self.o.forward_slice(&att, s)?;
         profile::time(Part::Collective, || reduce(&mut o))?;
-        profile::time(Part::Norm, || ops::add_assign(x, &o));
+        profile::time(Part::Norm, || {
+            if let Some(w) = &self.extras.post_attn_norm {
+                ops::rms_norm(&mut o, w, eps);
+            }
+            ops::add_assign(x, &o)
+        });
 
         let hn = norm(x, &self.ffn_norm);
         let [mut g, u] = Linear::forward_shared([&self.gate, &self.up], &hn, s)?;
-        profile::time(Part::Norm, || ops::swiglu(&mut g, &u));
+        profile::time(Part::Norm, || match step.act {
+            Activation::Silu => ops::swiglu(&mut g, &u),
+            Activation::GeluTanh => super::gemma3::geglu(&mut g, &u),
+        });
         let mut d = self.down.forward_slice(&g, s)?;
         profile::time(Part::Collective, || reduce(&mut d))?;
-        profile::time(Part::Norm, || ops::add_assign(x, &d));
+        profile::time(Part::Norm, || {
+            if let Some(w) = &self.extras.post_ffn_norm {
+                ops::rms_norm(&mut d, w, eps);
+            }
+            ops::add_assign(x, &d)
+        });
         Ok(())
+    }
+}
+
+/// In place: the token embeddings times `scale` (Gemma's `sqrt(hidden)`).
+pub(crate) fn scale_embeddings(x: &mut [f32], scale: f32) {
+    if scale != 1.0 {
+        for v in x.iter_mut() {
+            *v *= scale;
+        }
     }
 }
 
@@ -174,6 +264,7 @@ pub struct Model {
     /// The output projection is the embedding table.
     tied: bool,
     rope: Rope,
+    rope_local: Option<Rope>,
     cache: Vec<LayerCache>,
     capacity: usize,
     pos: usize,
@@ -213,6 +304,7 @@ impl Model {
                 gate: w.linear(&p("ffn_gate"), ff, h, false)?,
                 up: w.linear(&p("ffn_up"), ff, h, false)?,
                 down: w.linear(&p("ffn_down"), h, ff, false)?,
+                extras: LayerExtras::load(&cfg, w, i)?,
             });
         }
         let norm = w.vector("output_norm", "weight", h)?;
@@ -224,6 +316,7 @@ impl Model {
             w.linear("token_embd", cfg.vocab_size, h, false)?
         };
         let rope = rope_for(&cfg, w)?;
+        let rope_local = local_rope_for(&cfg);
         Ok(Model {
             cfg,
             embed,
@@ -232,6 +325,7 @@ impl Model {
             lm_head,
             tied,
             rope,
+            rope_local,
             cache: Vec::new(),
             capacity: 0,
             pos: 0,
@@ -246,6 +340,11 @@ impl Model {
         let mut n = (self.embed.rows() as u64) * h + h;
         for b in &self.blocks {
             n += 2 * h;
+            n += [&b.extras.post_attn_norm, &b.extras.post_ffn_norm]
+                .iter()
+                .filter_map(|v| v.as_ref())
+                .map(|v| v.len() as u64)
+                .sum::<u64>();
             n += lin(&b.q) + lin(&b.k) + lin(&b.v) + lin(&b.o);
             n += lin(&b.gate) + lin(&b.up) + lin(&b.down);
             n += [&b.q_norm, &b.k_norm]
@@ -303,12 +402,16 @@ impl Model {
         let pos = self.pos;
         let shape = self.shape();
         let mut x = self.embed.lookup(tokens)?;
+        scale_embeddings(&mut x, self.cfg.embed_scale);
         let mut step = Step {
             s,
             pos,
             shape,
             eps,
             rope: &self.rope,
+            rope_local: self.rope_local.as_ref(),
+            act: self.cfg.activation,
+            attn_scale: self.cfg.attn_scale,
             cs: &mut self.cs,
         };
         for (block, cache) in self.blocks.iter().zip(self.cache.iter_mut()) {
@@ -346,12 +449,16 @@ impl Model {
         let pass = Pass::new(chunks, pool, self.kv_shape(), self.cfg.vocab_size)?;
         let eps = self.cfg.rms_eps;
         let mut x = self.embed.lookup(&pass.tokens)?;
+        scale_embeddings(&mut x, self.cfg.embed_scale);
         let mut step = Step {
             s: pass.rows.len(),
             pos: 0,
             shape: self.shape(),
             eps,
             rope: &self.rope,
+            rope_local: self.rope_local.as_ref(),
+            act: self.cfg.activation,
+            attn_scale: self.cfg.attn_scale,
             cs: &mut self.cs,
         };
         for (layer, block) in self.blocks.iter().enumerate() {

@@ -50,7 +50,7 @@ use candle_core::{Device, Tensor};
 use super::config::ModelConfig;
 use super::gguf::GgufFile;
 use super::linear::Linear;
-use super::model::{rope_for, Block, Step};
+use super::model::{local_rope_for, rope_for, scale_embeddings, Block, LayerExtras, Step};
 use super::ops::{self, AttnShape, LayerCache, Rope};
 use super::profile::{self, Part};
 use super::weights::{Embedding, WeightSource};
@@ -198,6 +198,7 @@ pub struct PodModel {
     /// Tensor parallel: each rank's vocabulary rows.
     vocab: Vec<Range<usize>>,
     rope: Rope,
+    rope_local: Option<Rope>,
     /// Local attention shape (local heads, local KV heads).
     heads: usize,
     kv_heads: usize,
@@ -336,6 +337,145 @@ fn open(path: &Path) -> Result<(GgufFile, ModelConfig), PodModelError> {
     Ok((file, cfg))
 }
 
+/// The config and feed-forward cut unit of a GGUF file from the first bytes
+/// of the file (`Ok(None)`: the header goes on past `prefix`).
+pub fn header_config(prefix: &[u8]) -> Result<Option<(ModelConfig, usize)>, PodModelError> {
+    let Some(h) = super::gguf::parse_header(prefix)? else {
+        return Ok(None);
+    };
+    let vocab = h
+        .tensors
+        .get("token_embd.weight")
+        .and_then(|e| e.shape.first().copied());
+    let cfg = ModelConfig::from_gguf(&h.metadata, vocab)?;
+    let unit = h
+        .tensors
+        .get("blk.0.ffn_down.weight")
+        .map_or(1, |e| cut_unit(e.dtype));
+    Ok(Some((cfg, unit)))
+}
+
+/// The byte ranges of a GGUF file that rank `rank` reads to load its share
+/// under `plan` (sorted, merged), given the file's first bytes up to the end
+/// of its header: the header itself, and per tensor what the rank loads:
+/// its rows of a row-split matrix (q, k, v, gate, up, the output head
+/// under tensor parallelism), a whole tensor otherwise (a column share
+/// touches every row). Pipeline stages read only their layers, plus the
+/// embedding (first stage) or the head (last stage).
+pub fn shard_byte_ranges(
+    prefix: &[u8],
+    plan: &PodPlan,
+    rank: usize,
+) -> Result<Vec<Range<u64>>, PodModelError> {
+    let h = super::gguf::parse_header(prefix)?
+        .ok_or_else(|| PodModelError::Plan("the header goes on past the bytes given".into()))?;
+    let n = plan.ranks();
+    if rank >= n {
+        return Err(PodModelError::Plan(format!("rank {rank} in a pod of {n}")));
+    }
+    let whole = |name: &str| {
+        h.tensors
+            .get(name)
+            .map(|e| e.start as u64..(e.start + e.len) as u64)
+    };
+    let rows = |name: &str, r: &Range<usize>| {
+        h.tensors.get(name).map(|e| {
+            let per_row = (e.len / e.shape[0].max(1)) as u64;
+            let start = e.start as u64;
+            start + r.start as u64 * per_row..start + r.end as u64 * per_row
+        })
+    };
+    let head = if h.tensors.contains_key("output.weight") {
+        "output.weight"
+    } else {
+        "token_embd.weight"
+    };
+    let mut out: Vec<Range<u64>> = Vec::new();
+    out.push(0..h.data_start);
+    out.extend(whole("rope_freqs.weight"));
+    let layer_tensors = |i: usize| {
+        let prefix = format!("blk.{i}.");
+        h.tensors
+            .keys()
+            .filter(move |k| k.starts_with(&prefix))
+            .cloned()
+            .collect::<Vec<_>>()
+    };
+    match plan {
+        PodPlan::Pipeline { layers } => {
+            for i in layers[rank].clone() {
+                for name in layer_tensors(i) {
+                    out.extend(whole(&name));
+                }
+            }
+            if rank == 0 {
+                out.extend(whole("token_embd.weight"));
+            }
+            if rank + 1 == n {
+                out.extend(whole("output_norm.weight"));
+                out.extend(whole(head));
+            }
+        }
+        PodPlan::Tensor {
+            kv_heads,
+            ffn,
+            vocab,
+        } => {
+            let group = h.tensors.get("blk.0.attn_q.weight").map_or(1, |q| {
+                let kv = h
+                    .tensors
+                    .get("blk.0.attn_k.weight")
+                    .map_or(1, |k| k.shape[0]);
+                q.shape[0] / kv.max(1)
+            });
+            let kvr = &kv_heads[rank];
+            // Rows of k/v per kv head: the k matrix's rows over all kv heads.
+            let per_kv = |name: &str, total_heads: usize| {
+                h.tensors
+                    .get(name)
+                    .map_or(0, |e| e.shape[0] / total_heads.max(1))
+            };
+            let total_kv = kv_heads.last().map_or(0, |r| r.end);
+            for i in 0.. {
+                let names = layer_tensors(i);
+                if names.is_empty() {
+                    break;
+                }
+                for name in names {
+                    let local = name.split_once(&format!("blk.{i}.")).map_or("", |x| x.1);
+                    let range = match local {
+                        "attn_k.weight" | "attn_v.weight" | "attn_k.bias" | "attn_v.bias" => {
+                            let hd = per_kv(&name, total_kv);
+                            rows(&name, &(kvr.start * hd..kvr.end * hd))
+                        }
+                        "attn_q.weight" | "attn_q.bias" => {
+                            let hd = per_kv(&name, total_kv * group);
+                            rows(&name, &(kvr.start * group * hd..kvr.end * group * hd))
+                        }
+                        "ffn_gate.weight" | "ffn_up.weight" => rows(&name, &ffn[rank]),
+                        _ => whole(&name),
+                    };
+                    out.extend(range);
+                }
+            }
+            out.extend(whole("token_embd.weight"));
+            out.extend(whole("output_norm.weight"));
+            if head == "output.weight" {
+                out.extend(rows(head, &vocab[rank]));
+            }
+        }
+    }
+    out.sort_by_key(|r| r.start);
+    let mut merged: Vec<Range<u64>> = Vec::with_capacity(out.len());
+    for r in out {
+        match merged.last_mut() {
+            Some(last) if r.start <= last.end => last.end = last.end.max(r.end),
+            _ => merged.push(r),
+        }
+    }
+    Ok(merged)
+}
+
 impl PodModel {
     /// Loads rank `rank`'s part of the GGUF model at `path` under `plan`.
     pub fn load_gguf(
@@ -458,6 +598,7 @@ impl PodModel {
                 gate: s.rows(&p("ffn_gate"), ff, h, ffr.clone(), false)?,
                 up: s.rows(&p("ffn_up"), ff, h, ffr.clone(), false)?,
                 down: s.cols(&p("ffn_down"), h, ff, ffr.clone())?,
+                extras: LayerExtras::load(&cfg, &w, i)?,
             });
         }
         let tensor = matches!(plan, PodPlan::Tensor { .. });
@@ -490,6 +631,7 @@ impl PodModel {
             None
         };
         let rope = rope_for(&cfg, &w)?;
+        let rope_local = local_rope_for(&cfg);
         Ok(PodModel {
             heads: kvr.len() * group,
             kv_heads: kvr.len(),
@@ -500,6 +642,7 @@ impl PodModel {
             blocks,
             head,
             rope,
+            rope_local,
             cache: Vec::new(),
             capacity: 0,
             pos: 0,
@@ -605,7 +748,11 @@ impl PodModel {
     ) -> Result<Vec<f32>, PodModelError> {
         let (s, h) = (chunk.len(), self.cfg.hidden_size);
         let mut x = match &self.embed {
-            Some(e) => e.lookup(chunk)?,
+            Some(e) => {
+                let mut x = e.lookup(chunk)?;
+                scale_embeddings(&mut x, self.cfg.embed_scale);
+                x
+            }
             None => {
                 let mut x = vec![0.0f32; s * h];
                 profile::time(Part::Collective, || {
@@ -636,6 +783,9 @@ impl PodModel {
             shape: self.shape(),
             eps: self.cfg.rms_eps,
             rope: &self.rope,
+            rope_local: self.rope_local.as_ref(),
+            act: self.cfg.activation,
+            attn_scale: self.cfg.attn_scale,
             cs: &mut self.cs,
         };
         for (block, cache) in self.blocks.iter().zip(self.cache.iter_mut()) {
@@ -672,6 +822,7 @@ impl PodModel {
             .as_ref()
             .ok_or_else(|| PodModelError::Plan("no embedding".into()))?
             .lookup(tokens)?;
+        scale_embeddings(&mut x, self.cfg.embed_scale);
         self.run_blocks(&mut x, s, &mut |part| Ok(all_reduce(comm, part)?))?;
         // Each rank has its vocabulary rows; only rank 0 needs them all,
         // so the others send theirs straight into its logits vector.

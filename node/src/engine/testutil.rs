@@ -19,7 +19,7 @@ use rand_chacha::ChaCha8Rng;
 /// Shape and kind of a tiny model.
 #[derive(Debug, Clone)]
 pub struct TinySpec {
-    /// "llama", "mistral", "qwen2" or "qwen3" (GGUF writes mistral as llama).
+    /// "llama", "mistral", "qwen2", "qwen3" or "gemma3" (GGUF writes mistral as llama).
     pub arch: &'static str,
     pub hidden: usize,
     pub layers: usize,
@@ -30,11 +30,15 @@ pub struct TinySpec {
     pub context: usize,
     pub tied: bool,
     pub seed: u64,
+    /// Gemma 3: sliding window and local/global pattern written to the file.
+    pub sliding_window: Option<(usize, usize)>,
 }
 
 impl TinySpec {
     /// A model every quantized type can hold (sizes are multiples of 256).
+    /// Gemma 3 ties its output head and windows both layers by 4 positions.
     pub fn new(arch: &'static str) -> Self {
+        let gemma = arch == "gemma3";
         TinySpec {
             arch,
             hidden: 256,
@@ -44,8 +48,9 @@ impl TinySpec {
             head_dim: 64,
             ffn: 512,
             context: 128,
-            tied: false,
+            tied: gemma,
             seed: 7,
+            sliding_window: gemma.then_some((4, 6)),
         }
     }
 }
@@ -165,9 +170,15 @@ pub fn each_hf_weight(spec: &TinySpec, f: &mut dyn FnMut(String, Tensor)) {
                 0.1,
             );
         }
-        if spec.arch == "qwen3" {
+        if spec.arch == "qwen3" || spec.arch == "gemma3" {
             put(format!("{p}.self_attn.q_norm.weight"), &[hd], 1.0, 0.1);
             put(format!("{p}.self_attn.k_norm.weight"), &[hd], 1.0, 0.1);
+        }
+        if spec.arch == "gemma3" {
+            // Test-only names for Gemma's two extra norms (GGUF is the only
+            // Gemma form read).
+            put(format!("{p}.gemma_post_attn_norm.weight"), &[h], 1.0, 0.1);
+            put(format!("{p}.gemma_post_ffw_norm.weight"), &[h], 1.0, 0.1);
         }
     }
     put("model.norm.weight".into(), &[h], 1.0, 0.1);
@@ -212,6 +223,8 @@ fn gguf_name(hf: &str) -> String {
                 "mlp.gate_proj" => "ffn_gate",
                 "mlp.up_proj" => "ffn_up",
                 "mlp.down_proj" => "ffn_down",
+                "gemma_post_attn_norm" => "post_attention_norm",
+                "gemma_post_ffw_norm" => "post_ffw_norm",
                 other => panic!("unknown {other}"),
             };
             format!("blk.{i}.{g}")
@@ -311,6 +324,14 @@ pub fn write_gguf(path: &Path, spec: &TinySpec, dtype: GgmlDType, tweaks: &GgufT
             Value::String(CHATML.into()),
         ),
     ];
+    let mut meta = meta;
+    if let Some((window, pattern)) = spec.sliding_window {
+        meta.push((a("attention.sliding_window"), Value::U32(window as u32)));
+        meta.push((
+            a("attention.sliding_window_pattern"),
+            Value::U32(pattern as u32),
+        ));
+    }
     // Quantized as drawn; written in Hugging Face name order.
     let mut tensors: Vec<(String, String, QTensor)> = Vec::new();
     each_hf_weight(spec, &mut |name, t| {

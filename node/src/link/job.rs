@@ -300,6 +300,15 @@ async fn run(
             .resolve(&a.model, &a.model_sha256)
             .map(Runner::Local),
     };
+    if let (Ok(Runner::Local(_)), Some(store)) = (&resolved, ctx.models.store()) {
+        // Least-recently-used eviction counts jobs, not only start-ups.
+        let (store, id) = (store.clone(), a.model.clone());
+        tokio::task::spawn_blocking(move || {
+            if let Err(e) = store.touch(&id) {
+                tracing::warn!(model = %id, error = %e, "cannot record the model's use");
+            }
+        });
+    }
     let runner = match resolved {
         Ok(r) => r,
         Err(refusal) => {
@@ -389,6 +398,9 @@ async fn run(
                 .batch
                 .generate(request, Box::new(BatchSink { coalescer, done }));
             tokio::spawn(async move {
+                // Held until the job ends: the model folder never evicts a
+                // model a job holds (`ModelSet::busy`).
+                let _held = model;
                 match ended.await {
                     Ok((result, leftover)) => (
                         result.map_err(|e| (e.to_string(), !e.is_client_error())),

@@ -306,6 +306,13 @@ async fn serve(
                     .map(|(_, s)| (s.kv_pages_free * crate::engine::kv::PAGE) as u64)
                     .min()
                     .unwrap_or(0);
+                // Read once: the flag and the list sent describe one moment.
+                let models_changed = ctx.models.changed();
+                let models = if models_changed {
+                    ctx.models.cached_models()
+                } else {
+                    Vec::new()
+                };
                 let beat = NodeControl {
                     msg: Some(node_control::Msg::Heartbeat(Heartbeat {
                         free_memory_bytes: ctx.offered_memory(free),
@@ -318,6 +325,8 @@ async fn serve(
                         kv_positions_free: kv_free,
                         prompt_tokens: batches.iter().map(|(_, s)| s.prompt_tokens).sum(),
                         prefix_hit_tokens: batches.iter().map(|(_, s)| s.prefix_hit_tokens).sum(),
+                        models_changed,
+                        models,
                     })),
                 };
                 write_frame(send, &beat).await?;
@@ -328,6 +337,12 @@ async fn serve(
                 }
                 Some(Ok(CoordinatorControl { msg: Some(coordinator_control::Msg::Rejected(r)) })) => {
                     return Err(LinkError::Rejected(r.reason));
+                }
+                Some(Ok(CoordinatorControl { msg: Some(coordinator_control::Msg::ModelHint(hint)) })) => {
+                    last_heard = Instant::now();
+                    if drained_at.is_none() {
+                        crate::models::hint::on_hint(&ctx.models, &hint);
+                    }
                 }
                 Some(Ok(other)) => {
                     last_heard = Instant::now();
@@ -381,5 +396,6 @@ fn describe(msg: &Option<coordinator_control::Msg>) -> String {
         Some(coordinator_control::Msg::Welcome(_)) => "a welcome".into(),
         Some(coordinator_control::Msg::Rejected(r)) => format!("a rejection ({})", r.reason),
         Some(coordinator_control::Msg::HeartbeatAck(_)) => "a heartbeat ack".into(),
+        Some(coordinator_control::Msg::ModelHint(_)) => "a model hint".into(),
     }
 }

@@ -562,3 +562,105 @@ async fn jobs_stream_tokens_and_a_signed_claim_and_bad_jobs_are_refused() {
     link.stop.cancel();
     within("link task end", link.task).await.unwrap();
 }
+
+/// The coordinator hints that a model is in demand: a node whose owner set
+/// a quota pulls it from its mirror, checks it, announces it in its next
+/// heartbeat, and then runs a job on it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hinted_model_is_pulled_announced_and_served() {
+    use crate::models::{
+        fetch_tests::TestServer,
+        store::{ModelStore, StorePolicy},
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let bytes = std::fs::read(
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../models/SmolLM2-135M-Instruct.Q4_1.gguf"),
+    )
+    .unwrap();
+    let mirror = TestServer::start(vec![("SmolLM2-135M-Instruct.Q4_1.gguf".into(), bytes)]).await;
+    let mut entry = mlxnet_proto::catalogue::Catalogue::builtin()
+        .get(MODEL_ID)
+        .cloned()
+        .unwrap();
+    entry.files[0].mirrors = vec![mirror.url("good", "SmolLM2-135M-Instruct.Q4_1.gguf")];
+    let store = ModelStore::open(
+        dir.path().join("models"),
+        StorePolicy {
+            quota_bytes: Some(1 << 30),
+            ..StorePolicy::default()
+        },
+    )
+    .unwrap();
+    let models = Arc::new(
+        ModelSet::load_with_store(
+            &[],
+            Arc::new(store),
+            crate::models::TEST_BATCH,
+            &crate::engine::device::Backend::Native,
+        )
+        .unwrap(),
+    );
+    assert!(models.is_empty());
+
+    let (server, pin) = tls::tests::test_server();
+    let link = TestLink::start(server.local_addr().unwrap(), &pin, models, 1);
+    let (mut peer, hello) = Peer::accept(&server, true, 50).await;
+    assert!(hello.models.is_empty());
+    let hint = CoordinatorControl {
+        msg: Some(coordinator_control::Msg::ModelHint(
+            mlxnet_proto::v1::ModelHint {
+                entry: Some(entry.to_wire()),
+            },
+        )),
+    };
+    write_frame(&mut peer.send, &hint).await.unwrap();
+    // Heartbeats until one announces the model with its digest.
+    let announced = within("the model's announcement", async {
+        loop {
+            let Some(node_control::Msg::Heartbeat(h)) = peer.next_control().await.msg else {
+                continue;
+            };
+            let ack = CoordinatorControl {
+                msg: Some(coordinator_control::Msg::HeartbeatAck(HeartbeatAck {})),
+            };
+            write_frame(&mut peer.send, &ack).await.unwrap();
+            if h.models_changed {
+                break h.models;
+            }
+        }
+    })
+    .await;
+    assert_eq!(announced.len(), 1);
+    assert_eq!(announced[0].model, MODEL_ID);
+    assert_eq!(hex::encode(&announced[0].sha256), MODEL_SHA256);
+    assert_eq!(mirror.sent(), entry.size_bytes());
+
+    let (peer, _drained) = peer.serve_control();
+    let a = assignment(
+        "job-hinted",
+        "What is the capital of France?",
+        8,
+        MODEL_SHA256,
+    );
+    let (_send, mut recv) = open_job(&peer, &a).await;
+    assert!(matches!(
+        next_update(&mut recv).await,
+        job_update::Msg::Started(_)
+    ));
+    loop {
+        match next_update(&mut recv).await {
+            job_update::Msg::Tokens(_) => {}
+            job_update::Msg::Result(signed) => {
+                assert_eq!(
+                    hex::encode(signed.claim.unwrap().model_sha256),
+                    MODEL_SHA256
+                );
+                break;
+            }
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+    link.stop.cancel();
+    within("link task end", link.task).await.unwrap();
+}

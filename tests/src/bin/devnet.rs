@@ -9,6 +9,11 @@
 //! claim, what it cost and what the node earned. Then it keeps running, so `mlxnet`
 //! and other nodes can use it, until Ctrl-C (or exits at once with
 //! `--exit-after-sample`).
+//!
+//! It also serves `models/` as a catalogue mirror (HTTP with Range) and lists
+//! Gemma 3 270M in its catalogue, so a newcomer's node can pull a model and
+//! serve it: `mlx-node models pull gemma3-270m --mirror http://<mirror>/`,
+//! then `mlx-node run --coordinator ... --fingerprint ...`.
 
 use std::{io::Write, net::SocketAddr, path::PathBuf, process::Command};
 
@@ -16,7 +21,10 @@ use anyhow::{bail, Context};
 use clap::Parser;
 use mlx_node::config::Location;
 use mlxnet_proto::{claim, v1::job_event, v1::WatchJobRequest};
-use mlxnet_tests::{chat_job, coordinator_config, repo_root, spawn_coordinator, spawn_node};
+use mlxnet_tests::{
+    catalogue_model, chat_job, coordinator_config, repo_root, spawn_coordinator, spawn_node,
+    TestCoordinator,
+};
 
 #[derive(Parser)]
 #[command(about = "Run a local mlx-network: coordinator, one node, a sample job")]
@@ -33,6 +41,9 @@ struct Args {
     /// HTTP address (health, metrics, World page).
     #[arg(long, default_value = "127.0.0.1:7080")]
     http_addr: SocketAddr,
+    /// HTTP address of the model mirror (the files of `models/`).
+    #[arg(long, default_value = "127.0.0.1:7090")]
+    mirror_addr: SocketAddr,
     /// Let the OS pick every port (for tests and busy machines).
     #[arg(long)]
     ephemeral_ports: bool,
@@ -70,12 +81,35 @@ async fn main() -> anyhow::Result<()> {
         config.quic_addr = args.quic_addr;
         config.http_addr = args.http_addr;
     }
+    // Every built-in catalogue model the devnet has the file of.
+    let models_dir = repo_root().join("models");
+    for entry in mlxnet_proto::catalogue::Catalogue::builtin().models {
+        let present = models_dir.join(&entry.primary_file().name).is_file();
+        if present && !config.catalogue.iter().any(|m| m.id == entry.id) {
+            config.catalogue.push(catalogue_model(&entry));
+        }
+    }
+    let mirror_addr = if args.ephemeral_ports {
+        SocketAddr::from(([127, 0, 0, 1], 0))
+    } else {
+        args.mirror_addr
+    };
+    let mirror = mlxnet_tests::mirror::serve_dir(
+        models_dir,
+        tokio::net::TcpListener::bind(mirror_addr)
+            .await
+            .with_context(|| format!("binding the model mirror on {mirror_addr}"))?,
+    )?;
     let coordinator = spawn_coordinator(config).await?;
     println!("coordinator");
     println!("  grpc   http://{}", coordinator.grpc_addr);
     println!("  quic   {}", coordinator.quic_addr);
     println!("  http   http://{}", coordinator.http_addr);
     println!("  certificate sha256 {}", coordinator.fingerprint);
+    println!("model mirror {}", mirror.base_url());
+    for m in &config_catalogue(&coordinator) {
+        println!("  catalogue: {m}");
+    }
     let accounts = coordinator.accounts.clone();
     println!("demo client account {}", accounts.client_account);
     println!("  API key (submit, read)  {}", accounts.client_key);
@@ -181,13 +215,36 @@ async fn main() -> anyhow::Result<()> {
         return Ok(());
     }
     println!(
-        "\nthe network keeps running; try:\n  export MLXNET_API_KEY={}\n  cargo run --bin mlxnet -- --coordinator http://{} submit --model smollm2-135m-instruct \"Tell me about Macs\"\n  cargo run --bin mlxnet -- --coordinator http://{} balance\nCtrl-C stops it.",
+        "\nthe network keeps running; try:\n  export MLXNET_API_KEY={}\n  cargo run --bin mlxnet -- --coordinator http://{} submit --model smollm2-135m-instruct \"Tell me about Macs\"\n  cargo run --bin mlxnet -- --coordinator http://{} balance",
         accounts.client_key, coordinator.grpc_addr, coordinator.grpc_addr
+    );
+    println!(
+        "a second node of your own, with a model pulled from the mirror:\n  cargo run --release --bin mlx-node -- models --data-dir /tmp/newcomer pull gemma3-270m --mirror {}\n  MLX_NODE__OPERATOR_ACCOUNT={} cargo run --release --bin mlx-node -- run --data-dir /tmp/newcomer --coordinator {} --fingerprint {}\n  cargo run --bin mlxnet -- --coordinator http://{} submit --model gemma3-270m --raw \"The capital of France is\"\nCtrl-C stops it.",
+        mirror.base_url(),
+        accounts.operator_account,
+        coordinator.quic_addr,
+        coordinator.fingerprint,
+        coordinator.grpc_addr
     );
     tokio::signal::ctrl_c().await?;
     node.stop().await?;
     coordinator.stop().await?;
     Ok(())
+}
+
+/// The catalogue the coordinator was started with, one line per model.
+fn config_catalogue(coordinator: &TestCoordinator) -> Vec<String> {
+    coordinator
+        .config
+        .catalogue
+        .iter()
+        .map(|m| {
+            format!(
+                "{} ({}, {} bytes, sha256 {})",
+                m.id, m.architecture, m.size_bytes, m.sha256
+            )
+        })
+        .collect()
 }
 
 /// `macs_on_map` of the World page's totals (`/api/world/totals`), read

@@ -9,6 +9,7 @@ mod devnet;
 mod handoff;
 mod jobs;
 mod ledger;
+mod models;
 mod openai;
 mod owner;
 mod pod;

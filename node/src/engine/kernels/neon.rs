@@ -4,15 +4,20 @@
 //! whose intrinsics are not stable Rust yet. A tile is `R` weight rows x 1..=2
 //! activation rows; each pair's four 32-bit lane sums are scaled by
 //! `d_w * d_x` into an f32x4 accumulator.
+//!
+//! `Q5_0` and the K-quants unpack each block's quants to bytes with the
+//! portable decoder ([`scalar::q5_0_quants`], [`scalar::k_quants`]), then
+//! take the same widening dot products per 32 (or, `Q6_K`, 16) values.
 
 use core::arch::aarch64::*;
 
-use super::scalar::f16_at;
-use super::{Acts, QuantFormat, Rect, BLOCK};
+use super::scalar::{self, f16_at};
+use super::{Acts, QuantFormat, Rect, BLOCK, SUPER};
 
 const F_Q4_0: u8 = 0;
 const F_Q4_1: u8 = 1;
 const F_Q8_0: u8 = 2;
+const F_Q5_0: u8 = 3;
 
 #[inline]
 #[target_feature(enable = "neon")]
@@ -70,6 +75,11 @@ fn tile<const F: u8, const R: usize, const C: usize>(
             if F == F_Q8_0 {
                 w0[r] = vreinterpretq_s8_u8(load16_u8(&blk[2..18]));
                 w1[r] = vreinterpretq_s8_u8(load16_u8(&blk[18..34]));
+            } else if F == F_Q5_0 {
+                mw[r] = -16.0 * dw[r];
+                let q = scalar::q5_0_quants(blk);
+                w0[r] = vreinterpretq_s8_u8(load16_u8(&q[0..16]));
+                w1[r] = vreinterpretq_s8_u8(load16_u8(&q[16..32]));
             } else {
                 let (m, qs) = if F == F_Q4_0 {
                     (-8.0 * dw[r], &blk[2..18])
@@ -138,6 +148,61 @@ fn rect_f<const F: u8>(rect: &Rect<'_>, acts: &Acts<'_>, out: &mut [f32]) {
     }
 }
 
+/// Four lane sums of `w[0..16] * x[0..16]`.
+#[inline]
+#[target_feature(enable = "neon")]
+fn dot16(w: int8x16_t, x: int8x16_t) -> int32x4_t {
+    let p0 = vmull_s8(vget_low_s8(w), vget_low_s8(x));
+    let p1 = vmull_high_s8(w, x);
+    vpadalq_s16(vpaddlq_s16(p0), p1)
+}
+
+/// K-quant rectangle: each block's quants unpacked to bytes (at most 63,
+/// so they are valid i8), integer dots per sub-block on NEON, the sub-block
+/// scales applied to the exact integer sums.
+#[target_feature(enable = "neon")]
+fn rect_k(rect: &Rect<'_>, acts: &Acts<'_>, out: &mut [f32]) {
+    let bb = rect.format.block_bytes();
+    let kb = acts.k / SUPER;
+    for a in 0..rect.na {
+        let row = rect.a0 + a;
+        for r in 0..rect.nr {
+            let w = &rect.w[r * rect.row_bytes..(r + 1) * rect.row_bytes];
+            let (mut acc, mut accm) = (0f32, 0f32);
+            for b in 0..kb {
+                let blk = &w[b * bb..(b + 1) * bb];
+                let q = scalar::k_quants(rect.format, blk);
+                let xo = row * acts.k + b * SUPER;
+                let x = &acts.qs[xo..xo + SUPER];
+                let bs = &acts.bs[(row * kb + b) * 16..(row * kb + b + 1) * 16];
+                let dot_at = |from: usize| -> i32 {
+                    let wv = vreinterpretq_s8_u8(load16_u8(&q[from..from + 16]));
+                    vaddvq_s32(dot16(wv, load16_i8(&x[from..from + 16])))
+                };
+                let dx = acts.d[row * kb + b];
+                if rect.format == QuantFormat::Q6K {
+                    let mut sumi = 0i32;
+                    for g in 0..16 {
+                        let sc = i32::from(blk[192 + g] as i8);
+                        sumi += sc * (dot_at(16 * g) - 32 * bs[g]);
+                    }
+                    acc += f16_at(blk, 208) * dx * sumi as f32;
+                } else {
+                    let (mut sumi, mut summ) = (0i32, 0i32);
+                    for j in 0..8 {
+                        let (sc, m) = scalar::scale_min_k4(j, &blk[4..16]);
+                        sumi += i32::from(sc) * (dot_at(32 * j) + dot_at(32 * j + 16));
+                        summ += i32::from(m) * (bs[2 * j] + bs[2 * j + 1]);
+                    }
+                    acc += f16_at(blk, 0) * dx * sumi as f32;
+                    accm += f16_at(blk, 2) * dx * summ as f32;
+                }
+            }
+            out[a * rect.sa + r * rect.sr] = acc - accm;
+        }
+    }
+}
+
 /// A rectangle on NEON.
 pub(crate) fn rect(rect: &Rect<'_>, acts: &Acts<'_>, out: &mut [f32]) {
     // SAFETY: Advanced SIMD ("neon") is part of every aarch64 target Rust
@@ -147,6 +212,8 @@ pub(crate) fn rect(rect: &Rect<'_>, acts: &Acts<'_>, out: &mut [f32]) {
             QuantFormat::Q4_0 => rect_f::<F_Q4_0>(rect, acts, out),
             QuantFormat::Q4_1 => rect_f::<F_Q4_1>(rect, acts, out),
             QuantFormat::Q8_0 => rect_f::<F_Q8_0>(rect, acts, out),
+            QuantFormat::Q5_0 => rect_f::<F_Q5_0>(rect, acts, out),
+            QuantFormat::Q4K | QuantFormat::Q5K | QuantFormat::Q6K => rect_k(rect, acts, out),
         }
     }
 }

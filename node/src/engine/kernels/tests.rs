@@ -10,13 +10,46 @@ use super::*;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
-const FORMATS: [QuantFormat; 3] = [QuantFormat::Q4_0, QuantFormat::Q4_1, QuantFormat::Q8_0];
+const FORMATS: [QuantFormat; 7] = [
+    QuantFormat::Q4_0,
+    QuantFormat::Q4_1,
+    QuantFormat::Q8_0,
+    QuantFormat::Q5_0,
+    QuantFormat::Q4K,
+    QuantFormat::Q5K,
+    QuantFormat::Q6K,
+];
+
+fn f16_bytes(v: f32) -> [u8; 2] {
+    half::f16::from_f32(v).to_bits().to_le_bytes()
+}
 
 /// Random GGUF blocks for an `n x k` matrix: small positive scales, signed
-/// minimums, every quant value (including -128 for `Q8_0`).
+/// minimums, every quant value (including -128 for `Q8_0`), random high
+/// bits and 6-bit (K-quant) sub-block scales.
 fn random_weights(rng: &mut StdRng, format: QuantFormat, n: usize, k: usize) -> Vec<u8> {
-    let blocks = n * k / BLOCK;
+    let blocks = n * k / format.block_len();
     let mut bytes = Vec::with_capacity(blocks * format.block_bytes());
+    if format.is_k() || format == QuantFormat::Q5_0 {
+        for _ in 0..blocks {
+            let start = bytes.len();
+            bytes.extend((0..format.block_bytes()).map(|_| rng.gen::<u8>()));
+            let blk = &mut bytes[start..];
+            match format {
+                QuantFormat::Q5_0 => {
+                    blk[0..2].copy_from_slice(&f16_bytes(rng.gen_range(0.001f32..0.05)))
+                }
+                QuantFormat::Q6K => {
+                    blk[208..210].copy_from_slice(&f16_bytes(rng.gen_range(0.0001f32..0.002)))
+                }
+                _ => {
+                    blk[0..2].copy_from_slice(&f16_bytes(rng.gen_range(0.0001f32..0.002)));
+                    blk[2..4].copy_from_slice(&f16_bytes(rng.gen_range(0.0001f32..0.004)));
+                }
+            }
+        }
+        return bytes;
+    }
     for _ in 0..blocks {
         let d = half::f16::from_f32(rng.gen_range(0.001f32..0.05));
         bytes.extend_from_slice(&d.to_bits().to_le_bytes());
@@ -39,12 +72,32 @@ fn random_acts(rng: &mut StdRng, len: usize) -> Vec<f32> {
 /// A bound on f32 rounding for each output: the sum of the magnitudes of its terms.
 fn magnitudes(w: &QuantMatrix<'_>, scratch: &Scratch) -> Vec<f32> {
     let (m, n, k) = (scratch.rows, w.n, w.k);
+    if w.format.is_k() {
+        let kb = k / SUPER;
+        let bb = w.format.block_bytes();
+        let mut out = vec![0f32; m * n];
+        for a in 0..m {
+            for r in 0..n {
+                let mut sum = 0f32;
+                for b in 0..kb {
+                    let off = r * w.row_bytes() + b * bb;
+                    let x = &scratch.qs[a * k + b * SUPER..a * k + (b + 1) * SUPER];
+                    let bs = &scratch.bs[(a * kb + b) * 16..(a * kb + b + 1) * 16];
+                    let (sumi, summ, d, dmin) =
+                        scalar::block_dot_k(w.format, &w.bytes[off..off + bb], x, bs);
+                    let dx = scratch.d[a * kb + b];
+                    sum += (d * dx * sumi as f32).abs() + (dmin * dx * summ as f32).abs();
+                }
+                out[a * n + r] = sum;
+            }
+        }
+        return out;
+    }
     let kb = k / BLOCK;
     let bb = w.format.block_bytes();
     let s = match w.format {
-        QuantFormat::Q4_0 => &scratch.sx,
         QuantFormat::Q4_1 => &scratch.s81,
-        QuantFormat::Q8_0 => &scratch.sx,
+        _ => &scratch.sx,
     };
     let mut out = vec![0f32; m * n];
     for a in 0..m {
@@ -79,6 +132,17 @@ fn product(w: &QuantMatrix<'_>, scratch: &mut Scratch, isa: Isa) -> Vec<f32> {
     let mut out = vec![f32::NAN; scratch.rows * w.n];
     matmul(w, scratch, &mut out, isa).expect("matmul");
     out
+}
+
+/// Matrix shapes for a format: k not divisible by 256 (576, 1536 =
+/// SmolLM2's) for the 32-value formats, multiples of 256 for the K-quants;
+/// odd row counts for the tile tails.
+fn shapes(format: QuantFormat) -> [(usize, usize); 4] {
+    if format.is_k() {
+        [(13, 512), (9, 1536), (5, 256), (64, 768)]
+    } else {
+        [(13, 576), (9, 1536), (5, 64), (64, 576)]
+    }
 }
 
 /// The SIMD paths this CPU reports it can run, from the operating system's
@@ -172,15 +236,14 @@ fn every_available_isa_matches_the_scalar_reference() {
     let mut ran = std::collections::HashMap::new();
     let mut cases = 0;
     for format in FORMATS {
-        // k not divisible by 256 (576, 1536 = SmolLM2's), odd row counts for the
-        // tile tails, and both split modes (m < 8 by weight rows, m >= 8 by activations).
-        for &(n, k) in &[(13usize, 576usize), (9, 1536), (5, 64), (64, 576)] {
+        // Both split modes (m < 8 by weight rows, m >= 8 by activations).
+        for (n, k) in shapes(format) {
             let bytes = random_weights(&mut rng, format, n, k);
             let w = QuantMatrix::new(format, n, k, &bytes).expect("valid matrix");
             for &m in &[1usize, 3, 9, 13] {
                 let x = random_acts(&mut rng, m * k);
                 let mut scratch = Scratch::new();
-                scratch.quantize(&x, m, k).expect("quantize");
+                scratch.quantize_for(format, &x, m, k).expect("quantize");
                 let reference = product(&w, &mut scratch, Isa::Scalar);
                 let mags = magnitudes(&w, &scratch);
                 cases += 1;
@@ -211,17 +274,29 @@ fn repacked_weights_match_the_row_major_reference_on_every_isa() {
     for format in FORMATS {
         // One group, several groups, SmolLM2's k; activation rows that cover the
         // 4-row tiles, their tails and the transposed output of m > 1.
-        for &(n, k) in &[(8usize, 32usize), (24, 576), (16, 1536)] {
+        let shapes: [(usize, usize); 3] = if format.is_k() {
+            [(8, 256), (24, 768), (16, 1536)]
+        } else {
+            [(8, 32), (24, 576), (16, 1536)]
+        };
+        for (n, k) in shapes {
             let bytes = random_weights(&mut rng, format, n, k);
             let w = QuantMatrix::new(format, n, k, &bytes).expect("valid matrix");
             let p = packed::Packed::new(&w)
                 .expect("packs")
                 .expect("n is a multiple of 8");
-            assert_eq!(p.bytes.len(), bytes.len(), "repacking keeps the size");
+            let records = n / 8 * k / format.block_len();
+            assert_eq!(
+                p.bytes.len(),
+                records * packed::record_bytes(format),
+                "repacked size"
+            );
+            // The same bytes, or (K-quants) at most 3% more: unpacked scales.
+            assert!(p.bytes.len() * 100 <= bytes.len() * 103, "{format:?}");
             for &m in &[1usize, 2, 5, 9] {
                 let x = random_acts(&mut rng, m * k);
                 let mut scratch = Scratch::new();
-                scratch.quantize(&x, m, k).expect("quantize");
+                scratch.quantize_for(format, &x, m, k).expect("quantize");
                 let reference = product(&w, &mut scratch, Isa::Scalar);
                 let mags = magnitudes(&w, &scratch);
                 cases += 1;
@@ -248,8 +323,35 @@ fn repacked_weights_match_the_row_major_reference_on_every_isa() {
     assert!(packed::Packed::new(&w).expect("checks").is_none());
 }
 
-/// Dequantizes the blocks to f32 (ggml's definitions), for the float reference.
+fn ggml_dtype(format: QuantFormat) -> GgmlDType {
+    match format {
+        QuantFormat::Q4_0 => GgmlDType::Q4_0,
+        QuantFormat::Q4_1 => GgmlDType::Q4_1,
+        QuantFormat::Q8_0 => GgmlDType::Q8_0,
+        QuantFormat::Q5_0 => GgmlDType::Q5_0,
+        QuantFormat::Q4K => GgmlDType::Q4K,
+        QuantFormat::Q5K => GgmlDType::Q5K,
+        QuantFormat::Q6K => GgmlDType::Q6K,
+    }
+}
+
+/// Dequantizes the blocks to f32 with candle's own decoder (an independent
+/// reading of the GGUF layouts), for the float reference.
 fn dequantize(format: QuantFormat, bytes: &[u8]) -> Vec<f32> {
+    let n = bytes.len() / format.block_bytes() * format.block_len();
+    candle_core::quantized::ggml_file::qtensor_from_ggml(
+        ggml_dtype(format),
+        bytes,
+        vec![n],
+        &Device::Cpu,
+    )
+    .and_then(|q| q.dequantize(&Device::Cpu))
+    .and_then(|t| t.to_vec1::<f32>())
+    .expect("candle dequantizes")
+}
+
+/// Dequantizes the 32-value formats by ggml's definitions written out here.
+fn dequantize_by_hand(format: QuantFormat, bytes: &[u8]) -> Vec<f32> {
     let mut out = Vec::new();
     for blk in bytes.chunks_exact(format.block_bytes()) {
         let d = scalar::f16_at(blk, 0);
@@ -266,22 +368,66 @@ fn dequantize(format: QuantFormat, bytes: &[u8]) -> Vec<f32> {
                 out.extend(hi.collect::<Vec<_>>());
             }
             QuantFormat::Q8_0 => out.extend(blk[2..34].iter().map(|&q| d * f32::from(q as i8))),
+            _ => out.extend(
+                scalar::q5_0_quants(blk)
+                    .iter()
+                    .map(|&q| d * (f32::from(q) - 16.0)),
+            ),
         }
     }
     out
 }
 
 #[test]
+fn our_block_decoding_agrees_with_candles() {
+    let mut rng = StdRng::seed_from_u64(5);
+    for format in FORMATS {
+        let bytes = random_weights(&mut rng, format, 2, 512);
+        let theirs = dequantize(format, &bytes);
+        let ours: Vec<f32> = if format.is_k() {
+            // value = d * sc * q - dmin * m, from our unpacking.
+            bytes
+                .chunks_exact(format.block_bytes())
+                .flat_map(|blk| {
+                    let q = scalar::k_quants(format, blk);
+                    (0..SUPER)
+                        .map(|i| {
+                            if format == QuantFormat::Q6K {
+                                let sc = f32::from(blk[192 + i / 16] as i8);
+                                scalar::f16_at(blk, 208) * sc * (f32::from(q[i]) - 32.0)
+                            } else {
+                                let (sc, m) = scalar::scale_min_k4(i / 32, &blk[4..16]);
+                                scalar::f16_at(blk, 0) * f32::from(sc) * f32::from(q[i])
+                                    - scalar::f16_at(blk, 2) * f32::from(m)
+                            }
+                        })
+                        .collect::<Vec<_>>()
+                })
+                .collect()
+        } else {
+            dequantize_by_hand(format, &bytes)
+        };
+        assert_eq!(ours.len(), theirs.len());
+        for (i, (a, b)) in ours.iter().zip(&theirs).enumerate() {
+            assert!(
+                (a - b).abs() <= 1e-6 * b.abs().max(1.0),
+                "{format:?} value {i}: {a} vs candle {b}"
+            );
+        }
+    }
+}
+
+#[test]
 fn the_reference_is_close_to_the_float_product() {
     let mut rng = StdRng::seed_from_u64(11);
-    let (n, k, m) = (7, 576, 2);
     for format in FORMATS {
+        let (n, k, m) = (7, if format.is_k() { 512 } else { 576 }, 2);
         let bytes = random_weights(&mut rng, format, n, k);
         let w = QuantMatrix::new(format, n, k, &bytes).expect("valid matrix");
         let wf = dequantize(format, &bytes);
         let x = random_acts(&mut rng, m * k);
         let mut scratch = Scratch::new();
-        scratch.quantize(&x, m, k).expect("quantize");
+        scratch.quantize_for(format, &x, m, k).expect("quantize");
         let got = product(&w, &mut scratch, Isa::Scalar);
         for a in 0..m {
             for r in 0..n {
@@ -312,12 +458,13 @@ fn quant_linear_matches_candles_quantized_matmul() {
     use candle_core::quantized::QMatMul;
     use candle_core::Module;
     let mut rng = StdRng::seed_from_u64(3);
-    let (n, k) = (40, 576);
-    for (dtype, format) in [
-        (GgmlDType::Q4_0, QuantFormat::Q4_0),
-        (GgmlDType::Q4_1, QuantFormat::Q4_1),
-        (GgmlDType::Q8_0, QuantFormat::Q8_0),
-    ] {
+    for format in FORMATS {
+        let dtype = ggml_dtype(format);
+        // 40 rows: repacked on x86-64; 12 rows: row-major.
+        let (n, k) = (
+            if format == QuantFormat::Q4K { 12 } else { 40 },
+            if format.is_k() { 512 } else { 576 },
+        );
         let wf = Tensor::from_vec(random_acts(&mut rng, n * k), (n, k), &Device::Cpu).expect("w");
         let qt = Arc::new(QTensor::quantize(&wf, dtype).expect("quantize weights"));
         let ours = QuantLinear::from_qtensor(qt.clone()).expect("supported");
@@ -342,6 +489,44 @@ fn quant_linear_matches_candles_quantized_matmul() {
     }
 }
 
+/// One input through matrices of both activation schemes (`Q8_0` and
+/// `Q8_K`), as a layer's q, k and v may be: the shared path gives each the
+/// same result as its own call.
+#[test]
+fn shared_input_over_mixed_formats_equals_one_call_each() {
+    let mut rng = StdRng::seed_from_u64(5);
+    let k = 512;
+    let formats = [
+        QuantFormat::Q4K,
+        QuantFormat::Q8_0,
+        QuantFormat::Q6K,
+        QuantFormat::Q5_0,
+    ];
+    let linears: Vec<QuantLinear> = formats
+        .iter()
+        .map(|&format| {
+            let wf =
+                Tensor::from_vec(random_acts(&mut rng, 16 * k), (16, k), &Device::Cpu).expect("w");
+            let qt = QTensor::quantize(&wf, ggml_dtype(format)).expect("quantize weights");
+            QuantLinear::from_qtensor(Arc::new(qt)).expect("supported")
+        })
+        .collect();
+    let refs: Vec<&QuantLinear> = linears.iter().collect();
+    for rows in [1usize, 9] {
+        let x = random_acts(&mut rng, rows * k);
+        let mut outs = vec![vec![f32::NAN; rows * 16]; formats.len()];
+        {
+            let mut views: Vec<&mut [f32]> = outs.iter_mut().map(|o| &mut o[..]).collect();
+            QuantLinear::forward_shared(&refs, &x, rows, &mut views).expect("shared");
+        }
+        for (l, shared) in linears.iter().zip(&outs) {
+            let mut alone = vec![f32::NAN; rows * 16];
+            l.forward_local(&x, rows, &mut alone).expect("alone");
+            assert_eq!(shared, &alone, "{:?} rows={rows}", l.format());
+        }
+    }
+}
+
 #[test]
 fn bad_inputs_are_typed_errors() {
     let bytes = vec![0u8; 3 * 2 * 20];
@@ -355,7 +540,7 @@ fn bad_inputs_are_typed_errors() {
     ));
     assert!(matches!(
         QuantMatrix::new(QuantFormat::Q4_1, 3, 60, &bytes),
-        Err(KernelError::RowNotBlocks { k: 60 })
+        Err(KernelError::RowNotBlocks { k: 60, block: 32 })
     ));
     let w = QuantMatrix::new(QuantFormat::Q4_1, 3, 64, &bytes).expect("valid");
     let mut scratch = Scratch::new();
@@ -365,11 +550,25 @@ fn bad_inputs_are_typed_errors() {
         matmul(&w, &mut scratch, &mut short, Isa::detect()),
         Err(KernelError::Shape { .. })
     ));
-    let k4 = Tensor::zeros((8, 256), DType::F32, &Device::Cpu).expect("zeros");
-    let qk = QTensor::quantize(&k4, GgmlDType::Q4K).expect("q4k");
+    let k2 = Tensor::zeros((8, 256), DType::F32, &Device::Cpu).expect("zeros");
+    let qk = QTensor::quantize(&k2, GgmlDType::Q2K).expect("q2k");
     assert!(matches!(
         QuantLinear::from_qtensor(Arc::new(qk)),
         Err(KernelError::UnsupportedFormat(_))
+    ));
+    // K-quant rows are whole super-blocks of 256.
+    assert!(matches!(
+        QuantMatrix::new(QuantFormat::Q4K, 1, 288, &[0u8; 162]),
+        Err(KernelError::RowNotBlocks { k: 288, block: 256 })
+    ));
+    // Activations quantized for one scheme are refused by the other's weights.
+    let kbytes = vec![0u8; 144];
+    let wk = QuantMatrix::new(QuantFormat::Q4K, 1, 256, &kbytes).expect("valid");
+    let mut s32 = Scratch::new();
+    s32.quantize(&[0.5; 256], 1, 256).expect("quantize");
+    assert!(matches!(
+        matmul(&wk, &mut s32, &mut [0f32; 1], Isa::Scalar),
+        Err(KernelError::ActsScheme { .. })
     ));
     let data: Arc<dyn AsRef<[u8]> + Send + Sync> = Arc::new(bytes);
     assert!(matches!(
@@ -410,8 +609,10 @@ fn par_chunks_mut_visits_every_chunk_once_with_its_index() {
 fn each_row_gets_the_same_bits_alone_and_in_any_batch() {
     let mut rng = StdRng::seed_from_u64(25);
     for format in FORMATS {
-        // 24 rows repack; 12 stay row-major.
-        for &(n, k) in &[(24usize, 576usize), (12, 64)] {
+        // 24 rows repack; 12 stay row-major. Inputs: 18 and 2 blocks of
+        // the format (K-quant blocks hold 256 values, the others 32).
+        let b = format.block_len();
+        for &(n, k) in &[(24usize, 18 * b), (12, 2 * b)] {
             let bytes = random_weights(&mut rng, format, n, k);
             let w = QuantMatrix::new(format, n, k, &bytes).expect("valid matrix");
             // The repacked layout exists on x86 only (`packed`).
@@ -420,7 +621,7 @@ fn each_row_gets_the_same_bits_alone_and_in_any_batch() {
             for &isa in Isa::available() {
                 let run = |x: &[f32], m: usize| {
                     let mut scratch = Scratch::new();
-                    scratch.quantize(x, m, k).expect("quantize");
+                    scratch.quantize_for(format, x, m, k).expect("quantize");
                     let mut out = vec![f32::NAN; m * n];
                     #[cfg(target_arch = "x86_64")]
                     if let Some(p) = &packed {

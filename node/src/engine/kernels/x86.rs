@@ -18,6 +18,7 @@ use super::{Acts, QuantFormat, Rect, BLOCK};
 const F_Q4_0: u8 = 0;
 const F_Q4_1: u8 = 1;
 const F_Q8_0: u8 = 2;
+const F_Q5_0: u8 = 3;
 
 /// A rectangle on AVX2.
 pub(crate) fn rect_avx2(rect: &Rect<'_>, acts: &Acts<'_>, out: &mut [f32]) {
@@ -75,6 +76,24 @@ macro_rules! x86_kernels {
                 _mm256_and_si256(_mm256_set_m128i(hi, lo), _mm256_set1_epi8(0x0f))
             }
 
+            /// The 32 bits at `b[..4]` as 32 bytes: 0x10 where the bit is set
+            /// (ggml's `bytes_from_bits_32`, scaled to `Q5_0`'s fifth bit).
+            #[inline]
+            #[target_feature(enable = $features)]
+            fn high_bits(b: &[u8]) -> __m256i {
+                let bits = i32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+                let shuf = _mm256_set_epi64x(
+                    0x0303030303030303,
+                    0x0202020202020202,
+                    0x0101010101010101,
+                    0x0000000000000000,
+                );
+                let bytes = _mm256_shuffle_epi8(_mm256_set1_epi32(bits), shuf);
+                let bytes = _mm256_or_si256(bytes, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe));
+                let set = _mm256_cmpeq_epi8(bytes, _mm256_set1_epi64x(-1));
+                _mm256_and_si256(set, _mm256_set1_epi8(0x10))
+            }
+
             #[inline]
             #[target_feature(enable = $features)]
             fn hsum(v: __m256) -> f32 {
@@ -99,6 +118,7 @@ macro_rules! x86_kernels {
                 let bb = match F {
                     F_Q4_0 => QuantFormat::Q4_0.block_bytes(),
                     F_Q4_1 => QuantFormat::Q4_1.block_bytes(),
+                    F_Q5_0 => QuantFormat::Q5_0.block_bytes(),
                     _ => QuantFormat::Q8_0.block_bytes(),
                 };
                 let mut acc = [[_mm256_setzero_ps(); C]; R];
@@ -119,6 +139,10 @@ macro_rules! x86_kernels {
                             F_Q4_1 => {
                                 mw[r] = f16_to_f32(blk[2], blk[3]);
                                 wv[r] = nibbles(&blk[4..20]);
+                            }
+                            F_Q5_0 => {
+                                mw[r] = -16.0 * dw[r];
+                                wv[r] = _mm256_or_si256(nibbles(&blk[6..22]), high_bits(&blk[2..6]));
                             }
                             _ => wv[r] = load32_u8(&blk[2..34]),
                         }
@@ -189,6 +213,9 @@ macro_rules! x86_kernels {
                     QuantFormat::Q4_0 => rect_f::<F_Q4_0>(rect, acts, out),
                     QuantFormat::Q4_1 => rect_f::<F_Q4_1>(rect, acts, out),
                     QuantFormat::Q8_0 => rect_f::<F_Q8_0>(rect, acts, out),
+                    QuantFormat::Q5_0 => rect_f::<F_Q5_0>(rect, acts, out),
+                    // K-quants never reach the row-major x86 kernels (see `run_rect`).
+                    _ => super::super::scalar::rect(rect, acts, out),
                 }
             }
         }
