@@ -216,10 +216,8 @@ pub fn draw(
     let mut pool: Vec<NodeId> = candidates
         .iter()
         .filter(|c| {
-            c.able
-                && c.node != *audited
-                && !(!audited_operator.is_empty() && c.operator == audited_operator)
-                && !asked.contains(&c.node)
+            let same_operator = !audited_operator.is_empty() && c.operator == audited_operator;
+            c.able && c.node != *audited && !same_operator && !asked.contains(&c.node)
         })
         .map(|c| c.node)
         .collect();
