@@ -11,25 +11,39 @@
 //! `mlx-node`'s `Engine::audit`); the dispatcher runs that exchange
 //! (`dispatch::audit`).
 //!
+//! Audits cannot be captured by one node: each auditor is drawn at random
+//! ([`draw`], with a seed the coordinator draws per audit) among the
+//! connected nodes able to run the job, never the audited node nor another
+//! node of its operator, never a node that never placed itself (it
+//! reports no memory for the job). A failing verdict counts only once a
+//! second, distinct auditor confirms it; when the two disagree a third
+//! decides, and the auditor in the minority is counted against
+//! ([`decide`]). So one lying auditor can neither void an honest node's
+//! pay nor ban it: it bans itself.
+//!
 //! Every completed job's pay is held until its audit window
 //! (`window_ms` after completion) closes; the ledger's settlement reads the
 //! `audits` table: a failed audit voids the hold (the client gets it all
 //! back, the operator nothing), otherwise the job is paid once the window
 //! closed. A failed audit also counts against the node; at `ban_after`
-//! failures it is banned from placement for good.
+//! failures it is banned from placement for good (an auditor in the
+//! minority likewise).
 //!
 //! # Invariants
 //! - An audit is recorded once per job and ends once (`pending` to
-//!   `passed`, `failed` or `missed`, a guarded update), and the node's record
-//!   changes in the same transaction, so a verdict counts once.
+//!   `passed`, `failed` or `missed`, a guarded update), and the records of
+//!   the audited node and of the minority auditors change in the same
+//!   transaction, so a decision counts once.
 //! - A verdict counts only when signed by the node it was sent to, about
-//!   this job and this claim's signature; the auditor is never the node
-//!   that served the job.
+//!   this job and this claim's signature; the auditors of one audit are
+//!   distinct, and never the node that served the job or its operator's.
+//! - An audit fails only on two failing verdicts.
 //!
 //! # Failure
 //! [`AuditError`] for the database; an auditor that fails, vanishes or lies
-//! about its identity leaves the audit pending, and it is `missed` when the
-//! window closes (the job is then paid: nothing showed it wrong).
+//! about its identity leaves the audit pending (another is drawn), and it
+//! is `missed` when the window closes undecided (the job is then paid:
+//! nothing confirmed it wrong; nobody is counted against).
 
 use std::{collections::HashSet, sync::Mutex};
 
@@ -107,10 +121,112 @@ pub enum AuditError {
 /// How an audit ended.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Ended {
-    /// The verdict counted; the audited node's record is now this.
-    Counted(NodeRecord),
+    /// The verdicts so far do not settle it ([`decide`]): ask another
+    /// auditor.
+    Undecided,
+    /// The verdicts settled it (`passed` or not) and it counted: the
+    /// audited node's record is now `record`, and each auditor in the
+    /// minority (hex id) was counted against, its record now the one given.
+    Counted {
+        passed: bool,
+        record: NodeRecord,
+        against: Vec<(String, NodeRecord)>,
+    },
     /// The audit had already ended (a duplicate or late verdict).
     AlreadyEnded,
+}
+
+/// One auditor's verdict on an audit, as it counts (signed by the node it
+/// was sent to, about this job and this claim).
+#[derive(Clone, Debug)]
+pub struct Verdict {
+    /// The auditor, lowercase hex.
+    pub auditor: String,
+    pub signed: SignedVerdict,
+    pub passed: bool,
+}
+
+/// Where an audit stands after its verdicts so far.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Decision {
+    /// Ask another, distinct auditor.
+    Undecided,
+    /// Settled: whether the claim passed, and the indices of the verdicts
+    /// that disagreed with that (their auditors are counted against).
+    Decided { passed: bool, against: Vec<usize> },
+}
+
+/// Decides an audit from its verdicts in the order they came, each from a
+/// distinct auditor (`true`: passed).
+///
+/// A first verdict that passes settles it (a cheater cannot choose its
+/// auditor, and the audit rate catches it on a later job). A failing
+/// verdict alone never does: it needs a second auditor's failing verdict;
+/// when the second disagrees, a third decides. In general, after a first
+/// failure, the first side to two verdicts wins. Every verdict on the
+/// other side is the minority, counted against its auditor.
+pub fn decide(verdicts: &[bool]) -> Decision {
+    let Some(&first) = verdicts.first() else {
+        return Decision::Undecided;
+    };
+    let passes = verdicts.iter().filter(|&&p| p).count();
+    let fails = verdicts.len() - passes;
+    let passed = if first {
+        true
+    } else if fails >= 2 {
+        false
+    } else if passes >= 2 {
+        true
+    } else {
+        return Decision::Undecided;
+    };
+    let against = (0..verdicts.len())
+        .filter(|&i| verdicts[i] != passed)
+        .collect();
+    Decision::Decided { passed, against }
+}
+
+/// A connected node the dispatcher might ask to audit a claim.
+#[derive(Clone, Debug)]
+pub struct Candidate {
+    pub node: NodeId,
+    /// The operator account it earns for.
+    pub operator: String,
+    /// It can take this audit now: it holds the model, reports the memory
+    /// the job needs (a node that never placed itself does not), has a
+    /// free slot, and is not banned, draining or a pod member.
+    pub able: bool,
+}
+
+/// Draws the next auditor of a claim by `audited` (whose operator is
+/// `audited_operator`, empty if unknown) with `rng`: uniformly among the
+/// able `candidates` that are neither the audited node nor another node of
+/// its operator, nor one that already gave a verdict (`asked`).
+///
+/// The candidates are taken in node-id order, so the draw depends only on
+/// the set and the rng, never on the order the nodes connected in or on
+/// anything a node chose.
+pub fn draw(
+    candidates: &[Candidate],
+    audited: &NodeId,
+    audited_operator: &str,
+    asked: &[NodeId],
+    rng: &mut impl rand::Rng,
+) -> Option<NodeId> {
+    let mut pool: Vec<NodeId> = candidates
+        .iter()
+        .filter(|c| {
+            let same_operator = !audited_operator.is_empty() && c.operator == audited_operator;
+            c.able && c.node != *audited && !same_operator && !asked.contains(&c.node)
+        })
+        .map(|c| c.node)
+        .collect();
+    pool.sort_unstable_by_key(|n| n.to_string());
+    pool.dedup();
+    if pool.is_empty() {
+        return None;
+    }
+    Some(pool[rng.gen_range(0..pool.len())])
 }
 
 /// Audit records in the coordinator's store, and the banned nodes.
@@ -153,36 +269,73 @@ impl Audits {
         Ok(self.store.begin_audit(job, node, now_ms).await?)
     }
 
-    /// Ends `job`'s pending audit with `verdict` by `auditor`, and counts it
-    /// in the audited node's record (banning it at `ban_after` failures).
-    pub async fn finish(
+    /// Ends `job`'s pending audit if its `verdicts` so far settle it
+    /// ([`decide`]): records the deciding verdict, counts the outcome in
+    /// the audited node's record and a failure in each minority auditor's,
+    /// banning any of them at `ban_after` failures, all in one
+    /// transaction.
+    pub async fn conclude(
         &self,
         job: &str,
-        auditor: &str,
-        verdict: &SignedVerdict,
-        passed: bool,
+        verdicts: &[Verdict],
         now_ms: i64,
     ) -> Result<Ended, AuditError> {
+        let passes: Vec<bool> = verdicts.iter().map(|v| v.passed).collect();
+        let Decision::Decided { passed, against } = decide(&passes) else {
+            return Ok(Ended::Undecided);
+        };
+        let Some(deciding) = verdicts.iter().rev().find(|v| v.passed == passed) else {
+            return Ok(Ended::Undecided);
+        };
         let mut tx = self.store.write().await?;
         let ended = tx
-            .end_audit(job, passed, auditor, &verdict.encode_to_vec(), now_ms)
+            .end_audit(
+                job,
+                passed,
+                &deciding.auditor,
+                &deciding.signed.encode_to_vec(),
+                now_ms,
+            )
             .await?;
         let Some(node) = ended else {
             return Ok(Ended::AlreadyEnded);
         };
-        tx.count_audit(&node, passed).await?;
-        let mut record = tx.audit_record(&node).await?;
-        if !record.banned && record.failed >= self.config.ban_after.max(1) {
-            tx.ban_node(&node, now_ms).await?;
-            record.banned = true;
+        let record = self.count(&mut tx, &node, passed, now_ms).await?;
+        let mut counted_against = Vec::with_capacity(against.len());
+        for i in against {
+            let auditor = &verdicts[i].auditor;
+            let r = self.count(&mut tx, auditor, false, now_ms).await?;
+            counted_against.push((auditor.clone(), r));
         }
         tx.commit().await?;
-        if record.banned {
-            if let Ok(id) = node.parse() {
-                lock(&self.banned).insert(id);
-            }
+        let newly_banned = std::iter::once((&node, &record))
+            .chain(counted_against.iter().map(|(a, r)| (a, r)))
+            .filter(|(_, r)| r.banned)
+            .filter_map(|(id, _)| id.parse::<NodeId>().ok());
+        lock(&self.banned).extend(newly_banned);
+        Ok(Ended::Counted {
+            passed,
+            record,
+            against: counted_against,
+        })
+    }
+
+    /// Counts one clean or failed audit in `node`'s record, banning it at
+    /// `ban_after` failures; returns the record.
+    async fn count(
+        &self,
+        tx: &mut crate::store::AnyTx,
+        node: &str,
+        passed: bool,
+        now_ms: i64,
+    ) -> Result<NodeRecord, AuditError> {
+        tx.count_audit(node, passed).await?;
+        let mut record = tx.audit_record(node).await?;
+        if !record.banned && record.failed >= self.config.ban_after.max(1) {
+            tx.ban_node(node, now_ms).await?;
+            record.banned = true;
         }
-        Ok(Ended::Counted(record))
+        Ok(record)
     }
 
     /// Ends `job`'s pending audit without a verdict (no auditor in time).
@@ -225,8 +378,96 @@ mod tests {
         assert_eq!(audit_rate(&AuditConfig::off(), &NodeRecord::default()), 0.0);
     }
 
+    #[test]
+    fn a_pass_settles_a_failure_needs_a_second_and_a_split_goes_to_a_third() {
+        use Decision::{Decided, Undecided};
+        let decided = |passed, against: &[usize]| Decided {
+            passed,
+            against: against.to_vec(),
+        };
+        let (p, f) = (true, false);
+        assert_eq!(decide(&[]), Undecided);
+        assert_eq!(decide(&[p]), decided(true, &[]));
+        assert_eq!(decide(&[f]), Undecided, "a failure alone never counts");
+        assert_eq!(decide(&[f, f]), decided(false, &[]));
+        assert_eq!(decide(&[f, p]), Undecided, "a split asks a third");
+        assert_eq!(decide(&[f, p, p]), decided(true, &[0]));
+        assert_eq!(decide(&[f, p, f]), decided(false, &[1]));
+        // Not produced by the dispatcher (a pass settles at once), but total:
+        assert_eq!(decide(&[p, f]), decided(true, &[1]));
+    }
+
+    fn node(seed: u8) -> NodeId {
+        NodeId::from_key(&ed25519_dalek::SigningKey::from_bytes(&[seed; 32]).verifying_key())
+    }
+
+    fn candidate(seed: u8, operator: &str, able: bool) -> Candidate {
+        Candidate {
+            node: node(seed),
+            operator: operator.into(),
+            able,
+        }
+    }
+
+    #[test]
+    fn an_auditor_is_drawn_at_random_among_able_strangers_who_have_not_answered() {
+        use rand::{rngs::StdRng, SeedableRng};
+        let audited = node(1);
+        let mut all = vec![
+            candidate(1, "op_a", true),  // the audited node
+            candidate(2, "op_a", true),  // its operator's other node
+            candidate(3, "op_b", false), // cannot take it (e.g. no memory)
+            candidate(4, "op_c", true),  // already answered
+            candidate(5, "op_d", true),
+            candidate(6, "op_e", true),
+            candidate(7, "op_e", true),
+        ];
+        let asked = [node(4)];
+        let mut seen = HashSet::new();
+        for seed in 0..200 {
+            let pick = draw(
+                &all,
+                &audited,
+                "op_a",
+                &asked,
+                &mut StdRng::seed_from_u64(seed),
+            )
+            .unwrap();
+            seen.insert(pick);
+            // The same seed and set give the same auditor, whatever the
+            // order the nodes connected in.
+            all.reverse();
+            let again = draw(
+                &all,
+                &audited,
+                "op_a",
+                &asked,
+                &mut StdRng::seed_from_u64(seed),
+            );
+            assert_eq!(again, Some(pick));
+        }
+        assert_eq!(
+            seen,
+            HashSet::from([node(5), node(6), node(7)]),
+            "every eligible auditor is drawn, and only they"
+        );
+        let nobody = [candidate(1, "op_a", true), candidate(2, "op_a", true)];
+        let mut rng = StdRng::seed_from_u64(0);
+        assert_eq!(draw(&nobody, &audited, "op_a", &[], &mut rng), None);
+        // An unknown operator excludes only the audited node itself.
+        assert_eq!(draw(&nobody, &audited, "", &[], &mut rng), Some(node(2)));
+    }
+
+    fn verdict(auditor: &str, passed: bool) -> Verdict {
+        Verdict {
+            auditor: auditor.into(),
+            signed: SignedVerdict::default(),
+            passed,
+        }
+    }
+
     #[tokio::test]
-    async fn a_verdict_counts_once_and_failures_past_the_threshold_ban() {
+    async fn a_confirmed_verdict_counts_once_and_failures_past_the_threshold_ban() {
         let dir = tempfile::tempdir().unwrap();
         let store = AnyStore::connect(&format!("sqlite://{}", dir.path().join("a.db").display()))
             .await
@@ -234,13 +475,12 @@ mod tests {
         let audits = Audits::load(store.clone(), AuditConfig::default())
             .await
             .unwrap();
-        let node =
-            NodeId::from_key(&ed25519_dalek::SigningKey::from_bytes(&[3; 32]).verifying_key());
+        let liar = node(9);
+        let node = node(3);
         let hex = node.to_string();
-        let verdict = SignedVerdict::default();
         // Audits reference jobs; store bare ones.
         let mut jobs = Vec::new();
-        for _ in 0..2 {
+        for _ in 0..3 {
             let job = crate::domain::NewJob {
                 id: mlxnet_proto::ids::JobId::new(),
                 model: "m".into(),
@@ -250,24 +490,72 @@ mod tests {
             };
             jobs.push(store.insert_job(&job).await.unwrap().id.to_string());
         }
-        for (i, job) in jobs.iter().enumerate() {
-            assert!(audits.begin(job, &hex, 0).await.unwrap());
-            assert!(!audits.begin(job, &hex, 0).await.unwrap());
-            let ended = audits.finish(job, "a", &verdict, false, 1).await.unwrap();
+        // Job 0: the liar fails it, two others pass it: it passes, and the
+        // liar is counted against.
+        assert!(audits.begin(&jobs[0], &hex, 0).await.unwrap());
+        let split = [
+            verdict(&liar.to_string(), false),
+            verdict("b", true),
+            verdict("c", true),
+        ];
+        for n in 1..3 {
             assert_eq!(
-                ended,
-                Ended::Counted(NodeRecord {
-                    clean: 0,
-                    failed: i as u32 + 1,
-                    banned: i == 1,
-                })
+                audits.conclude(&jobs[0], &split[..n], 1).await.unwrap(),
+                Ended::Undecided
             );
             assert_eq!(
-                audits.finish(job, "a", &verdict, true, 2).await.unwrap(),
+                audits.state(&jobs[0]).await.unwrap().as_deref(),
+                Some("pending")
+            );
+        }
+        assert_eq!(
+            audits.conclude(&jobs[0], &split, 1).await.unwrap(),
+            Ended::Counted {
+                passed: true,
+                record: NodeRecord {
+                    clean: 1,
+                    failed: 0,
+                    banned: false
+                },
+                against: vec![(
+                    liar.to_string(),
+                    NodeRecord {
+                        clean: 0,
+                        failed: 1,
+                        banned: false
+                    }
+                )],
+            }
+        );
+        // Jobs 1 and 2: two auditors fail each; the node is banned at the
+        // second (`ban_after` 2).
+        for (i, job) in jobs[1..].iter().enumerate() {
+            assert!(audits.begin(job, &hex, 0).await.unwrap());
+            assert!(!audits.begin(job, &hex, 0).await.unwrap());
+            let confirmed = [verdict("a", false), verdict("b", false)];
+            let ended = audits.conclude(job, &confirmed, 1).await.unwrap();
+            assert_eq!(
+                ended,
+                Ended::Counted {
+                    passed: false,
+                    record: NodeRecord {
+                        clean: 1,
+                        failed: i as u32 + 1,
+                        banned: i == 1,
+                    },
+                    against: vec![],
+                }
+            );
+            assert_eq!(
+                audits
+                    .conclude(job, &[verdict("c", true)], 2)
+                    .await
+                    .unwrap(),
                 Ended::AlreadyEnded
             );
         }
         assert!(audits.is_banned(&node));
+        assert!(!audits.is_banned(&liar));
         let reloaded = Audits::load(store.clone(), AuditConfig::default())
             .await
             .unwrap();

@@ -54,6 +54,8 @@ use tracing::{debug, info, instrument, warn};
 #[cfg(test)]
 mod adversary_tests;
 mod audit;
+#[cfg(test)]
+mod audit_adversary_tests;
 pub mod sweep;
 
 use crate::{

@@ -169,12 +169,12 @@ async fn serve_connection(conn: quinn::Connection, d: &LinkContext) {
         return;
     }
     let node_hex = registration.node_id.to_string();
-    match d
+    let operator = match d
         .ledger
         .link_node(&node_hex, &registration.operator_account)
         .await
     {
-        Ok(_) => {}
+        Ok(operator) => operator,
         Err(LedgerError::NoSuchAccount(a)) => {
             d.metrics.handshakes_refused.inc();
             reject(
@@ -190,11 +190,12 @@ async fn serve_connection(conn: quinn::Connection, d: &LinkContext) {
             reject(&conn, Some(send), "coordinator unavailable").await;
             return;
         }
-    }
+    };
     let session = Arc::new(Session::new(
         d.sessions.next_serial(),
         conn.clone(),
         &registration,
+        operator,
     ));
     if let Some(old) = d.sessions.insert(Arc::clone(&session)) {
         info!(node = %old.node_id.short(), "node reconnected; closing its previous session");

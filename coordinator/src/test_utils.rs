@@ -309,7 +309,17 @@ impl Dialer {
         node: &SigningKey,
         signature: Vec<u8>,
     ) -> Option<coordinator_control::Msg> {
-        let hello = Hello {
+        self.hello_with(node, signature, |_| {}).await
+    }
+
+    /// [`Dialer::hello`] with the Hello edited by `edit` first.
+    pub async fn hello_with(
+        &mut self,
+        node: &SigningKey,
+        signature: Vec<u8>,
+        edit: impl FnOnce(&mut Hello),
+    ) -> Option<coordinator_control::Msg> {
+        let mut hello = Hello {
             node_id: node.verifying_key().to_bytes().to_vec(),
             signature,
             hardware: Some(HardwareProfile {
@@ -327,6 +337,7 @@ impl Dialer {
             name: "test".into(),
             ..Default::default()
         };
+        edit(&mut hello);
         write_frame(
             &mut self.send,
             &NodeControl {
@@ -352,11 +363,16 @@ pub struct FakeNode {
 
 impl FakeNode {
     pub async fn register(app: &TestApp, seed: u64) -> Self {
+        Self::register_with(app, seed, |_| {}).await
+    }
+
+    /// [`FakeNode::register`] with its Hello edited by `edit` first.
+    pub async fn register_with(app: &TestApp, seed: u64, edit: impl FnOnce(&mut Hello)) -> Self {
         use rand::SeedableRng;
         let key = ed25519_dalek::SigningKey::generate(&mut rand::rngs::StdRng::seed_from_u64(seed));
         let mut dialer = Dialer::connect(app).await;
         let proof = dialer.proof(&key);
-        let reply = dialer.hello(&key, proof).await;
+        let reply = dialer.hello_with(&key, proof, edit).await;
         assert!(
             matches!(
                 reply,

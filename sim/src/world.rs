@@ -36,7 +36,7 @@ use std::{
 use ed25519_dalek::SigningKey;
 use mlxnet_coordinator::{
     app,
-    audit::{audit_rate, AuditConfig, Audits},
+    audit::{audit_rate, AuditConfig, Audits, Verdict},
     catalogue::{smollm2_135m_instruct, Catalogue, CatalogueModel},
     dispatch::{expected, input_bytes, record_backoff},
     domain::{
@@ -1730,18 +1730,34 @@ impl Sim {
         if !self.coord.up {
             return;
         }
-        let auditor = (node + 1) % self.nodes.len();
-        let verdict = AuditVerdict {
-            job_id: job.to_string(),
-            passed,
-            auditor_id: self.nodes[auditor].id.as_bytes().to_vec(),
-            ..AuditVerdict::default()
+        // Honest auditors agree: a pass settles the audit with one verdict,
+        // a failure counts once a second auditor confirms it
+        // (`Audits::conclude`).
+        let n = self.nodes.len();
+        let auditors: Vec<usize> = if passed {
+            vec![(node + 1) % n]
+        } else {
+            vec![(node + 1) % n, (node + 2) % n]
         };
-        let signed = claim::sign_verdict(verdict, &self.nodes[auditor].key);
-        let auditor_hex = self.nodes[auditor].hex.clone();
+        let verdicts: Vec<Verdict> = auditors
+            .into_iter()
+            .map(|auditor| {
+                let verdict = AuditVerdict {
+                    job_id: job.to_string(),
+                    passed,
+                    auditor_id: self.nodes[auditor].id.as_bytes().to_vec(),
+                    ..AuditVerdict::default()
+                };
+                Verdict {
+                    auditor: self.nodes[auditor].hex.clone(),
+                    signed: claim::sign_verdict(verdict, &self.nodes[auditor].key),
+                    passed,
+                }
+            })
+            .collect();
         let ended = self
             .audits
-            .finish(&job.to_string(), &auditor_hex, &signed, passed, self.now)
+            .conclude(&job.to_string(), &verdicts, self.now)
             .await;
         self.trace(&format!(
             "audit of {job}: passed {passed}: {:?}",

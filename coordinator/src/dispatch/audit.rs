@@ -1,18 +1,27 @@
-//! Running audits: after a job completes, maybe pick it for audit, find
-//! another node to re-score it, send the audit assignment and count the
-//! signed verdict.
+//! Running audits: after a job completes, maybe pick it for audit, draw
+//! auditors to re-score it, send them the audit assignment and count their
+//! signed verdicts once they settle it.
 //!
 //! # Invariants
-//! - The auditor is an online, unbanned node other than the one that
-//!   served the job, holding the job's model file, with a free job slot
-//!   (taken for the audit's length, so placement does not over-fill it).
+//! - Each auditor is drawn at random ([`draw`], seeded per audit from the
+//!   coordinator's own randomness, never from anything a node sent) among
+//!   online, unbanned, undrained nodes holding the job's model file that
+//!   report the memory the job needs (a node that never placed itself is
+//!   no auditor) and have a free job slot (taken for the audit's length,
+//!   so placement does not over-fill it); never the node that served the
+//!   job nor another node of its operator, and never one that already
+//!   gave a verdict on this audit.
 //! - A verdict counts only if it verifies, is signed by the node it was sent
 //!   to, and names this job and the audited claim's signature.
+//! - The verdicts end the audit only once [`decide`](crate::audit::decide)
+//!   settles them: a failing verdict is confirmed by a second auditor (a
+//!   third on disagreement) before pay is voided or anyone is counted
+//!   against.
 //!
 //! # Failure
 //! Anything that goes wrong with one auditor (unreachable, refused, bad
-//! verdict) is logged and another is tried, until the audit window closes;
-//! then the audit is `missed` and the job is paid as usual.
+//! verdict) is logged and another is drawn, until the audit window closes;
+//! then an undecided audit is `missed` and the job is paid as usual.
 
 use std::{sync::Arc, time::Duration};
 
@@ -22,19 +31,20 @@ use mlxnet_proto::{
     ids::NodeId,
     v1::{job_update, Assignment, AuditTask, SignedClaim, SignedVerdict},
 };
+use rand::{rngs::StdRng, SeedableRng};
 use tracing::{debug, info, warn};
 
 use super::{input_bytes, Dispatcher};
 use crate::{
-    audit::{audit_rate, Ended},
+    audit::{audit_rate, draw, Candidate, Ended, Verdict},
     catalogue::Model,
     domain::JobRecord,
     ledger,
     link::{
         job::{JobStream, CODE_REFUSED},
-        session::Session,
+        session::{Session, MAX_REASON_CHARS},
     },
-    util::{error_chain, now_ms},
+    util::{clip, error_chain, now_ms},
 };
 
 /// How often a pending audit looks for a free auditor.
@@ -85,20 +95,24 @@ impl Dispatcher {
         let Ok(served_by) = node.parse::<NodeId>() else {
             return;
         };
-        debug!(job_id = %job.id, node = %served_by.short(), rate, "job picked for audit");
+        // The auditors' draw: the coordinator's own randomness, per audit
+        // (logged, so a draw can be replayed).
+        let seed = rand::random::<u64>();
+        debug!(job_id = %job.id, node = %served_by.short(), rate, seed, "job picked for audit");
         let this = Arc::clone(self);
         let (job, signed) = (job.clone(), signed.clone());
-        self.spawn(async move { this.run_audit(job, model, signed, served_by).await });
+        self.spawn(async move { this.run_audit(job, model, signed, served_by, seed).await });
     }
 
-    /// Finds auditors and sends them the audit until a verdict counts or
-    /// the window closes.
+    /// Draws auditors and sends them the audit until their verdicts
+    /// settle it ([`decide`](crate::audit::decide)) or the window closes.
     async fn run_audit(
         self: Arc<Self>,
         job: JobRecord,
         model: Model,
         signed: SignedClaim,
         served_by: NodeId,
+        seed: u64,
     ) {
         // The audit must end while the pay is still held; without a window
         // (pay not held) it may take as long as a job.
@@ -108,22 +122,36 @@ impl Dispatcher {
         };
         let deadline = tokio::time::Instant::now() + window;
         let job_id = job.id.to_string();
+        let shape = model.job(input_bytes(&job.input), job.sampling.max_tokens);
+        let operator = self.operator_of(&served_by).await;
+        let mut rng = StdRng::seed_from_u64(seed);
+        let mut verdicts: Vec<Verdict> = Vec::new();
+        let mut asked: Vec<NodeId> = Vec::new();
         while tokio::time::Instant::now() < deadline {
-            let auditor = self.sessions.all().into_iter().find(|s| {
-                s.node_id != served_by
-                    && s.pod.is_none()
-                    && !self.audits.is_banned(&s.node_id)
-                    && s.models.contains(&model.sha256)
-                    && s.running_jobs() < s.max_concurrent_jobs
-            });
-            let Some(auditor) = auditor else {
+            let sessions = self.sessions.all();
+            let candidates: Vec<Candidate> = sessions
+                .iter()
+                .map(|s| Candidate {
+                    node: s.node_id,
+                    operator: s.operator.clone(),
+                    able: s.pod.is_none()
+                        && !s.is_draining()
+                        && !self.audits.is_banned(&s.node_id)
+                        && s.models.contains(&model.sha256)
+                        && s.memory_bytes > 0
+                        && s.memory_bytes >= shape.memory_needed()
+                        && s.running_jobs() < s.max_concurrent_jobs,
+                })
+                .collect();
+            let drawn = draw(&candidates, &served_by, &operator, &asked, &mut rng);
+            let Some(auditor) = drawn.and_then(|id| sessions.into_iter().find(|s| s.node_id == id))
+            else {
                 tokio::select! {
                     _ = self.shutdown_token().cancelled() => return,
                     _ = tokio::time::sleep(AUDITOR_POLL) => {}
                 }
                 continue;
             };
-            let shape = model.job(input_bytes(&job.input), job.sampling.max_tokens);
             let reservation = auditor.reserve(shape.memory_needed());
             let verdict = tokio::select! {
                 _ = self.shutdown_token().cancelled() => return,
@@ -143,24 +171,29 @@ impl Dispatcher {
                 }
             };
             let passed = verdict.verdict.as_ref().is_some_and(|v| v.passed);
-            let ended = self
-                .audits
-                .finish(
-                    &job_id,
-                    &auditor.node_id.to_string(),
-                    &verdict,
+            let findings = verdict
+                .verdict
+                .as_ref()
+                .map(|v| clip(&v.findings.join("; "), MAX_REASON_CHARS).to_owned())
+                .unwrap_or_default();
+            info!(job_id = %job.id, node = %served_by.short(), auditor = %auditor.node_id.short(), passed, %findings, "audit verdict");
+            asked.push(auditor.node_id);
+            verdicts.push(Verdict {
+                auditor: auditor.node_id.to_string(),
+                signed: verdict,
+                passed,
+            });
+            match self.audits.conclude(&job_id, &verdicts, now_ms()).await {
+                Ok(Ended::Undecided) => continue,
+                Ok(Ended::Counted {
                     passed,
-                    now_ms(),
-                )
-                .await;
-            match ended {
-                Ok(Ended::Counted(record)) => {
-                    let findings = verdict
-                        .verdict
-                        .as_ref()
-                        .map(|v| v.findings.join("; "))
-                        .unwrap_or_default();
-                    info!(job_id = %job.id, node = %served_by.short(), auditor = %auditor.node_id.short(), passed, %findings, ?record, "audit ended");
+                    record,
+                    against,
+                }) => {
+                    info!(job_id = %job.id, node = %served_by.short(), passed, ?record, verdicts = verdicts.len(), "audit ended");
+                    for (a, r) in &against {
+                        warn!(job_id = %job.id, auditor = %a, record = ?r, "auditor in the minority counted against");
+                    }
                     if !passed {
                         // Voids the hold now; a passed audit's pay waits for
                         // the window (the sweep).
@@ -178,7 +211,22 @@ impl Dispatcher {
         if let Err(e) = self.audits.miss(&job_id, now_ms()).await {
             warn!(error = %error_chain(&e), "recording the missed audit failed");
         }
-        info!(job_id = %job.id, "no auditor within the window; audit missed");
+        info!(job_id = %job.id, verdicts = verdicts.len(), "audit undecided within the window; missed");
+    }
+
+    /// The operator account `node` earns for: its session's, or (gone) the
+    /// ledger's link; empty if neither answers.
+    async fn operator_of(&self, node: &NodeId) -> String {
+        if let Some(s) = self.sessions.get(node) {
+            return s.operator.clone();
+        }
+        match self.ledger.link_node(&node.to_string(), "").await {
+            Ok(a) => a,
+            Err(e) => {
+                warn!(error = %error_chain(&e), "reading the audited node's operator failed");
+                String::new()
+            }
+        }
     }
 
     /// Sends the audit of `signed` to `auditor` and returns its verdict, if

@@ -36,6 +36,8 @@ pub struct Session {
     pub serial: u64,
     pub node_id: NodeId,
     pub name: String,
+    /// The operator account it earns for (linked at the handshake).
+    pub operator: String,
     pub connection: quinn::Connection,
     /// Digests of the catalogue-matching model files it reported.
     pub models: Vec<[u8; 32]>,
@@ -60,13 +62,19 @@ pub struct Session {
 }
 
 impl Session {
-    /// A session for a node that proved its key. A node announcing 0
-    /// concurrent jobs is taken to mean 1.
-    pub fn new(serial: u64, connection: quinn::Connection, node: &Registration) -> Self {
+    /// A session for a node that proved its key and earns for `operator`.
+    /// A node announcing 0 concurrent jobs is taken to mean 1.
+    pub fn new(
+        serial: u64,
+        connection: quinn::Connection,
+        node: &Registration,
+        operator: String,
+    ) -> Self {
         Self {
             serial,
             node_id: node.node_id,
             name: node.name.clone(),
+            operator,
             connection,
             models: node.models.clone(),
             max_concurrent_jobs: node.max_concurrent_jobs.max(1),

@@ -1,16 +1,17 @@
-//! Audits end to end: a real coordinator and two real nodes running the
+//! Audits end to end: a real coordinator and three real nodes running the
 //! real model. An honest node's job is audited by the other node, passes,
 //! and is paid only once its audit window closed; a cheating node's job
-//! (its tokens swapped before signing) is audited, fails, its hold is
-//! voided (the client refunded, the operator paid nothing) and the cheater
-//! is banned from placement.
+//! (its tokens swapped before signing) is audited by both honest nodes
+//! (a failing verdict counts only once a second auditor confirms it),
+//! fails, its hold is voided (the client refunded, the operator paid
+//! nothing) and the cheater is banned from placement.
 //!
 //! Every step waits on an event (a node registered, an audit's recorded
 //! state, the balances). The one clock is the product's own: the audit
-//! window. An audit must end inside it, and job 2's auditor is a node that
-//! starts after job 2 completed, so the window ([`WINDOW_MS`]) is a wide
-//! margin over a node's start-up plus one audit (a few seconds here, under
-//! load), not a race with it.
+//! window. An audit must end inside it, and job 2's auditors are nodes that
+//! start after job 2 completed, so the window ([`WINDOW_MS`]) is a wide
+//! margin over a node's start-up plus two audits (a few seconds here,
+//! under load), not a race with it.
 
 use std::time::Duration;
 
@@ -112,9 +113,14 @@ async fn a_cheaters_job_fails_its_audit_and_is_refunded_an_honest_one_is_paid_af
     assert_eq!(state(&two.job), JobState::Completed);
     assert_eq!(two.job.node_id, cheater.id.to_string());
 
-    // The honest node comes back and audits job 2: it fails.
+    // The honest node comes back with a second honest node (the same
+    // operator's, not the cheater's): one audits job 2 and finds it wrong,
+    // the other confirms it (a failing verdict counts only when a second
+    // auditor confirms it), and it fails.
     let mut honest = spawn_node(honest_config).await?;
+    let mut second = spawn_node(coord.node_config(&dir.path().join("second"), "second")).await?;
     honest.registered().await?;
+    second.registered().await?;
     let id_two = two.job_id.as_str();
     eventually("job 2's audit", move || async move {
         Ok(audit_state(db, id_two).await?.as_deref() == Some("failed"))
@@ -141,9 +147,11 @@ async fn a_cheaters_job_fails_its_audit_and_is_refunded_an_honest_one_is_paid_af
         "the honest operator earned job 1"
     );
 
-    // The cheater is banned: the next job goes to the honest node.
+    // The cheater is banned: the next job goes to an honest node.
     let three = client.run_job(chat_job("What is 2 + 2?", 4)).await?;
-    assert_eq!(three.job.node_id, honest.id.to_string());
+    assert_ne!(three.job.node_id, cheater.id.to_string());
+    let honest_ids = [honest.id.to_string(), second.id.to_string()];
+    assert!(honest_ids.contains(&three.job.node_id));
 
     let ledger =
         mlxnet_coordinator::ledger::Ledger::new(store.clone(), coord.config.ledger_config());
@@ -152,5 +160,6 @@ async fn a_cheaters_job_fails_its_audit_and_is_refunded_an_honest_one_is_paid_af
     store.close().await;
     cheater.stop().await?;
     honest.stop().await?;
+    second.stop().await?;
     Ok(())
 }
