@@ -33,7 +33,7 @@ mod tests;
 use std::collections::HashMap;
 
 pub use capability::{Capability, Measured, Mode, NodeSpec, PodSpec};
-pub use cost::{Estimate, JobShape, ModelShape};
+pub use cost::{BatchCurve, Estimate, JobShape, ModelShape};
 pub use fleet::{Decision, Fleet, FleetError, Placement, Policy, Target};
 pub use queue::{Offer, Queue, QueueError};
 

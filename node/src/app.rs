@@ -15,7 +15,10 @@
 
 use std::{future::Future, sync::Arc, time::Duration};
 
-use mlxnet_proto::{ids::NodeId, v1::HardwareProfile};
+use mlxnet_proto::{
+    ids::NodeId,
+    v1::{BatchCapacity, BatchPoint as WireBatchPoint, HardwareProfile},
+};
 use tokio::sync::{watch, Semaphore};
 use tokio_util::sync::CancellationToken;
 
@@ -24,7 +27,7 @@ use crate::{
     hardware::{self, HardwareError},
     identity::{Identity, IdentityError},
     link::{self, LinkContext, LinkError, LinkStatus},
-    models::{HeldModel, ModelError, ModelSet},
+    models::{BatchSettings, HeldModel, ModelError, ModelSet},
     pod::{
         hostfile::PodConfig,
         runtime::{PodError, PodRuntime, PodSetup},
@@ -100,14 +103,20 @@ impl Node {
             Ok(false) => {}
             Err(e) => tracing::warn!(error = %e, "ignoring unreadable bench figures"),
         }
+        let curve = hardware::read_batch_curve(&bench).unwrap_or_else(|e| {
+            tracing::warn!(error = %e, "ignoring an unreadable batch curve");
+            Vec::new()
+        });
+        let batch = batch_settings(&config, &hardware, &curve);
         let node_id = identity.node_id();
         let (models, pod) = match &config.pod {
             None => {
                 let entries = config.models.clone();
                 tracing::info!(device = %config.device, backend = backend.name(), "engine device");
-                let models =
-                    tokio::task::spawn_blocking(move || ModelSet::load_on(&entries, &backend))
-                        .await??;
+                let models = tokio::task::spawn_blocking(move || {
+                    ModelSet::load_on(&entries, batch, &backend)
+                })
+                .await??;
                 (models, None)
             }
             Some(settings) => {
@@ -149,6 +158,25 @@ impl Node {
             config.name.trim().to_owned()
         };
         tracing::info!(%node_id, %name, models = models.len(), chip = %hardware.chip, "node built");
+        // A pod runs one job at a time across its members (its batching is
+        // the leader's to do); a single node takes as many as it batches.
+        // A model on a GPU runs one sequence at a time: its batch says so.
+        let slots = u32::try_from(models.slots().unwrap_or(batch.slots)).unwrap_or(u32::MAX);
+        let max_concurrent_jobs = match &pod {
+            Some(_) => 1,
+            None => config.max_concurrent_jobs.unwrap_or(slots),
+        };
+        let capacity = pod.is_none().then(|| BatchCapacity {
+            slots,
+            kv_positions: models.kv_positions() as u64,
+            throughput: curve
+                .iter()
+                .map(|p| WireBatchPoint {
+                    streams: p.streams,
+                    tokens_per_s: p.tokens_per_s,
+                })
+                .collect(),
+        });
         let (status_tx, status_rx) = watch::channel(LinkStatus::Connecting);
         let (lending_tx, lending) = watch::channel(None);
         let energy_settings = config.energy.clone();
@@ -202,16 +230,9 @@ impl Node {
             connect_timeout: Duration::from_millis(config.connect_timeout_ms),
             reconnect_min: Duration::from_millis(config.reconnect_min_ms),
             reconnect_max: Duration::from_millis(config.reconnect_max_ms),
-            slots: Arc::new(Semaphore::new(if pod.is_some() {
-                1
-            } else {
-                config.max_concurrent_jobs as usize
-            })),
-            max_concurrent_jobs: if pod.is_some() {
-                1
-            } else {
-                config.max_concurrent_jobs
-            },
+            slots: Arc::new(Semaphore::new(max_concurrent_jobs as usize)),
+            max_concurrent_jobs,
+            batch: capacity,
             pod,
             drain: Arc::default(),
             drain_grace: Duration::from_millis(config.drain_grace_ms),
@@ -304,6 +325,32 @@ impl Node {
     pub async fn run_until_stopped(self) -> Result<(), NodeError> {
         let signal = shutdown_signal()?;
         self.run_until(signal).await
+    }
+}
+
+/// Batch slots when neither the config nor a measured curve says.
+pub const DEFAULT_BATCH_SLOTS: usize = 8;
+/// Most KV cache taken by default.
+const DEFAULT_KV_CACHE_MAX: u64 = 4 << 30;
+
+/// How big each model's batch is: slots from the config, else from the
+/// measured curve, else [`DEFAULT_BATCH_SLOTS`]; KV memory from the config,
+/// else a quarter of the free memory (at most 4 GiB).
+pub fn batch_settings(
+    config: &NodeConfig,
+    hardware: &HardwareProfile,
+    curve: &[hardware::BatchPoint],
+) -> BatchSettings {
+    let slots = config
+        .batch_slots
+        .or_else(|| hardware::slots_from_curve(curve))
+        .map_or(DEFAULT_BATCH_SLOTS, |s| s as usize);
+    let kv_cache_bytes = config
+        .kv_cache_bytes
+        .unwrap_or((hardware.free_memory_bytes / 4).min(DEFAULT_KV_CACHE_MAX));
+    BatchSettings {
+        slots,
+        kv_cache_bytes,
     }
 }
 

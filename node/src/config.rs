@@ -49,8 +49,18 @@ pub struct NodeConfig {
     pub models: Vec<ModelEntry>,
     /// Owner-chosen display name. Empty (default) means `node-<first 8 hex of id>`.
     pub name: String,
-    /// Jobs run at once; further assignments are refused as retryable. Default 1.
-    pub max_concurrent_jobs: u32,
+    /// Jobs run at once; further assignments are refused as retryable.
+    /// Default (none): the batch's slots, so every job the node takes runs
+    /// in its model's batch at once.
+    pub max_concurrent_jobs: Option<u32>,
+    /// Sequences one batched step of a model runs. Default (none): from
+    /// the throughput curve `mlx-node bench --batch --save` measured (the
+    /// smallest batch within 90% of the best aggregate speed), else 8.
+    pub batch_slots: Option<u32>,
+    /// Memory for the KV caches of all models together (a fixed pool of
+    /// pages, shared by the running jobs and the prefix cache). Default
+    /// (none): a quarter of the memory free at start, at most 4 GiB.
+    pub kv_cache_bytes: Option<u64>,
     /// Compute threads for the engine (CPU). Default: all cores.
     pub threads: Option<usize>,
     /// Reconnect backoff, first delay. Default 500 ms.
@@ -458,6 +468,8 @@ pub struct ConfigLayer {
     pub models: Option<Vec<ModelEntry>>,
     pub name: Option<String>,
     pub max_concurrent_jobs: Option<u32>,
+    pub batch_slots: Option<u32>,
+    pub kv_cache_bytes: Option<u64>,
     pub threads: Option<usize>,
     pub reconnect_min_ms: Option<u64>,
     pub reconnect_max_ms: Option<u64>,
@@ -549,7 +561,9 @@ impl NodeConfig {
             coordinator_fingerprint: fingerprint.into(),
             models: Vec::new(),
             name: String::new(),
-            max_concurrent_jobs: 1,
+            max_concurrent_jobs: None,
+            batch_slots: None,
+            kv_cache_bytes: None,
             threads: None,
             reconnect_min_ms: 500,
             reconnect_max_ms: 30_000,
@@ -626,10 +640,22 @@ impl NodeConfig {
     pub fn validate(&self) -> Result<(), ConfigError> {
         parse_fingerprint(&self.coordinator_fingerprint)?;
         split_host_port(&self.coordinator)?;
-        if self.max_concurrent_jobs == 0 {
+        for (key, v) in [
+            ("max_concurrent_jobs", self.max_concurrent_jobs),
+            ("batch_slots", self.batch_slots),
+        ] {
+            if v == Some(0) {
+                return Err(ConfigError::OutOfRange {
+                    key,
+                    expected: "at least 1",
+                    value: "0".into(),
+                });
+            }
+        }
+        if self.kv_cache_bytes == Some(0) {
             return Err(ConfigError::OutOfRange {
-                key: "max_concurrent_jobs",
-                expected: "at least 1",
+                key: "kv_cache_bytes",
+                expected: "at least one page of every model's cache",
                 value: "0".into(),
             });
         }
@@ -794,7 +820,8 @@ mod tests {
             NodeConfig::load(None, env(&[("HOME", "/home/ada")]), ConfigLayer::default()).unwrap();
         assert_eq!(c.data_dir, PathBuf::from("/home/ada/.mlx-node"));
         assert_eq!(c.coordinator, "127.0.0.1:7071");
-        assert_eq!(c.max_concurrent_jobs, 1);
+        assert_eq!(c.max_concurrent_jobs, None, "the batch decides");
+        assert_eq!((c.batch_slots, c.kv_cache_bytes), (None, None));
         assert_eq!((c.reconnect_min_ms, c.reconnect_max_ms), (500, 30_000));
         assert_eq!(c.mode, NodeMode::Dedicated);
         assert!(c.models.is_empty());
@@ -841,7 +868,7 @@ mod tests {
         assert_eq!(c.data_dir, PathBuf::from("/srv/node")); // file over default
         assert_eq!(c.coordinator, "coord.example:7071");
         assert_eq!(c.coordinator_fingerprint, FP); // env over file
-        assert_eq!(c.max_concurrent_jobs, 3); // env over file
+        assert_eq!(c.max_concurrent_jobs, Some(3)); // env over file
         assert_eq!(c.name, "from-flag"); // flag over env over file
         assert_eq!(c.mode, NodeMode::Idle);
         // The flag's models replace the file's instead of merging.
@@ -866,6 +893,8 @@ mod tests {
                 ("MLX_NODE__MODELS", "a=/x/a.gguf, b=/x/b.gguf"),
                 ("MLX_NODE__RECONNECT_MIN_MS", "10"),
                 ("MLX_NODE__THREADS", "4"),
+                ("MLX_NODE__BATCH_SLOTS", "12"),
+                ("MLX_NODE__KV_CACHE_BYTES", "1048576"),
                 ("MLX_NODE__LOCATION__LAT", "-33.9"),
                 ("MLX_NODE__LOCATION__LON", "18.4"),
                 ("MLX_NODE__LOCATION__HIDDEN", "true"),
@@ -877,6 +906,7 @@ mod tests {
         assert_eq!(c.models[1].path, PathBuf::from("/x/b.gguf"));
         assert_eq!(c.reconnect_min_ms, 10);
         assert_eq!(c.threads, Some(4));
+        assert_eq!((c.batch_slots, c.kv_cache_bytes), (Some(12), Some(1 << 20)));
         let wire = c.location.as_ref().unwrap().to_wire();
         assert_eq!(
             (wire.latitude, wire.longitude, wire.hidden),
@@ -989,7 +1019,13 @@ mod tests {
         c.coordinator = "no-port".into();
         assert!(matches!(c.validate(), Err(ConfigError::BadCoordinator(_))));
         let mut c = ok.clone();
-        c.max_concurrent_jobs = 0;
+        c.max_concurrent_jobs = Some(0);
+        assert!(c.validate().is_err());
+        let mut c = ok.clone();
+        c.batch_slots = Some(0);
+        assert!(c.validate().is_err());
+        let mut c = ok.clone();
+        c.kv_cache_bytes = Some(0);
         assert!(c.validate().is_err());
         let mut c = ok.clone();
         c.reconnect_min_ms = 60_000;

@@ -1,9 +1,10 @@
-//! Inference engine: runs one whole generation of a Llama-family model on candle-core.
+//! Inference engine: runs generations of a Llama-family model on candle-core.
 //!
-//! The node agent loads an [`Engine`] per model file and calls
-//! [`Engine::generate`] once per job (on a blocking thread). Everything a
-//! generation needs comes from the model file itself: weights, tokenizer,
-//! chat template, special tokens.
+//! The node agent loads an [`Engine`] per model file and hands it to a
+//! [`batch::BatchThread`], which runs every job and audit of that model in
+//! one continuous batch; [`Engine::generate`] runs one generation alone (the
+//! CLI, tests, benches). Everything a generation needs comes from the model
+//! file itself: weights, tokenizer, chat template, special tokens.
 //!
 //! # Layout
 //! - `gguf`: a bounds-checked GGUF reader over a memory map (metadata and tensor
@@ -15,6 +16,13 @@
 //! - `model`: the Llama-family transformer (Llama 2/3, SmolLM2, Mistral, Qwen2,
 //!   Qwen3) with a preallocated KV cache; layers are separate modules so a later
 //!   pod can shard heads and feed-forward columns.
+//! - [`kv`]: the paged KV cache (a fixed pool of pages shared by the
+//!   sequences of a batch) and the attention over it.
+//! - [`batch`]: continuous batching: [`batch::BatchModel`] (the per-
+//!   architecture pass over many sequences), the scheduler, its thread.
+//! - [`prefix`]: the prefix cache (computed prompt pages, by content).
+//! - `sequence`: one generation as a state machine (sampling, stop strings,
+//!   streaming), driven alone or by the batch.
 //! - [`sharded`]: the model split across a pod (tensor or pipeline parallel).
 //! - `tokenizer`: a `tokenizers::Tokenizer` built from GGUF metadata or
 //!   `tokenizer.json`, plus the incremental detokenizer used for streaming.
@@ -28,8 +36,12 @@
 //! # Invariants
 //! - A [`Generation`]'s `text` equals the concatenation of the texts of the
 //!   [`TokenChunk`]s passed to the callback, and never contains a stop string.
-//! - The KV cache is reset at the start of every [`Engine::generate`] call, so
-//!   one generation never sees another's context.
+//! - The KV cache is reset at the start of every [`Engine::generate`] call, and
+//!   a batched sequence reads only its own pages (and cached pages of its
+//!   own prefix), so one generation never sees another's context.
+//! - A sequence's logits do not depend on what else is in its pass or how
+//!   its prompt was chunked (see [`kv`] and [`kernels`]): greedy output is
+//!   the same alone and in any batch.
 //! - The same request with the same seed gives the same output.
 //!
 //! # Failure
@@ -44,16 +56,20 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 pub mod audit;
+pub mod batch;
 pub mod cli;
 mod config;
 pub mod device;
 mod gguf;
 pub mod kernels;
+pub mod kv;
 mod linear;
 mod model;
 mod ops;
+pub mod prefix;
 pub mod profile;
 mod sampler;
+mod sequence;
 pub mod sharded;
 mod template;
 mod tokenizer;
@@ -69,7 +85,7 @@ mod tests;
 pub(crate) mod testutil;
 
 use model::Model;
-use sampler::{Sampler, StopBuffer, StopCheck};
+use sequence::Begin;
 use template::ChatTemplate;
 use tokenizer::{Detokenizer, Tokenizer};
 
@@ -82,7 +98,7 @@ pub const PREFILL_CHUNK: usize = 256;
 pub struct Engine {
     info: ModelInfo,
     model: device::EngineModel,
-    text: TextSide,
+    text: std::sync::Arc<TextSide>,
 }
 
 /// What generation needs from a model besides its forward pass: the
@@ -324,6 +340,12 @@ pub enum EngineError {
     Candle(#[from] candle_core::Error),
     #[error("resume text is not a prefix of the resumed tokens' text")]
     ResumeMismatch,
+    #[error(
+        "the sequence needs {positions} positions of kv cache, this node's pool holds {capacity}"
+    )]
+    KvPoolTooSmall { positions: usize, capacity: usize },
+    #[error("batched step: {0}")]
+    Batch(String),
 }
 
 impl EngineError {
@@ -383,15 +405,20 @@ impl Engine {
         Ok(Engine {
             info,
             model,
-            text: TextSide {
+            text: std::sync::Arc::new(TextSide {
                 tokenizer,
                 template,
-            },
+            }),
         })
     }
 
     pub fn info(&self) -> &ModelInfo {
         &self.info
+    }
+
+    /// What one position of a sequence takes in a KV pool for this model.
+    pub fn kv_shape(&self) -> kv::KvShape {
+        batch::BatchModel::kv_shape(&self.model)
     }
 
     /// Where it computes: "cpu" (the fast CPU path), "metal", "cuda", or
@@ -531,123 +558,22 @@ impl TextSide {
         request: &GenerateRequest,
         on_token: &mut dyn FnMut(&TokenChunk) -> ControlFlow<()>,
     ) -> Result<Generation, F::Error> {
-        let s = &request.sampling;
-        sampler::validate(s)?;
-        let resume = &request.resume;
-        let mut prompt = self.prompt_tokens(&request.input)?;
-        prompt.extend_from_slice(&resume.token_ids);
-        let ctx = model.context_length();
-        if prompt.len() >= ctx {
-            return Err(EngineError::PromptTooLong {
-                tokens: prompt.len(),
-                max: ctx.saturating_sub(1),
-            }
-            .into());
-        }
-        let max_new = s
-            .max_tokens
-            .saturating_sub(resume.token_ids.len())
-            .min(ctx - prompt.len());
-        let start = Instant::now();
-        let mut generation = Generation {
-            prompt_tokens: prompt.len(),
-            output_token_ids: Vec::new(),
-            text: String::new(),
-            finish: FinishReason::Length,
-            prefill: Duration::ZERO,
-            decode: Duration::ZERO,
+        let mut seq = match self.begin(request, model.context_length(), Instant::now())? {
+            Begin::Done(generation) => return Ok(generation),
+            Begin::Run(seq) => seq,
         };
-        let mut detok = Detokenizer::default();
-        // Text of the resumed tokens the client has not received yet: it
-        // goes out before (in front of) the first new token's text.
-        let mut unsent = self.unsent_resume_text(resume, &mut detok)?;
-        let ended = resume
-            .token_ids
-            .last()
-            .is_some_and(|t| self.tokenizer.eog.contains(t));
-        if max_new == 0 || ended {
-            unsent.push_str(&detok.finish());
-            generation.text = unsent;
-            if ended {
-                generation.finish = FinishReason::Eos;
-            }
-            return Ok(generation);
-        }
-        model.reset(prompt.len() + max_new)?;
+        model.reset(seq.capacity())?;
         let mut logits = Vec::new();
-        for chunk in prompt.chunks(model.prefill_chunk().max(1)) {
+        for chunk in seq.tokens().chunks(model.prefill_chunk().max(1)) {
             logits = model.forward(chunk)?;
         }
-        let mut sampler = Sampler::new(s);
-        sampler.skip(resume.token_ids.len());
-        let mut stop = StopBuffer::new(&s.stop);
-        let mut history = prompt;
-        let mut decode_start = None;
-        loop {
-            let token = sampler.sample(&mut logits, &history);
-            if decode_start.is_none() {
-                generation.prefill = start.elapsed();
-                decode_start = Some(Instant::now());
-            }
-            let index = resume.token_ids.len() + generation.output_token_ids.len();
-            if self.tokenizer.eog.contains(&token) {
-                generation.finish = FinishReason::Eos;
-                let (StopCheck::Stopped(mut text) | StopCheck::Emit(mut text)) =
-                    stop.push(&(std::mem::take(&mut unsent) + &detok.finish()));
-                text.push_str(&stop.finish());
-                if !text.is_empty() {
-                    generation.text.push_str(&text);
-                    let chunk = TokenChunk {
-                        index,
-                        token_id: token,
-                        text,
-                    };
-                    if on_token(&chunk).is_break() {
-                        generation.finish = FinishReason::Cancelled;
-                    }
-                }
+        while seq.step(self, &mut logits, on_token).is_continue() {
+            let Some(&last) = seq.tokens().last() else {
                 break;
-            }
-            generation.output_token_ids.push(token);
-            history.push(token);
-            let last = generation.output_token_ids.len() == max_new;
-            let mut piece = std::mem::take(&mut unsent);
-            piece.push_str(&detok.push(self.tokenizer.token_bytes(token)));
-            if last {
-                piece.push_str(&detok.finish());
-            }
-            let (mut text, stopped) = match stop.push(&piece) {
-                StopCheck::Emit(t) => (t, false),
-                StopCheck::Stopped(t) => (t, true),
             };
-            if last && !stopped {
-                text.push_str(&stop.finish());
-            }
-            generation.text.push_str(&text);
-            let chunk = TokenChunk {
-                index,
-                token_id: token,
-                text,
-            };
-            let flow = on_token(&chunk);
-            if stopped {
-                generation.finish = FinishReason::Stop;
-                break;
-            }
-            if flow.is_break() {
-                generation.finish = FinishReason::Cancelled;
-                break;
-            }
-            if last {
-                generation.finish = FinishReason::Length;
-                break;
-            }
-            logits = model.forward(&[token])?;
+            logits = model.forward(&[last])?;
         }
-        if let Some(d) = decode_start {
-            generation.decode = d.elapsed();
-        }
-        Ok(generation)
+        Ok(seq.finish())
     }
 
     /// Feeds the resumed tokens to `detok` and returns the part of their
@@ -684,19 +610,48 @@ impl Engine {
     /// [`audit::judge`]. Errors only when the input itself cannot run (the
     /// job would have failed the same way).
     pub fn audit(&mut self, req: &AuditRequest) -> Result<audit::Verdict, EngineError> {
-        let s = &req.sampling;
-        sampler::validate(s)?;
-        let prompt = self.prompt_tokens(&req.input)?;
+        let ctx = self.model.cfg().context_length;
         let vocab = self.model.cfg().vocab_size;
+        let mut pass = match self.text.audit_pass(req, ctx, vocab)? {
+            Ok(pass) => pass,
+            Err(verdict) => return Ok(verdict),
+        };
+        // Rows from the last prompt token on: row i predicts output token i;
+        // the last row predicts what follows the claimed output.
+        let first_row = pass.first_row();
+        let full = pass.tokens().to_vec();
+        self.model.reset(full.len());
+        for (c, chunk) in full.chunks(PREFILL_CHUNK).enumerate() {
+            let start = c * PREFILL_CHUNK;
+            let from = first_row.saturating_sub(start).min(chunk.len());
+            let mut rows = self.model.forward_rows(chunk, from)?;
+            pass.score(start + from, &mut rows, vocab);
+        }
+        Ok(pass.verdict())
+    }
+}
+
+impl TextSide {
+    /// The teacher-forced pass that audits `req` on a model of context
+    /// length `ctx` and vocabulary `vocab`, or the verdict at once when the
+    /// claim cannot even be scored. Errors only when the input itself
+    /// cannot run (the job would have failed the same way).
+    pub(crate) fn audit_pass(
+        &self,
+        req: &AuditRequest,
+        ctx: usize,
+        vocab: usize,
+    ) -> Result<Result<audit::AuditPass, audit::Verdict>, EngineError> {
+        sampler::validate(&req.sampling)?;
+        let prompt = self.prompt_tokens(&req.input)?;
         let output = &req.output_token_ids;
         if let Some((i, &t)) = output
             .iter()
             .enumerate()
             .find(|(_, &t)| t as usize >= vocab)
         {
-            return Ok(audit::judge_unscorable(i, t));
+            return Ok(Err(audit::judge_unscorable(i, t)));
         }
-        let ctx = self.model.cfg().context_length;
         let total = prompt.len() + output.len();
         if total > ctx || prompt.len() >= ctx {
             return Err(EngineError::PromptTooLong {
@@ -704,43 +659,15 @@ impl Engine {
                 max: ctx,
             });
         }
-        // Rows from the last prompt token on: row i predicts output token i;
-        // the last row predicts what follows the claimed output.
-        let first_row = prompt.len() - 1;
-        let mut full = prompt.clone();
-        full.extend_from_slice(output);
-        self.model.reset(total);
-        let mut rows = Vec::with_capacity((output.len() + 1) * vocab);
-        for (c, chunk) in full.chunks(PREFILL_CHUNK).enumerate() {
-            let start = c * PREFILL_CHUNK;
-            let from = first_row.saturating_sub(start).min(chunk.len());
-            rows.extend(self.model.forward_rows(chunk, from)?);
-        }
-        let mut scratch = Vec::new();
-        let mut tokens = Vec::with_capacity(output.len());
-        let mut rows = rows.chunks_exact_mut(vocab);
-        for (i, &t) in output.iter().enumerate() {
-            let Some(row) = rows.next() else { break };
-            let history = &full[..prompt.len() + i];
-            tokens.push(audit::score_position(row, t, s, history, &mut scratch));
-        }
-        let eog: Vec<u32> = self.text.tokenizer.eog.iter().copied().collect();
-        let end = match rows.next() {
-            Some(row) => audit::score_end(row, &eog, s, &full, &mut scratch),
-            None => audit::PositionScore {
-                gap: f32::INFINITY,
-                u: 0.0,
-                outside: true,
-            },
-        };
-        let scores = audit::Scores {
-            prompt_tokens: prompt.len(),
-            tokens,
-            end,
-            decoded_text: self.text.tokenizer.decode(output),
+        Ok(Ok(audit::AuditPass::new(audit::AuditInput {
+            prompt,
+            output,
+            sampling: &req.sampling,
+            facts: &req.facts,
+            eog: self.tokenizer.eog.iter().copied().collect(),
+            decoded_text: self.tokenizer.decode(output),
             context_length: ctx,
-        };
-        Ok(audit::judge(&scores, &req.facts, s))
+        })))
     }
 }
 

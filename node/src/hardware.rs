@@ -121,6 +121,55 @@ pub struct BenchFigures {
     pub compute_flops: u64,
 }
 
+/// One point of the throughput curve `mlx-node bench --batch` measures.
+#[derive(Clone, Copy, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct BatchPoint {
+    /// Concurrent streams.
+    pub streams: u32,
+    /// Decode tokens/s of all of them together.
+    pub tokens_per_s: f64,
+}
+
+/// The throughput curve in a bench file (`"batch"`, next to the figures);
+/// empty when the file or the curve is absent.
+pub fn read_batch_curve(path: &std::path::Path) -> Result<Vec<BatchPoint>, HardwareError> {
+    #[derive(serde::Deserialize)]
+    struct WithCurve {
+        #[serde(default)]
+        batch: Vec<BatchPoint>,
+    }
+    let bytes = match std::fs::read(path) {
+        Ok(b) => b,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(source) => {
+            return Err(HardwareError::Read {
+                path: path.to_owned(),
+                source,
+            })
+        }
+    };
+    let file: WithCurve = serde_json::from_slice(&bytes)
+        .map_err(|e| HardwareError::parse("bench batch curve", e.to_string()))?;
+    let mut curve: Vec<BatchPoint> = file
+        .batch
+        .into_iter()
+        .filter(|p| p.streams > 0 && p.tokens_per_s.is_finite() && p.tokens_per_s > 0.0)
+        .collect();
+    curve.sort_by_key(|p| p.streams);
+    Ok(curve)
+}
+
+/// The batch slots a curve suggests: the fewest streams whose aggregate
+/// speed is within 90% of the best measured (more streams would only slow
+/// each one down); `None` without a curve.
+pub fn slots_from_curve(curve: &[BatchPoint]) -> Option<u32> {
+    let best = curve.iter().map(|p| p.tokens_per_s).fold(0.0, f64::max);
+    curve
+        .iter()
+        .find(|p| p.tokens_per_s >= 0.9 * best)
+        .map(|p| p.streams)
+}
+
 /// Puts measured figures saved by `mlx-node bench --save` at `path` into the
 /// profile. A missing file changes nothing; an unreadable one is an error.
 pub fn apply_bench(
@@ -190,6 +239,31 @@ mod tests {
             apply_bench(&mut p, &path),
             Err(HardwareError::Parse { .. })
         ));
+    }
+
+    #[test]
+    fn the_batch_curve_is_read_sorted_and_picks_the_knee() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join(BENCH_FILE);
+        assert!(read_batch_curve(&path).unwrap().is_empty());
+        std::fs::write(
+            &path,
+            r#"{"memory_bandwidth_bytes_per_s": 1, "compute_flops": 2, "batch": [
+                {"streams": 8, "tokens_per_s": 640.0}, {"streams": 1, "tokens_per_s": 160.0},
+                {"streams": 16, "tokens_per_s": 680.0}, {"streams": 4, "tokens_per_s": 500.0},
+                {"streams": 0, "tokens_per_s": 9999.0}]}"#,
+        )
+        .unwrap();
+        let curve = read_batch_curve(&path).unwrap();
+        let streams: Vec<u32> = curve.iter().map(|p| p.streams).collect();
+        assert_eq!(streams, [1, 4, 8, 16], "sorted, nonsense dropped");
+        // 640 is within 90% of 680; 500 is not.
+        assert_eq!(slots_from_curve(&curve), Some(8));
+        assert_eq!(slots_from_curve(&[]), None);
+        // The figures still read from the same file.
+        let mut p = HardwareProfile::default();
+        assert!(apply_bench(&mut p, &path).unwrap());
+        assert_eq!(p.measured_compute_flops, 2);
     }
 
     #[cfg(target_os = "linux")]

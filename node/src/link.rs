@@ -138,6 +138,8 @@ pub struct LinkContext {
     pub operator_account: String,
     pub location: Option<Location>,
     pub max_concurrent_jobs: u32,
+    /// How the node batches (sent in Hello); `None` on a pod member.
+    pub batch: Option<mlxnet_proto::v1::BatchCapacity>,
     /// See [`crate::config::NodeConfig::test_cheat`].
     pub test_cheat: bool,
     pub connect_timeout: Duration,

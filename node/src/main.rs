@@ -56,9 +56,15 @@ enum Command {
         /// Display name on the network.
         #[arg(long)]
         name: Option<String>,
-        /// Jobs run at once.
+        /// Jobs run at once (default: the batch's slots).
         #[arg(long)]
         max_concurrent_jobs: Option<u32>,
+        /// Sequences one batched step runs (default: from `bench --batch --save`, else 8).
+        #[arg(long)]
+        batch_slots: Option<u32>,
+        /// Bytes of KV cache for all models (default: a quarter of free memory, at most 4 GiB).
+        #[arg(long)]
+        kv_cache_bytes: Option<u64>,
         /// Compute threads (default: all cores).
         #[arg(long)]
         threads: Option<usize>,
@@ -346,6 +352,8 @@ fn main() -> anyhow::Result<()> {
             models,
             name,
             max_concurrent_jobs,
+            batch_slots,
+            kv_cache_bytes,
             threads,
             device,
             pod,
@@ -368,6 +376,8 @@ fn main() -> anyhow::Result<()> {
                 models: (!models.is_empty()).then_some(models),
                 name,
                 max_concurrent_jobs,
+                batch_slots,
+                kv_cache_bytes,
                 threads,
                 device,
                 ..ConfigLayer::default()

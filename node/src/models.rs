@@ -10,8 +10,10 @@
 //! # Invariants
 //! - The digest reported is the digest of the bytes the engine loaded (both
 //!   happen at build time; the file is not re-read per job).
-//! - One generation per engine at a time: each engine sits behind its own
-//!   mutex, so different models can run side by side.
+//! - Each model's engine runs on its own batch thread
+//!   ([`crate::engine::batch::BatchThread`]): the jobs for one model share
+//!   one pass per step over a KV pool of their own, and different models
+//!   run side by side.
 //!
 //! # Failure
 //! A missing or unreadable file, or one the engine cannot load, is a
@@ -23,7 +25,7 @@ use std::{
     collections::BTreeMap,
     io::Read,
     path::{Path, PathBuf},
-    sync::{Arc, Mutex},
+    sync::Arc,
 };
 
 use mlxnet_proto::v1::CachedModel;
@@ -31,7 +33,11 @@ use sha2::{Digest, Sha256};
 
 use crate::{
     config::ModelEntry,
-    engine::{device::Backend, Engine, EngineError, ModelInfo},
+    engine::{
+        batch::{BatchConfig, BatchStats, BatchThread},
+        device::Backend,
+        Engine, EngineError, ModelInfo,
+    },
 };
 
 /// Why the configured models could not be made ready.
@@ -142,8 +148,20 @@ pub struct LoadedModel {
     pub info: ModelInfo,
     /// Where its engine computes ("cpu", "metal", "cuda", "candle-cpu").
     pub backend: &'static str,
-    /// The engine; lock it on a blocking thread only.
-    pub engine: Arc<Mutex<Engine>>,
+    /// The engine, batching every job and audit of this model.
+    pub batch: BatchThread,
+    /// Positions its KV pool holds (the longest job it can run, and what
+    /// all its running jobs share).
+    pub kv_positions: usize,
+}
+
+/// How each model's batch is sized.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BatchSettings {
+    /// Sequences one step of a model runs.
+    pub slots: usize,
+    /// Memory for the KV pools of all models together (split evenly).
+    pub kv_cache_bytes: u64,
 }
 
 /// Every model the node serves, by catalogue id.
@@ -156,38 +174,71 @@ impl ModelSet {
     /// Hashes every file, then loads one engine per model. Blocking (reads
     /// whole files). All files are hashed before any is loaded, so a missing
     /// file is reported at once.
-    pub fn load(entries: &[ModelEntry]) -> Result<Self, ModelError> {
-        Self::load_on(entries, &Backend::Native)
+    pub fn load(entries: &[ModelEntry], batch: BatchSettings) -> Result<Self, ModelError> {
+        Self::load_on(entries, batch, &Backend::Native)
     }
 
     /// [`ModelSet::load`] with every engine on `backend`.
-    pub fn load_on(entries: &[ModelEntry], backend: &Backend) -> Result<Self, ModelError> {
+    pub fn load_on(
+        entries: &[ModelEntry],
+        batch: BatchSettings,
+        backend: &Backend,
+    ) -> Result<Self, ModelError> {
         let held = entries
             .iter()
             .map(HeldModel::hash)
             .collect::<Result<Vec<_>, _>>()?;
+        let kv_bytes = batch.kv_cache_bytes / held.len().max(1) as u64;
         let mut by_id = BTreeMap::new();
         for held in held {
             tracing::info!(model = %held.id, path = %held.path.display(), sha256 = %hex::encode(held.sha256), backend = backend.name(), "loading model");
-            let engine =
-                Engine::load_on(&held.path, backend).map_err(|source| ModelError::Load {
-                    id: held.id.clone(),
-                    path: held.path.clone(),
-                    source: Box::new(source),
-                })?;
+            let failed = |source: EngineError| ModelError::Load {
+                id: held.id.clone(),
+                path: held.path.clone(),
+                source: Box::new(source),
+            };
+            let engine = Engine::load_on(&held.path, backend).map_err(failed)?;
             let info = engine.info().clone();
             let backend = engine.backend();
+            let cfg = BatchConfig::new(batch.slots, engine.kv_shape(), kv_bytes);
+            let kv_positions = cfg.kv_pages * crate::engine::kv::PAGE;
+            let batch = BatchThread::for_engine(engine, cfg).map_err(failed)?;
+            tracing::info!(model = %held.id, slots = batch.stats().slots, kv_positions, "batch ready");
             by_id.insert(
                 held.id.clone(),
                 Arc::new(LoadedModel {
                     held,
                     info,
                     backend,
-                    engine: Arc::new(Mutex::new(engine)),
+                    batch,
+                    kv_positions,
                 }),
             );
         }
         Ok(Self { by_id })
+    }
+
+    /// Each model's batch, as of its last step.
+    pub fn batch_stats(&self) -> Vec<(String, BatchStats)> {
+        self.by_id
+            .iter()
+            .map(|(id, m)| (id.clone(), m.batch.stats()))
+            .collect()
+    }
+
+    /// The most sequences any model's batch runs at once (`None` without
+    /// models).
+    pub fn slots(&self) -> Option<usize> {
+        self.by_id.values().map(|m| m.batch.stats().slots).max()
+    }
+
+    /// The fewest KV positions any model's pool holds (0 without models).
+    pub fn kv_positions(&self) -> usize {
+        self.by_id
+            .values()
+            .map(|m| m.kv_positions)
+            .min()
+            .unwrap_or(0)
     }
 
     /// What `Hello` reports.
@@ -218,6 +269,13 @@ impl ModelSet {
         self.by_id.is_empty()
     }
 }
+
+/// A small batch for tests: 4 slots, 64 MiB of KV cache.
+#[cfg(test)]
+pub(crate) const TEST_BATCH: BatchSettings = BatchSettings {
+    slots: 4,
+    kv_cache_bytes: 64 << 20,
+};
 
 #[cfg(test)]
 mod tests {
@@ -263,7 +321,7 @@ mod tests {
             id: "ghost".into(),
             path: dir.path().join("ghost.gguf"),
         }];
-        let err = ModelSet::load(&entries).err().unwrap();
+        let err = ModelSet::load(&entries, TEST_BATCH).err().unwrap();
         let text = err.to_string();
         assert!(matches!(err, ModelError::Read { .. }), "{text}");
         assert!(
@@ -287,10 +345,13 @@ mod tests {
             path.is_file(),
             "test model missing: run scripts/fetch-test-model.sh"
         );
-        let set = ModelSet::load(&[ModelEntry {
-            id: "smollm2-135m-instruct".into(),
-            path,
-        }])
+        let set = ModelSet::load(
+            &[ModelEntry {
+                id: "smollm2-135m-instruct".into(),
+                path,
+            }],
+            TEST_BATCH,
+        )
         .unwrap();
         let sha = hex::decode("b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53")
             .unwrap();

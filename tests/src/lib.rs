@@ -285,6 +285,9 @@ pub fn node_config_for(
         path: test_model(),
     }];
     config.threads = Some(1);
+    // Thousands of positions of KV cache: plenty for tests, small beside
+    // the default (a quarter of the free memory).
+    config.kv_cache_bytes = Some(256 << 20);
     config.reconnect_min_ms = 50;
     config.reconnect_max_ms = 500;
     config.operator_account = operator_account.to_string();

@@ -46,6 +46,9 @@ pub enum HandshakeError {
     Exporter,
 }
 
+/// Points of a node's batch curve read from its Hello (the rest ignored).
+const MAX_BATCH_POINTS: usize = 32;
+
 /// What a verified Hello tells us about the node.
 #[derive(Clone, Debug)]
 pub struct Registration {
@@ -54,6 +57,9 @@ pub struct Registration {
     /// Digests of the reported model files that are in the catalogue.
     pub models: Vec<[u8; 32]>,
     pub max_concurrent_jobs: u32,
+    /// Its aggregate decode speed by concurrent streams (from the Hello's
+    /// batch capacity; empty when not measured).
+    pub batch: crate::scheduler::BatchCurve,
     pub memory_bytes: u64,
     pub free_memory_bytes: u64,
     /// Chip as reported ("Apple M3 Ultra"); the scheduler looks it up.
@@ -215,6 +221,13 @@ fn registration(node_id: NodeId, hello: &Hello, catalogue: &Catalogue) -> Regist
         name: name.clone(),
         models,
         max_concurrent_jobs: hello.max_concurrent_jobs,
+        batch: crate::scheduler::BatchCurve::new(
+            hello
+                .batch
+                .iter()
+                .flat_map(|b| b.throughput.iter().take(MAX_BATCH_POINTS))
+                .map(|p| (p.streams, p.tokens_per_s)),
+        ),
         memory_bytes: hw.memory_bytes,
         free_memory_bytes: hw.free_memory_bytes,
         chip: hw.chip.chars().take(64).collect(),

@@ -20,7 +20,7 @@ use std::{
 use mlxnet_proto::ids::NodeId;
 
 use super::handshake::{PodMembership, Registration};
-use crate::scheduler::{Fleet, Measured, Mode, NodeSpec, PodSpec, Policy};
+use crate::scheduler::{BatchCurve, Fleet, Measured, Mode, NodeSpec, PodSpec, Policy};
 
 /// One authenticated node connection.
 #[derive(Debug)]
@@ -33,6 +33,8 @@ pub struct Session {
     /// Digests of the catalogue-matching model files it reported.
     pub models: Vec<[u8; 32]>,
     pub max_concurrent_jobs: u32,
+    /// Its batch's speed by concurrent streams.
+    pub batch: BatchCurve,
     pub memory_bytes: u64,
     pub chip: String,
     pub mode: Mode,
@@ -59,6 +61,7 @@ impl Session {
             connection,
             models: node.models.clone(),
             max_concurrent_jobs: node.max_concurrent_jobs.max(1),
+            batch: node.batch.clone(),
             memory_bytes: node.memory_bytes,
             chip: node.chip.clone(),
             mode: node.mode,
@@ -140,6 +143,8 @@ impl Session {
         } else {
             self.max_concurrent_jobs.saturating_sub(self.running_jobs())
         };
+        spec.running_jobs = self.running_jobs();
+        spec.batch = self.batch.clone();
         spec.cached = self.models.clone();
         spec
     }

@@ -13,6 +13,8 @@
 
 use mlxnet_proto::{chips, ids::NodeId};
 
+use super::cost::BatchCurve;
+
 /// Bandwidth assumed for a machine the chip table does not know (bytes/s):
 /// a dual-channel DDR5 desktop.
 pub const ASSUMED_MEMORY_BANDWIDTH: f64 = 50e9;
@@ -150,6 +152,11 @@ pub struct NodeSpec {
     /// Free memory now (reported, less what running jobs reserve).
     pub free_memory_bytes: u64,
     pub max_concurrent_jobs: u32,
+    /// Jobs it runs now (placed before this fleet was built); with the
+    /// fleet's own placements they set its batch's load.
+    pub running_jobs: u32,
+    /// Its aggregate decode speed by concurrent streams (empty: unknown).
+    pub batch: BatchCurve,
     pub mode: Mode,
     /// Share of its past attempts that completed, in [0, 1]; 1 for a new node.
     pub reliability: f64,
@@ -168,6 +175,8 @@ impl NodeSpec {
             memory_bytes,
             free_memory_bytes: memory_bytes,
             max_concurrent_jobs: 1,
+            running_jobs: 0,
+            batch: BatchCurve::default(),
             mode,
             reliability: 1.0,
             cached: Vec::new(),

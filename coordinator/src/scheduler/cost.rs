@@ -17,9 +17,18 @@
 //! state per layer (attention and feed-forward), each costing one link
 //! latency plus the ring's 2 (n - 1) / n x hidden x 2 bytes over the link.
 //!
+//! A node that batches (continuous batching) runs several jobs at once for
+//! a little more than the time of one: a job placed beside `k - 1` running
+//! ones decodes at the node's per-stream speed at `k` streams, read from its
+//! [`BatchCurve`] (`mlx-node bench --batch`: aggregate tokens/s by streams);
+//! its per-token time is the lone stream's times the curve's
+//! [`BatchCurve::slowdown`]. A node without a curve gets no credit: its `k`
+//! jobs share one stream's speed (slowdown `k`).
+//!
 //! # Invariants
 //! - Pure arithmetic on its inputs; every result is finite and >= 0 for
-//!   positive figures (guaranteed by [`super::capability::Figure`]).
+//!   positive figures (guaranteed by [`super::capability::Figure`] and by
+//!   [`BatchCurve::new`], which drops unusable points).
 
 /// Fraction of memory added for activations and allocator slack.
 pub const OVERHEAD_DIVISOR: u64 = 10;
@@ -127,6 +136,80 @@ impl Estimate {
             1.0 / self.per_token_s
         } else {
             f64::INFINITY
+        }
+    }
+}
+
+impl Estimate {
+    /// The estimate of a job that shares the target with others: every
+    /// token takes `slowdown` times as long (see [`BatchCurve::slowdown`]).
+    pub fn shared(self, job: &JobShape<'_>, slowdown: f64) -> Estimate {
+        let per_token_s = self.per_token_s * slowdown.max(1.0);
+        Estimate {
+            per_token_s,
+            total_s: self.download_s + self.prefill_s + f64::from(job.max_tokens) * per_token_s,
+            ..self
+        }
+    }
+}
+
+/// A node's aggregate decode speed by concurrent streams, as it measured
+/// it: points sorted by streams, the first at one stream, every speed
+/// finite and positive.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct BatchCurve {
+    points: Vec<(u32, f64)>,
+}
+
+impl BatchCurve {
+    /// From reported `(streams, tokens/s)` points. Unusable ones (no
+    /// streams, a speed that is not finite and positive) are dropped, a
+    /// repeated stream count keeps its first point; without a point at one
+    /// stream (the base of every ratio) the curve is empty.
+    pub fn new(points: impl IntoIterator<Item = (u32, f64)>) -> BatchCurve {
+        let mut kept: Vec<(u32, f64)> = Vec::new();
+        for (streams, speed) in points {
+            if streams == 0 || !speed.is_finite() || speed <= 0.0 {
+                continue;
+            }
+            if kept.iter().all(|&(s, _)| s != streams) {
+                kept.push((streams, speed));
+            }
+        }
+        kept.sort_by_key(|&(s, _)| s);
+        if kept.first().is_some_and(|&(s, _)| s == 1) {
+            BatchCurve { points: kept }
+        } else {
+            BatchCurve::default()
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.points.is_empty()
+    }
+
+    /// Aggregate speed at `streams` (>= 1): linear between measured
+    /// points, flat past the last one.
+    fn aggregate(&self, streams: u32) -> Option<f64> {
+        let &(last_s, last_v) = self.points.last()?;
+        if streams >= last_s {
+            return Some(last_v);
+        }
+        let i = self.points.partition_point(|&(s, _)| s <= streams);
+        let ((s0, v0), (s1, v1)) = (self.points[i - 1], self.points[i]);
+        let t = f64::from(streams - s0) / f64::from(s1 - s0);
+        Some(v0 + (v1 - v0) * t)
+    }
+
+    /// How many times longer each token of one stream takes when `streams`
+    /// run at once than when it runs alone: `streams x speed(1) /
+    /// speed(streams)`, at least 1 (a measurement where more streams were
+    /// each faster is noise). Without a curve: `streams` (no batching gain).
+    pub fn slowdown(&self, streams: u32) -> f64 {
+        let streams = streams.max(1);
+        match (self.aggregate(1), self.aggregate(streams)) {
+            (Some(one), Some(many)) => (f64::from(streams) * one / many).max(1.0),
+            _ => f64::from(streams),
         }
     }
 }

@@ -11,7 +11,9 @@
 //!    two without the model cached. Cached is strongly preferred: any cached
 //!    candidate beats every download.
 //! 3. Within the best tier, the lowest expected completion (estimate /
-//!    reliability) sets a band (+10% or +1 s, whichever is larger); inside the
+//!    reliability; on a node already running jobs, the estimate of a
+//!    stream sharing its batch, by the node's speed curve: so a second job
+//!    goes to a busy node when that is faster than an idle slow one) sets a band (+10% or +1 s, whichever is larger); inside the
 //!    band the tightest memory fit wins (least memory left over), so the big
 //!    Macs stay free for the big models when a small Mac is nearly as fast.
 //!    Ties go to a single Mac over a pod (fewer machines tied up), then to
@@ -26,8 +28,10 @@
 //! `BTreeSet` ordered by free memory; every full class keeps all its
 //! available nodes the same way (for downloads, looked at only when no
 //! holder fits). A decision thus costs O(classes x log nodes) plus one pass
-//! over the free pods, not a scan of the fleet. All nodes of a class have
-//! the same estimate, so the class's best-fit node is its best candidate.
+//! over the free pods, not a scan of the fleet. The nodes of a class differ
+//! only in their load: the class offers its best-fit node and, when that
+//! one is busy, its best-fitting idle node among the next
+//! [`IDLE_SCAN`] (the fastest the class has for this job).
 //!
 //! # Invariants
 //! - Memory is never overcommitted: [`Fleet::commit`] re-checks the
@@ -210,7 +214,12 @@ struct Candidate {
     cached: bool,
     need: u64,
     free: u64,
+    /// Jobs the node already runs (0 for a pod, which runs one).
+    load: u32,
 }
+
+/// Nodes of a class looked at past a busy best fit for an idle one.
+pub const IDLE_SCAN: usize = 32;
 
 /// ln(1.05) and ln(1.25): the grids of measured speeds and internet links.
 const SPEED_GRID: f64 = 0.048_790_164_169_432;
@@ -472,17 +481,52 @@ impl Fleet {
             | u8::from(mode == Mode::IdleTime && total_s > self.policy.long_job_s)
     }
 
-    fn class_candidate(
+    /// Jobs a node runs now: before the fleet was built and placed since.
+    fn load(&self, slot: u32) -> u32 {
+        let n = &self.nodes[slot as usize];
+        n.spec.running_jobs.saturating_add(n.running)
+    }
+
+    /// The class's best-fit node for `job`, and its best-fitting idle node
+    /// (among the next [`IDLE_SCAN`]) when the best fit is busy.
+    fn class_candidates(
         &self,
         job: &JobShape<'_>,
         c: &Class,
         set: &ByFree,
         need: u64,
         cached: bool,
-    ) -> Option<Candidate> {
-        let &(free, slot) = set.range((need, 0)..).next()?;
-        let estimate = estimate(job, &c.speeds, cached, None);
-        Some(Candidate {
+        out: &mut Vec<Candidate>,
+    ) {
+        let mut fits = set.range((need, 0)..);
+        let Some(&first) = fits.next() else {
+            return;
+        };
+        out.push(self.node_candidate(job, c, first, need, cached));
+        if self.load(first.1) > 0 {
+            if let Some(&idle) = fits.take(IDLE_SCAN).find(|&&(_, s)| self.load(s) == 0) {
+                out.push(self.node_candidate(job, c, idle, need, cached));
+            }
+        }
+    }
+
+    fn node_candidate(
+        &self,
+        job: &JobShape<'_>,
+        c: &Class,
+        (free, slot): (u64, u32),
+        need: u64,
+        cached: bool,
+    ) -> Candidate {
+        let load = self.load(slot);
+        let alone = estimate(job, &c.speeds, cached, None);
+        let estimate = if load == 0 {
+            alone
+        } else {
+            let curve = &self.nodes[slot as usize].spec.batch;
+            alone.shared(job, curve.slowdown(load.saturating_add(1)))
+        };
+        Candidate {
             tier: self.tier(cached, c.mode, estimate.total_s),
             time: estimate.total_s / c.reliability.max(0.05),
             leftover: free - need,
@@ -492,7 +536,8 @@ impl Fleet {
             cached,
             need,
             free,
-        })
+            load,
+        }
     }
 
     fn pod_candidate(&self, job: &JobShape<'_>, pod: u32) -> Option<Candidate> {
@@ -533,6 +578,7 @@ impl Fleet {
             cached,
             need,
             free,
+            load: 0,
         })
     }
 
@@ -550,7 +596,7 @@ impl Fleet {
         if let Some(by_class) = self.cached.get(&job.model.sha256) {
             for (&class, set) in by_class {
                 let c = &self.speed_classes[class as usize];
-                cands.extend(self.class_candidate(job, c, set, need, true));
+                self.class_candidates(job, c, set, need, true, &mut cands);
             }
         }
         let any_cached_solo = !cands.is_empty();
@@ -561,7 +607,7 @@ impl Fleet {
         // are only looked at when no cached one is feasible.
         if self.policy.downloads && !any_cached_solo && cands.iter().all(|c| !c.cached) {
             for c in &self.classes {
-                cands.extend(self.class_candidate(job, c, &c.available, need, false));
+                self.class_candidates(job, c, &c.available, need, false, &mut cands);
             }
         }
         let Some(best_tier) = cands.iter().map(|c| c.tier).min() else {
@@ -678,6 +724,22 @@ impl Fleet {
         );
         if e.comm_per_token_s > 0.0 {
             let _ = write!(reason, ", pod links {}/token", secs(e.comm_per_token_s));
+        }
+        if c.load > 0 {
+            if let Slot::Node(slot) = c.slot {
+                let curve = &self.nodes[slot as usize].spec.batch;
+                let _ = write!(
+                    reason,
+                    ", beside {} running: x{:.2}/token {}",
+                    c.load,
+                    curve.slowdown(c.load.saturating_add(1)),
+                    if curve.is_empty() {
+                        "(no batch curve: no batching gain)"
+                    } else {
+                        "by its batch curve"
+                    }
+                );
+            }
         }
         let _ = write!(
             reason,

@@ -690,3 +690,113 @@ fn decisions_are_deterministic_and_commit_refuses_stale_placements() {
         Err(FleetError::DuplicateNode(_))
     ));
 }
+
+#[test]
+fn the_batch_curve_drops_unusable_points_interpolates_and_is_flat_past_its_end() {
+    use cost::BatchCurve;
+    let c = BatchCurve::new([
+        (4, 180.0),
+        (0, 500.0),
+        (2, 110.0),
+        (8, f64::NAN),
+        (8, 240.0),
+        (1, 60.0),
+        (2, 999.0),
+        (16, -1.0),
+    ]);
+    assert!(!c.is_empty());
+    assert_eq!(c.slowdown(1), 1.0);
+    assert_eq!(c.slowdown(0), 1.0);
+    assert!((c.slowdown(2) - 2.0 * 60.0 / 110.0).abs() < 1e-12);
+    // Between 2 and 4 streams: 145 tok/s at 3.
+    assert!((c.slowdown(3) - 3.0 * 60.0 / 145.0).abs() < 1e-12);
+    // Past the last point the aggregate stays at 240 tok/s.
+    assert!((c.slowdown(16) - 16.0 * 60.0 / 240.0).abs() < 1e-12);
+    // Without a point at one stream there is no base: no curve.
+    let headless = BatchCurve::new([(2, 110.0), (4, 180.0)]);
+    assert!(headless.is_empty());
+    assert_eq!(headless.slowdown(3), 3.0);
+    // More streams each faster than one alone is noise: never below 1.
+    assert_eq!(BatchCurve::new([(1, 60.0), (2, 200.0)]).slowdown(2), 1.0);
+}
+
+#[test]
+fn a_second_job_goes_to_a_busy_node_when_its_batch_is_faster_than_an_idle_slow_node() {
+    let ms = models();
+    let model = &ms[1];
+    let node = |seed: u64, bandwidth: f64| {
+        let mut spec = NodeSpec::new(
+            id(seed),
+            "a box",
+            64 * GIB,
+            Mode::Dedicated,
+            &Measured {
+                memory_bandwidth: Some(bandwidth),
+                compute: Some(10e12),
+                internet: None,
+            },
+        );
+        spec.cached = vec![model.sha256];
+        spec.max_concurrent_jobs = 8;
+        spec
+    };
+    let curve = cost::BatchCurve::new([(1, 60.0), (2, 110.0), (4, 180.0), (8, 240.0)]);
+    let job = JobShape {
+        model,
+        prompt_tokens: 100,
+        max_tokens: 512,
+    };
+    // The fast node (300 GB/s) already runs `running` jobs; the slow one
+    // (200 GB/s, 1.5x the time alone) is idle.
+    let place = |running: u32, curve: &cost::BatchCurve| {
+        let mut f = Fleet::new(Policy::default());
+        let mut fast = node(1, 300e9);
+        fast.running_jobs = running;
+        fast.batch = curve.clone();
+        f.add_node(fast).unwrap();
+        f.add_node(node(2, 200e9)).unwrap();
+        let Decision::Place(p) = f.decide(&job) else {
+            panic!("should place")
+        };
+        println!("{running} running: {}", p.reason);
+        (p.target == Target::Node(id(1)), p)
+    };
+    // One job running: by its curve a second stream costs 1.09x: the busy
+    // fast node wins.
+    let (fast, p) = place(1, &curve);
+    assert!(fast, "{}", p.reason);
+    assert!(p
+        .reason
+        .contains("beside 1 running: x1.09/token by its batch curve"));
+    // Seven running: the eighth stream costs 2x, slower than the idle node.
+    let (fast, p) = place(7, &curve);
+    assert!(!fast, "{}", p.reason);
+    // No curve: no batching gain is assumed, so one running job already
+    // doubles the time and the idle node wins.
+    let (fast, p) = place(1, &cost::BatchCurve::default());
+    assert!(!fast, "{}", p.reason);
+    // Idle, the fast node wins whatever its curve says.
+    let (fast, p) = place(0, &cost::BatchCurve::default());
+    assert!(fast, "{}", p.reason);
+
+    // Jobs the fleet itself places count too: the second of a pass sees
+    // the first.
+    let mut f = Fleet::new(Policy::default());
+    let mut fast = node(1, 300e9);
+    fast.batch = curve.clone();
+    f.add_node(fast).unwrap();
+    let Decision::Place(first) = f.decide(&job) else {
+        panic!("should place")
+    };
+    assert!(!first.reason.contains("running"), "{}", first.reason);
+    f.commit(&first).unwrap();
+    let Decision::Place(second) = f.decide(&job) else {
+        panic!("should place")
+    };
+    assert!(
+        second.reason.contains("beside 1 running"),
+        "{}",
+        second.reason
+    );
+    assert!(second.estimate.per_token_s > first.estimate.per_token_s);
+}

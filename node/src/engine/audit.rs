@@ -372,6 +372,106 @@ pub fn judge_unscorable(position: usize, token: u32) -> Verdict {
     }
 }
 
+/// One claim's teacher-forced pass in progress: the tokens to feed (prompt
+/// and claimed output), and the scores of the positions seen so far. The
+/// pass may come in any number of chunks, alone ([`super::Engine::audit`])
+/// or inside a batch with other sequences (`super::batch`).
+#[derive(Debug)]
+pub struct AuditPass {
+    full: Vec<u32>,
+    prompt_len: usize,
+    sampling: Sampling,
+    facts: ClaimFacts,
+    eog: Vec<u32>,
+    decoded_text: String,
+    context_length: usize,
+    tokens: Vec<PositionScore>,
+    end: Option<PositionScore>,
+    scratch: Vec<(u32, f32)>,
+}
+
+/// What [`AuditPass::new`] needs to know about the claim and the model.
+#[derive(Debug)]
+pub struct AuditInput<'a> {
+    pub prompt: Vec<u32>,
+    pub output: &'a [u32],
+    pub sampling: &'a Sampling,
+    pub facts: &'a ClaimFacts,
+    pub eog: Vec<u32>,
+    pub decoded_text: String,
+    pub context_length: usize,
+}
+
+impl AuditPass {
+    /// The pass over `input.prompt` followed by the claimed output. The
+    /// caller has checked that both fit the context and every token is in
+    /// the vocabulary.
+    pub fn new(input: AuditInput<'_>) -> AuditPass {
+        let prompt_len = input.prompt.len();
+        let mut full = input.prompt;
+        full.extend_from_slice(input.output);
+        AuditPass {
+            tokens: Vec::with_capacity(input.output.len()),
+            full,
+            prompt_len,
+            sampling: input.sampling.clone(),
+            facts: input.facts.clone(),
+            eog: input.eog,
+            decoded_text: input.decoded_text,
+            context_length: input.context_length,
+            end: None,
+            scratch: Vec::new(),
+        }
+    }
+
+    /// Every token the pass feeds.
+    pub fn tokens(&self) -> &[u32] {
+        &self.full
+    }
+
+    /// The first position whose logits are scored (the last prompt token's,
+    /// which predict the first claimed token).
+    pub fn first_row(&self) -> usize {
+        self.prompt_len.saturating_sub(1)
+    }
+
+    /// Scores the logits of positions `from..` (`logits`: one row of
+    /// `vocab` after another; `from >= first_row()`).
+    pub fn score(&mut self, from: usize, logits: &mut [f32], vocab: usize) {
+        let output_len = self.full.len() - self.prompt_len;
+        for (r, row) in logits.chunks_exact_mut(vocab).enumerate() {
+            let Some(i) = (from + r).checked_sub(self.first_row()) else {
+                continue;
+            };
+            let s = &self.sampling;
+            if i < output_len {
+                let history = &self.full[..self.prompt_len + i];
+                let token = self.full[self.prompt_len + i];
+                self.tokens
+                    .push(score_position(row, token, s, history, &mut self.scratch));
+            } else if i == output_len {
+                self.end = Some(score_end(row, &self.eog, s, &self.full, &mut self.scratch));
+            }
+        }
+    }
+
+    /// The verdict, once every position from [`AuditPass::first_row`] on was scored.
+    pub fn verdict(self) -> Verdict {
+        let scores = Scores {
+            prompt_tokens: self.prompt_len,
+            tokens: self.tokens,
+            end: self.end.unwrap_or(PositionScore {
+                gap: f32::INFINITY,
+                u: 0.0,
+                outside: true,
+            }),
+            decoded_text: self.decoded_text,
+            context_length: self.context_length,
+        };
+        judge(&scores, &self.facts, &self.sampling)
+    }
+}
+
 /// Upper `alpha` quantile of chi-square with `k` degrees of freedom, `k`
 /// even (Fisher's statistic over `n` p-values has `2n`): bisection on the
 /// exact tail `P(X > x) = P(Poisson(x/2) < k/2)`, summed in log space.

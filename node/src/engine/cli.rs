@@ -2,7 +2,9 @@
 //!
 //! `generate` streams the model's output to stdout as it is produced;
 //! `bench` measures prefill and decode speed and prints one JSON object,
-//! with the effective memory bandwidth and compute they imply; `--save`
+//! with the effective memory bandwidth and compute they imply (and with
+//! `--batch`, the aggregate decode speed of 1, 2, 4, 8, 16 concurrent
+//! streams through the node's continuous batching); `--save`
 //! writes those figures where the node reads them at start-up, so its Hello
 //! carries measured figures the scheduler prefers to the chip table.
 //!
@@ -22,8 +24,16 @@ use std::time::Instant;
 
 use anyhow::Context;
 
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use super::batch::{BatchConfig, Batcher, JobSink};
 use super::device::{self, DeviceChoice};
-use super::{ChatTurn, Engine, GenerateRequest, PromptInput, Resume, Sampling};
+use super::kv::{KvShape, PAGE};
+use super::{
+    ChatTurn, Engine, EngineError, GenerateRequest, Generation, PromptInput, Resume, Sampling,
+    TokenChunk,
+};
 
 /// Arguments of `mlx-node generate`.
 #[derive(Debug, Clone, clap::Args)]
@@ -97,6 +107,14 @@ pub struct BenchArgs {
     /// `<data_dir>/bench.json` at start-up).
     #[arg(long)]
     pub save: Option<PathBuf>,
+    /// Also measure continuous batching: aggregate decode speed of N
+    /// concurrent streams through the node's batch, for each N of
+    /// `--streams` (saved with `--save` as the node's throughput curve).
+    #[arg(long)]
+    pub batch: bool,
+    /// Stream counts measured by `--batch`.
+    #[arg(long, value_delimiter = ',', default_value = "1,2,4,8,16")]
+    pub streams: Vec<usize>,
 }
 
 /// Sets candle's CPU thread count. Must run before candle computes anything.
@@ -231,6 +249,16 @@ pub fn bench(args: BenchArgs) -> anyhow::Result<()> {
     };
     let prefill_tok_s = median(&mut prefill);
     let decode_tok_s = median(&mut decode);
+    let curve = if args.batch {
+        batch_curve(
+            &mut engine,
+            args.prompt_tokens,
+            args.gen_tokens,
+            &args.streams,
+        )?
+    } else {
+        Vec::new()
+    };
     // Bytes read per generated token: the weights plus the KV cache (f32) at
     // mid-generation, as the scheduler's cost model counts them.
     let kv_per_token = 2 * engine.info.layers * engine.info.kv_heads * engine.info.head_dim * 4;
@@ -241,7 +269,11 @@ pub fn bench(args: BenchArgs) -> anyhow::Result<()> {
         compute_flops: (2.0 * engine.info.parameters as f64 * prefill_tok_s) as u64,
     };
     if let Some(path) = &args.save {
-        std::fs::write(path, serde_json::to_vec_pretty(&figures)?)
+        let mut saved = serde_json::to_value(figures)?;
+        if !curve.is_empty() {
+            saved["batch"] = serde_json::to_value(&curve)?;
+        }
+        std::fs::write(path, serde_json::to_vec_pretty(&saved)?)
             .with_context(|| format!("writing {}", path.display()))?;
     }
     let out = serde_json::json!({
@@ -258,6 +290,7 @@ pub fn bench(args: BenchArgs) -> anyhow::Result<()> {
         "decode_tok_s": decode_tok_s,
         "memory_bandwidth_bytes_per_s": figures.memory_bandwidth_bytes_per_s,
         "compute_flops": figures.compute_flops,
+        "batch": curve,
     });
     println!("{out}");
     Ok(())
@@ -290,6 +323,79 @@ fn bench_prompt(engine: &Engine, n: usize) -> anyhow::Result<Vec<u32>> {
         .context("tokenizing the bench prompt")?;
     anyhow::ensure!(!piece.is_empty(), "the bench prompt tokenizes to nothing");
     Ok(piece.iter().copied().cycle().take(n).collect())
+}
+
+/// Counts the tokens streamed to it.
+struct Count(Arc<AtomicUsize>);
+
+impl JobSink for Count {
+    fn token(&mut self, _: &TokenChunk) -> ControlFlow<()> {
+        self.0.fetch_add(1, Ordering::Relaxed);
+        ControlFlow::Continue(())
+    }
+    fn done(self: Box<Self>, _: Result<Generation, EngineError>) {}
+}
+
+/// Aggregate decode tokens/s of `n` concurrent greedy streams through the
+/// batch, for each `n` in `streams`: the streams are prefilled together
+/// (prompts of about `prompt_tokens`, each different), then `gen_tokens`
+/// steps are timed and every token streamed in them counted (a stream that
+/// ends early just stops counting).
+fn batch_curve(
+    engine: &mut Engine,
+    prompt_tokens: usize,
+    gen_tokens: usize,
+    streams: &[usize],
+) -> anyhow::Result<Vec<crate::hardware::BatchPoint>> {
+    let text = engine.text.clone();
+    let base = bench_prompt(engine, prompt_tokens)?;
+    let mut curve = Vec::new();
+    for &n in streams.iter().filter(|&&n| n > 0) {
+        let positions = n * (prompt_tokens + gen_tokens + 2 * PAGE);
+        let cfg = BatchConfig {
+            slots: n,
+            kv_pages: KvShape::pages_for(positions),
+            step_tokens: n * prompt_tokens.max(1),
+            prefix_cache: false,
+        };
+        let mut batch = Batcher::new(&engine.model, text.clone(), cfg)?;
+        let count = Arc::new(AtomicUsize::new(0));
+        for i in 0..n {
+            // Different prompts: each starts at another token of the text.
+            let ids: Vec<u32> = base
+                .iter()
+                .cycle()
+                .skip(i * 7)
+                .take(prompt_tokens)
+                .copied()
+                .collect();
+            let request = GenerateRequest {
+                input: PromptInput::Text(engine.detokenize(&ids)),
+                sampling: Sampling {
+                    max_tokens: gen_tokens + 1,
+                    ..Sampling::default()
+                },
+                resume: Resume::default(),
+            };
+            batch.submit(&request, Box::new(Count(count.clone())), Instant::now());
+        }
+        // Prefill (and each stream's first token), untimed.
+        while count.load(Ordering::Relaxed) < n && batch.step(&mut engine.model) {}
+        count.store(0, Ordering::Relaxed);
+        let start = Instant::now();
+        for _ in 0..gen_tokens {
+            if !batch.step(&mut engine.model) {
+                break;
+            }
+        }
+        let secs = start.elapsed().as_secs_f64();
+        let tokens = count.load(Ordering::Relaxed);
+        curve.push(crate::hardware::BatchPoint {
+            streams: n as u32,
+            tokens_per_s: tokens as f64 / secs.max(1e-9),
+        });
+    }
+    Ok(curve)
 }
 
 /// One prefill + decode; returns (prefill seconds, decode seconds).

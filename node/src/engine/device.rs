@@ -40,6 +40,7 @@ use std::str::FromStr;
 use candle_core::quantized::QMatMul;
 use candle_core::{DType, Device, Module, Tensor, D};
 
+use super::batch::{Logits, SeqChunk};
 use super::config::ModelConfig;
 use super::model::{rope_for, Model};
 use super::ops::Rope;
@@ -403,6 +404,49 @@ impl DeviceModel {
     /// logits of the last one.
     pub fn forward(&mut self, tokens: &[u32]) -> Result<Vec<f32>, EngineError> {
         self.forward_rows(tokens, tokens.len() - 1)
+    }
+
+    /// One sequence's chunk of a batch pass (the batch runs a device model
+    /// one sequence at a time, see [`super::batch::BatchModel::max_sequences`]):
+    /// a chunk at position 0 starts a sequence (the cache is emptied and
+    /// sized for `chunk.capacity`); any other must continue where the cache
+    /// stands, else it is refused rather than computed over another
+    /// sequence's keys. Returns the logits rows the chunk asks for.
+    pub fn forward_chunk(&mut self, chunk: &SeqChunk<'_>) -> Result<Vec<f32>, EngineError> {
+        if chunk.tokens.is_empty() {
+            return Err(EngineError::Batch("a chunk with no tokens".into()));
+        }
+        if chunk.pos == 0 {
+            self.reset(chunk.capacity.max(chunk.tokens.len()));
+        } else if chunk.pos != self.pos {
+            return Err(EngineError::Batch(format!(
+                "the device cache holds {} positions, the chunk starts at {}",
+                self.pos, chunk.pos
+            )));
+        }
+        if chunk.pos + chunk.tokens.len() > self.wanted.max(self.capacity) {
+            return Err(EngineError::Batch(format!(
+                "a chunk reaching position {} in a cache of {}",
+                chunk.pos + chunk.tokens.len(),
+                self.wanted.max(self.capacity)
+            )));
+        }
+        if let Some(t) = chunk
+            .tokens
+            .iter()
+            .find(|&&t| t as usize >= self.cfg.vocab_size)
+        {
+            return Err(EngineError::Batch(format!(
+                "token {t} is outside the vocabulary of {}",
+                self.cfg.vocab_size
+            )));
+        }
+        let from = match chunk.logits {
+            Logits::None => chunk.tokens.len(),
+            Logits::Last => chunk.tokens.len() - 1,
+            Logits::From(k) => k.min(chunk.tokens.len()),
+        };
+        self.forward_rows(chunk.tokens, from)
     }
 
     /// Like [`DeviceModel::forward`], but returns the logits of every token

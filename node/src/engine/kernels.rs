@@ -40,6 +40,11 @@
 //! - Every SIMD path computes the same sums as the scalar reference up to f32
 //!   rounding (the tests compare them on random blocks for each path this CPU
 //!   can run, including `k` not divisible by 256).
+//! - Each activation row's outputs depend on that row alone, bit for bit: the
+//!   same whatever other rows share the call and however the work is split
+//!   (each output accumulates its blocks in order, in the same operations).
+//!   Continuous batching (`super::batch`) relies on it for batched outputs to
+//!   equal solo ones; a new kernel must keep it (a test checks every path).
 //!
 //! # Failure
 //! Wrong formats, shapes or byte lengths are a [`KernelError`] when a matrix is

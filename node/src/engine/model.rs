@@ -12,14 +12,22 @@
 //! heads and feed-forward columns, and passes an all-reduce where a single
 //! node passes nothing.
 //!
+//! Two ways to run it: one sequence in the model's own contiguous cache
+//! ([`Model::forward`], for `Engine::generate`, audits and benches), or many
+//! sequences in one pass over a shared paged cache ([`Model::forward_batch`],
+//! the node's continuous batching, `super::batch`). Both go through
+//! [`Block::forward_rows`], so they compute the same numbers.
+//!
 //! # Invariants
-//! - The KV cache holds `capacity` positions per layer, allocated once per
+//! - The own KV cache holds `capacity` positions per layer, allocated once per
 //!   generation ([`Model::reset`]); tokens are written in place, never
 //!   concatenated. `pos` counts the positions filled.
 //! - [`Model::forward`] is only called with `pos + tokens <= capacity` and
 //!   token ids `< vocab_size` (the engine checks both).
 
+use super::batch::{Pass, SeqChunk};
 use super::config::{ModelConfig, RopeScaling};
+use super::kv::{self, Attend, KvLayer, KvPool, KvShape, Rows};
 use super::linear::Linear;
 use super::ops::{self, AttnShape, LayerCache, Rope};
 use super::profile::{self, Part};
@@ -89,7 +97,24 @@ impl Block {
         step: &mut Step<'_>,
         reduce: &mut dyn FnMut(&mut [f32]) -> Result<(), E>,
     ) -> Result<(), E> {
-        let (s, pos, shape, eps) = (step.s, step.pos, step.shape, step.eps);
+        let rows = Rows::contiguous(step.pos, step.s);
+        let mut kv = KvLayer::contiguous(cache, step.shape);
+        self.forward_rows(x, &mut kv, &rows, step, reduce)
+    }
+
+    /// [`Block::forward`] over the rows of one or several sequences
+    /// (`rows`, checked against `kv`): each row takes its own position and
+    /// is stored into and attends over its own sequence's pages. `step.s`
+    /// and `step.pos` are not read.
+    pub(crate) fn forward_rows<E: From<candle_core::Error>>(
+        &self,
+        x: &mut [f32],
+        kv: &mut KvLayer<'_>,
+        rows: &Rows<'_>,
+        step: &mut Step<'_>,
+        reduce: &mut dyn FnMut(&mut [f32]) -> Result<(), E>,
+    ) -> Result<(), E> {
+        let (s, shape, eps) = (rows.len(), step.shape, step.eps);
         let hd = shape.head_dim;
         let norm = |x: &[f32], w: &[f32]| {
             profile::time(Part::Norm, || {
@@ -108,7 +133,7 @@ impl Block {
                 ops::rms_norm(&mut k, w, eps);
             }
             for t in 0..s {
-                step.rope.cos_sin(pos + t, step.cs);
+                step.rope.cos_sin(rows.position(t), step.cs);
                 for head in q[t * shape.heads * hd..(t + 1) * shape.heads * hd].chunks_exact_mut(hd)
                 {
                     step.rope.apply(head, step.cs);
@@ -121,8 +146,8 @@ impl Block {
             }
         });
         let att = profile::time(Part::Attention, || {
-            cache.store(shape, pos, &k, &v);
-            ops::attention(&q, cache, shape, pos)
+            kv::store(kv, rows, &k, &v);
+            kv::attention(&q, kv, rows, Attend::causal(shape.heads, hd))
         });
         let mut o = self.o.forward_slice(&att, s)?;
         profile::time(Part::Collective, || reduce(&mut o))?;
@@ -297,5 +322,53 @@ impl Model {
         let mut last = x[(s - rows) * h..].to_vec();
         ops::rms_norm(&mut last, &self.norm, eps);
         Ok(self.lm_head.forward_slice(&last, rows)?)
+    }
+
+    /// What one position takes in a paged KV cache for this model.
+    pub fn kv_shape(&self) -> KvShape {
+        KvShape {
+            layers: self.cfg.layers,
+            kv_heads: self.cfg.kv_heads,
+            head_dim: self.cfg.head_dim,
+        }
+    }
+
+    /// One pass over chunks of several sequences, each at its own positions
+    /// and through its own pages of `pool` (see [`super::batch`]): every
+    /// weight is read once for all their tokens. Returns the logits of the
+    /// rows the chunks ask for, in order (`[rows][vocab_size]`). The
+    /// model's own (single-sequence) cache is not touched.
+    pub fn forward_batch(
+        &mut self,
+        pool: &mut KvPool,
+        chunks: &[SeqChunk<'_>],
+    ) -> Result<Vec<f32>, EngineError> {
+        let pass = Pass::new(chunks, pool, self.kv_shape(), self.cfg.vocab_size)?;
+        let eps = self.cfg.rms_eps;
+        let mut x = self.embed.lookup(&pass.tokens)?;
+        let mut step = Step {
+            s: pass.rows.len(),
+            pos: 0,
+            shape: self.shape(),
+            eps,
+            rope: &self.rope,
+            cs: &mut self.cs,
+        };
+        for (layer, block) in self.blocks.iter().enumerate() {
+            let mut kv = pool.layer(layer);
+            block.forward_rows::<EngineError>(
+                &mut x,
+                &mut kv,
+                &pass.rows,
+                &mut step,
+                &mut |_| Ok(()),
+            )?;
+        }
+        let (mut last, n) = pass.gather(&x, self.cfg.hidden_size);
+        if n == 0 {
+            return Ok(Vec::new());
+        }
+        ops::rms_norm(&mut last, &self.norm, eps);
+        Ok(self.lm_head.forward_slice(&last, n)?)
     }
 }

@@ -1,5 +1,7 @@
 //! The small per-token operations of the transformer, on f32 slices: RMS norm,
-//! rotary embedding, SwiGLU and causal attention over the KV cache.
+//! rotary embedding, SwiGLU, and the contiguous KV cache of one sequence
+//! (stored into and attended over by [`super::kv`], which also runs the
+//! paged cache of batched decoding).
 //!
 //! These run between the weight matmuls ([`super::linear::Linear`]) and are
 //! written as plain loops over contiguous rows, because on CPU a chain of
@@ -115,31 +117,9 @@ pub fn add_assign(x: &mut [f32], y: &[f32]) {
     }
 }
 
-/// Largest head dimension [`attention`] handles (the config check rejects
+/// Largest head dimension [`super::kv::attention`] handles (the config check rejects
 /// larger ones).
 pub const MAX_HEAD_DIM: usize = 512;
-
-/// `x` rounded to the nearest f16, back as f32.
-fn round_f16(x: f32) -> f32 {
-    half::f16::from_f32(x).to_f32()
-}
-
-fn dot(a: &[f32], b: &[f32]) -> f32 {
-    // Eight independent accumulators let the compiler vectorise the loop.
-    let mut acc = [0.0f32; 8];
-    let chunks = a.len() / 8;
-    for c in 0..chunks {
-        let (x, y) = (&a[c * 8..c * 8 + 8], &b[c * 8..c * 8 + 8]);
-        for j in 0..8 {
-            acc[j] += x[j] * y[j];
-        }
-    }
-    let mut sum: f32 = acc.iter().sum();
-    for j in chunks * 8..a.len() {
-        sum += a[j] * b[j];
-    }
-    sum
-}
 
 /// One layer's keys and values: `[kv_heads][capacity][head_dim]` each.
 #[derive(Debug, Clone)]
@@ -166,81 +146,4 @@ impl LayerCache {
             v: vec![0.0; n],
         }
     }
-
-    /// Writes the keys/values of `s` new tokens (`[s][kv_heads][head_dim]`)
-    /// at positions `pos..pos + s`, rounded to f16 as llama.cpp's default
-    /// (f16) cache stores them.
-    pub fn store(&mut self, shape: AttnShape, pos: usize, k: &[f32], v: &[f32]) {
-        let hd = shape.head_dim;
-        let s = k.len() / (shape.kv_heads * hd);
-        for t in 0..s {
-            for h in 0..shape.kv_heads {
-                let src = (t * shape.kv_heads + h) * hd;
-                let dst = (h * shape.capacity + pos + t) * hd;
-                for (d, x) in self.k[dst..dst + hd].iter_mut().zip(&k[src..src + hd]) {
-                    *d = round_f16(*x);
-                }
-                for (d, x) in self.v[dst..dst + hd].iter_mut().zip(&v[src..src + hd]) {
-                    *d = round_f16(*x);
-                }
-            }
-        }
-    }
-}
-
-/// Causal attention of `s` queries at positions `pos..pos + s`
-/// (`q`: `[s][heads][head_dim]`) over the cache, whose first `pos + s`
-/// positions are filled. Returns `[s][heads][head_dim]`.
-pub fn attention(q: &[f32], cache: &LayerCache, shape: AttnShape, pos: usize) -> Vec<f32> {
-    let hd = shape.head_dim;
-    let group = shape.heads / shape.kv_heads;
-    let s = q.len() / (shape.heads * hd);
-    let scale = 1.0 / (hd as f32).sqrt();
-    let mut out = vec![0.0f32; q.len()];
-    let work = |idx: usize, o: &mut [f32]| {
-        let t = idx / shape.heads;
-        let h = idx % shape.heads;
-        let kvh = h / group;
-        let len = pos + t + 1;
-        // llama.cpp multiplies f16 K by q converted to f16, and f16 V by the
-        // probabilities converted to f16; rounding the same way keeps greedy
-        // decoding on the same tokens.
-        let mut qv = [0f32; MAX_HEAD_DIM];
-        let qv = &mut qv[..hd];
-        for (d, &x) in qv.iter_mut().zip(&q[idx * hd..(idx + 1) * hd]) {
-            *d = round_f16(x);
-        }
-        let base = kvh * shape.capacity * hd;
-        let mut scores = Vec::with_capacity(len);
-        let mut max = f32::NEG_INFINITY;
-        for j in 0..len {
-            let kv = &cache.k[base + j * hd..base + (j + 1) * hd];
-            let sc = dot(qv, kv) * scale;
-            max = max.max(sc);
-            scores.push(sc);
-        }
-        // ggml accumulates the softmax denominator in f64.
-        let mut sum = 0.0f64;
-        for sc in scores.iter_mut() {
-            *sc = (*sc - max).exp();
-            sum += f64::from(*sc);
-        }
-        let inv = (1.0 / sum) as f32;
-        for (j, p) in scores.iter().enumerate() {
-            let w = round_f16(p * inv);
-            let vv = &cache.v[base + j * hd..base + (j + 1) * hd];
-            for (oi, vi) in o.iter_mut().zip(vv) {
-                *oi += w * vi;
-            }
-        }
-    };
-    // Parallel over (token, head) pairs on the kernels' pool (one pool for all
-    // the model's work, so two never compete for cores); a single short row
-    // is not worth a fork.
-    if s * shape.heads > 1 && pos + s > 64 {
-        super::kernels::par_chunks_mut(&mut out, hd, work);
-    } else {
-        out.chunks_mut(hd).enumerate().for_each(|(i, o)| work(i, o));
-    }
-    out
 }

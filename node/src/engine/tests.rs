@@ -39,7 +39,7 @@ fn chat(question: &str, sampling: Sampling) -> GenerateRequest {
 }
 
 /// Runs a generation, collecting the chunks.
-fn run(engine: &mut Engine, req: &GenerateRequest) -> (Generation, Vec<TokenChunk>) {
+pub(super) fn run(engine: &mut Engine, req: &GenerateRequest) -> (Generation, Vec<TokenChunk>) {
     let mut chunks = Vec::new();
     let g = engine
         .generate(req, &mut |c| {

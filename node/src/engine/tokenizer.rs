@@ -274,7 +274,8 @@ impl Tokenizer {
                     norms.push(Prepend::new("\u{2581}".to_string()).into());
                 }
                 norms.push(replace.into());
-                t.with_normalizer(Some(tokenizers::normalizers::Sequence::new(norms)));
+                t.with_normalizer(Some(tokenizers::normalizers::Sequence::new(norms)))
+                    .map_err(|e| terr(format!("normalizer: {e}")))?;
                 let bytes = tokens
                     .iter()
                     .zip(&types)
@@ -289,7 +290,9 @@ impl Tokenizer {
             }
             other => return Err(terr(format!("unsupported tokenizer.ggml.model {other:?}"))),
         };
-        inner.add_special_tokens(&special);
+        inner
+            .add_special_tokens(special)
+            .map_err(|e| terr(format!("special tokens: {e}")))?;
 
         let mut eog: HashSet<u32> = [eos, eot, eom].into_iter().flatten().collect();
         for (i, (t, &ty)) in tokens.iter().zip(&types).enumerate() {

@@ -7,10 +7,11 @@
 //! # Invariants
 //! - A job runs only on a held model file with exactly the digest the
 //!   assignment names; anything else is refused with `retryable = false`.
-//! - The engine runs on a blocking thread and never waits on the network:
-//!   each token is offered to a bounded channel with `try_send`; while the
-//!   channel is full, tokens are coalesced into one pending batch, so the
-//!   client still receives every token, in order, in fewer frames.
+//! - The engine runs on its model's batch thread (with the node's other
+//!   jobs of that model) and never waits on the network: each token is
+//!   offered to a bounded channel with `try_send`; while the channel is
+//!   full, tokens are coalesced into one pending batch, so the client still
+//!   receives every token, in order, in fewer frames.
 //! - The claim covers exactly what was streamed: its `output_text` is the
 //!   concatenation of the streamed texts (the engine's invariant) and its
 //!   token ids are the streamed ids.
@@ -52,8 +53,8 @@ use tracing::Instrument;
 
 use super::{drain::DrainState, LinkContext};
 use crate::engine::{
-    audit::ClaimFacts, AuditRequest, ChatTurn, FinishReason, GenerateRequest, Generation,
-    PromptInput, Resume, Sampling, TokenChunk,
+    audit::ClaimFacts, batch::JobSink, AuditRequest, ChatTurn, EngineError, FinishReason,
+    GenerateRequest, Generation, PromptInput, Resume, Sampling, TokenChunk,
 };
 use crate::models::{LoadedModel, Refusal};
 
@@ -158,7 +159,7 @@ impl Coalescer {
         if let Some(d) = &mut self.duty {
             d.after_token();
         }
-        if self.cancel.load(Ordering::Relaxed) || self.drain.is_handing_off() {
+        if self.cancelled() {
             return ControlFlow::Break(());
         }
         match &mut self.pending {
@@ -184,9 +185,39 @@ impl Coalescer {
         ControlFlow::Continue(())
     }
 
+    /// Whether the job should stop before its next token: the coordinator
+    /// cancelled it or the node hands its jobs off.
+    pub fn cancelled(&self) -> bool {
+        self.cancel.load(Ordering::Relaxed) || self.drain.is_handing_off()
+    }
+
     /// Tokens still waiting when the generation ended (drops the sender).
     pub fn finish(self) -> Option<TokenBatch> {
         self.pending
+    }
+}
+
+/// What the job's task gets back from the batch: the generation (or why
+/// not) and the tokens the coalescer still held.
+type Ended = (Result<Generation, EngineError>, Option<TokenBatch>);
+
+/// The batch's end of one job: tokens into the coalescer, the end back to
+/// the job's task.
+struct BatchSink {
+    coalescer: Coalescer,
+    done: tokio::sync::oneshot::Sender<Ended>,
+}
+
+impl JobSink for BatchSink {
+    fn token(&mut self, chunk: &TokenChunk) -> ControlFlow<()> {
+        self.coalescer.push(chunk)
+    }
+    fn cancelled(&self) -> bool {
+        self.coalescer.cancelled()
+    }
+    fn done(self: Box<Self>, result: Result<Generation, EngineError>) {
+        let BatchSink { coalescer, done } = *self;
+        let _ = done.send((result, coalescer.finish()));
     }
 }
 
@@ -342,15 +373,23 @@ async fn run(
     let mut coalescer = Coalescer::new(tx, cancel.clone(), ctx.drain.clone());
     let generation = match runner {
         Runner::Local(model) => {
-            let engine = model.engine.clone();
+            // A GPU model runs one job at a time (its batch has one slot),
+            // so resting between its tokens keeps the owner's GPU share.
             if matches!(model.backend, "metal" | "cuda") {
                 coalescer.set_duty(ctx.gpu_share.and_then(DutyCycle::new));
             }
-            tokio::task::spawn_blocking(move || {
-                let mut engine = engine.lock().unwrap_or_else(PoisonError::into_inner);
-                let result = engine.generate(&request, &mut |chunk| coalescer.push(chunk));
-                let result = result.map_err(|e| (e.to_string(), !e.is_client_error()));
-                (result, coalescer.finish())
+            let (done, ended) = tokio::sync::oneshot::channel();
+            model
+                .batch
+                .generate(request, Box::new(BatchSink { coalescer, done }));
+            tokio::spawn(async move {
+                match ended.await {
+                    Ok((result, leftover)) => (
+                        result.map_err(|e| (e.to_string(), !e.is_client_error())),
+                        leftover,
+                    ),
+                    Err(_) => (Err(("the model's batch thread ended".into(), true)), None),
+                }
             })
         }
         Runner::Pod(pod) => tokio::spawn(async move {
@@ -641,13 +680,14 @@ async fn audit(
             output_text: c.output_text.clone(),
         },
     };
-    let engine = model.engine.clone();
-    let judged = tokio::task::spawn_blocking(move || {
-        let mut engine = engine.lock().unwrap_or_else(PoisonError::into_inner);
-        engine.audit(&request)
-    })
-    .await;
-    let verdict = match judged {
+    let (done, judged) = tokio::sync::oneshot::channel();
+    model.batch.audit(
+        request,
+        Box::new(move |verdict| {
+            let _ = done.send(verdict);
+        }),
+    );
+    let verdict = match judged.await {
         Ok(Ok(v)) => v,
         Ok(Err(e)) => {
             return Outcome::Failure {
@@ -655,9 +695,9 @@ async fn audit(
                 reason: format!("audit failed: {e}"),
             }
         }
-        Err(join) => {
+        Err(_) => {
             return Outcome::Failure {
-                reason: format!("engine crashed: {join}"),
+                reason: "the model's batch thread ended".into(),
                 retryable: true,
             }
         }

@@ -188,6 +188,7 @@ async fn register(
             mode: ctx.mode.to_string(),
             operator_account: ctx.operator_account.clone(),
             pod: ctx.pod.as_ref().map(|p| p.runtime.info()),
+            batch: ctx.batch.clone(),
         })),
     };
     write_frame(&mut send, &hello).await?;
@@ -299,6 +300,12 @@ async fn serve(
                     .ok()
                     .and_then(Result::ok)
                     .unwrap_or(ctx.hardware.free_memory_bytes);
+                let batches = ctx.models.batch_stats();
+                let kv_free = batches
+                    .iter()
+                    .map(|(_, s)| (s.kv_pages_free * crate::engine::kv::PAGE) as u64)
+                    .min()
+                    .unwrap_or(0);
                 let beat = NodeControl {
                     msg: Some(node_control::Msg::Heartbeat(Heartbeat {
                         free_memory_bytes: ctx.offered_memory(free),
@@ -308,6 +315,9 @@ async fn serve(
                             .as_ref()
                             .and_then(|p| p.runtime.degraded())
                             .unwrap_or_default(),
+                        kv_positions_free: kv_free,
+                        prompt_tokens: batches.iter().map(|(_, s)| s.prompt_tokens).sum(),
+                        prefix_hit_tokens: batches.iter().map(|(_, s)| s.prefix_hit_tokens).sum(),
                     })),
                 };
                 write_frame(send, &beat).await?;

@@ -65,6 +65,7 @@ impl TestLink {
                 hidden: None,
             }),
             max_concurrent_jobs: slots,
+            batch: None,
             test_cheat: false,
             connect_timeout: Duration::from_secs(10),
             reconnect_min: Duration::from_millis(10),
@@ -388,10 +389,13 @@ fn test_models() -> Arc<ModelSet> {
     let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("../models/SmolLM2-135M-Instruct.Q4_1.gguf");
     Arc::new(
-        ModelSet::load(&[ModelEntry {
-            id: MODEL_ID.into(),
-            path,
-        }])
+        ModelSet::load(
+            &[ModelEntry {
+                id: MODEL_ID.into(),
+                path,
+            }],
+            crate::models::TEST_BATCH,
+        )
         .unwrap(),
     )
 }

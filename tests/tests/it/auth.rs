@@ -109,6 +109,7 @@ fn hello(node: &SigningKey, signature: Vec<u8>) -> Hello {
         mode: "dedicated".into(),
         operator_account: String::new(),
         pod: None,
+        batch: None,
     }
 }
 

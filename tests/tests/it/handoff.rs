@@ -320,7 +320,7 @@ async fn a_draining_nodes_job_finishes_on_another_node_and_it_takes_no_new_job(
     let coord = spawn_coordinator(quick_config(&dir.path().join("coord"))).await?;
     let mut config = coord.node_config(&dir.path().join("owner"), "owner-returns");
     // Room for a second job, so only the drain can keep one off it.
-    config.max_concurrent_jobs = 2;
+    config.max_concurrent_jobs = Some(2);
     config.drain_grace_ms = 300;
     let mut draining = spawn_node(config).await?;
     draining.registered().await?;

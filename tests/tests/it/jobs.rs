@@ -12,8 +12,15 @@ async fn two_nodes_stream_real_answers_with_verifiable_claims() -> anyhow::Resul
     test_model();
     let dir = tempfile::tempdir()?;
     let coord = spawn_coordinator(coordinator_config(&dir.path().join("coord"))).await?;
-    let mut a = spawn_node(coord.node_config(&dir.path().join("a"), "a")).await?;
-    let mut b = spawn_node(coord.node_config(&dir.path().join("b"), "b")).await?;
+    // One job at a time each (a node batches several by default), so the
+    // two jobs must land on the two nodes.
+    let one_slot = |name: &str| {
+        let mut c = coord.node_config(&dir.path().join(name), name);
+        c.max_concurrent_jobs = Some(1);
+        c
+    };
+    let mut a = spawn_node(one_slot("a")).await?;
+    let mut b = spawn_node(one_slot("b")).await?;
     a.registered().await?;
     b.registered().await?;
 

@@ -401,3 +401,51 @@ fn par_chunks_mut_visits_every_chunk_once_with_its_index() {
         );
     }
 }
+
+/// Continuous batching relies on it (`engine::batch`): an activation row's
+/// outputs are bit-identical whatever other rows share the call, for every
+/// format, layout (row-major and repacked), instruction set and split of
+/// the work (one row, the transposed decode path, the prefill path).
+#[test]
+fn each_row_gets_the_same_bits_alone_and_in_any_batch() {
+    let mut rng = StdRng::seed_from_u64(25);
+    for format in FORMATS {
+        // 24 rows repack; 12 stay row-major.
+        for &(n, k) in &[(24usize, 576usize), (12, 64)] {
+            let bytes = random_weights(&mut rng, format, n, k);
+            let w = QuantMatrix::new(format, n, k, &bytes).expect("valid matrix");
+            // The repacked layout exists on x86 only (`packed`).
+            #[cfg(target_arch = "x86_64")]
+            let packed = packed::Packed::new(&w).expect("packs");
+            for &isa in Isa::available() {
+                let run = |x: &[f32], m: usize| {
+                    let mut scratch = Scratch::new();
+                    scratch.quantize(x, m, k).expect("quantize");
+                    let mut out = vec![f32::NAN; m * n];
+                    #[cfg(target_arch = "x86_64")]
+                    if let Some(p) = &packed {
+                        matmul_packed(p, &mut scratch, &mut out, isa).expect("matmul");
+                        return out;
+                    }
+                    matmul(&w, &mut scratch, &mut out, isa).expect("matmul");
+                    out
+                };
+                for &m in &[2usize, 5, 8, 13] {
+                    let x = random_acts(&mut rng, m * k);
+                    let together = run(&x, m);
+                    for a in 0..m {
+                        let alone = run(&x[a * k..(a + 1) * k], 1);
+                        assert_eq!(
+                            alone.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                            together[a * n..(a + 1) * n]
+                                .iter()
+                                .map(|v| v.to_bits())
+                                .collect::<Vec<_>>(),
+                            "{format:?} {isa:?} n={n} k={k}: row {a} of {m}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
