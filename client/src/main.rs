@@ -598,11 +598,23 @@ async fn submit(
         .into_inner();
     let mut stdout = std::io::stdout();
     let mut done = None;
+    // What was printed, chunk by chunk, to compare with the signed result.
+    let mut shown: Vec<(u32, String)> = Vec::new();
     while let Some(event) = events.message().await? {
         match event.event {
             Some(job_event::Event::Tokens(t)) => {
+                if shown.last().is_some_and(|(i, _)| t.index <= *i) {
+                    // An attempt's unsigned tokens were dropped (its node
+                    // failed or was refused): the stream goes on from here.
+                    shown.retain(|(i, _)| *i < t.index);
+                    eprintln!(
+                        "\n[the stream restarts at token {}: what followed it was not kept]",
+                        t.index
+                    );
+                }
                 print!("{}", t.text);
                 stdout.flush()?;
+                shown.push((t.index, t.text));
             }
             Some(job_event::Event::Queued(q)) if !q.reason.is_empty() => {
                 eprintln!("\n[requeued as attempt {}: {}]", q.attempt, q.reason);
@@ -629,6 +641,11 @@ async fn submit(
     };
     print_job(&done);
     let signer = verify_job(&done, sent, None)?;
+    let streamed: String = shown.into_iter().map(|(_, t)| t).collect();
+    if streamed != done.output_text {
+        // Only the result is signed: show it whole.
+        println!("result: {}", done.output_text);
+    }
     println!("verified: signed by {signer}");
     Ok(())
 }

@@ -134,16 +134,7 @@ impl Application {
         // it (its writer lock and key cache).
         let ledger = Ledger::new(store.clone(), config.ledger_config());
         let recovered = async {
-            store.mark_all_nodes_offline().await?;
-            let requeued = store.requeue_orphans(config.limits.max_attempts).await?;
-            // Settle what a crash left unsettled and expire overdue holds,
-            // before anything is served.
-            let swept = ledger::sweep(&ledger, crate::util::now_ms(), |job| {
-                let store = store.clone();
-                async move { store.cancel(job).await.map(|_| ()) }
-            })
-            .await
-            .map_err(|e| AppError::Ledger(Box::new(e)))?;
+            let (requeued, swept) = recover(&store, &ledger, config.limits.max_attempts).await?;
             if swept != ledger::Swept::default() {
                 info!(?swept, "ledger recovered at start-up");
             }
@@ -367,6 +358,28 @@ pub async fn bootstrap_admin_key(
     let key = ledger.bootstrap_admin(name).await;
     store.close().await;
     key.map_err(|e: LedgerError| AppError::Ledger(Box::new(e)))
+}
+
+/// Start-up recovery, before anything is served: every node marked
+/// offline, the attempts the last stop interrupted requeued, what a crash
+/// left unsettled settled and overdue holds expired (their jobs cancelled).
+/// Returns how many jobs went back to the queue and what the sweep did. The
+/// simulator (`mlxnet-sim`) runs this after each coordinator crash it
+/// injects.
+pub async fn recover(
+    store: &AnyStore,
+    ledger: &Ledger,
+    max_attempts: u32,
+) -> Result<(u64, ledger::Swept), AppError> {
+    store.mark_all_nodes_offline().await?;
+    let requeued = store.requeue_orphans(max_attempts).await?;
+    let swept = ledger::sweep(ledger, crate::util::now_ms(), |job| {
+        let store = store.clone();
+        async move { store.cancel(job).await.map(|_| ()) }
+    })
+    .await
+    .map_err(|e| AppError::Ledger(Box::new(e)))?;
+    Ok((requeued, swept))
 }
 
 fn flatten(r: Result<Result<(), api::ServeError>, tokio::task::JoinError>) -> Result<(), AppError> {

@@ -8,7 +8,8 @@
 //!   sees every chunk exactly once: in its replay or live, never both.
 //! - A job's buffer is kept when it is requeued: the next attempt resumes
 //!   after those tokens (hand-off), so a late watcher replays the whole
-//!   stream so far. It is dropped when the job ends; memory is bounded by
+//!   stream so far; the tokens of an attempt the job does not resume after
+//!   are taken out ([`EventHub::rewind`]). It is dropped when the job ends; memory is bounded by
 //!   unfinished jobs.
 //!
 //! # Failure
@@ -95,6 +96,18 @@ impl EventHub {
             let live = Self::live(map, job);
             if live.tokens.is_empty() && !chunk.token_ids.is_empty() {
                 live.tokens.push(chunk);
+            }
+        })
+    }
+
+    /// Forgets the chunks from token `keep` on (an attempt whose unsigned
+    /// tokens the job does not keep), so late watchers replay only what
+    /// the next attempt resumes after. Live subscribers see the next
+    /// attempt's chunks start again at `keep`.
+    pub fn rewind(&self, job: JobId, keep: u32) {
+        self.with(|map| {
+            if let Some(live) = map.get_mut(&job) {
+                live.tokens.retain(|t| t.index < keep);
             }
         })
     }

@@ -43,7 +43,7 @@ use crate::{
     ledger::{Ledger, LedgerError},
     metrics::Metrics,
     store::{AnyStore, Store},
-    util::{error_chain, now_ms, Tasks},
+    util::{clip, error_chain, now_ms, Tasks},
     world::{Status, World},
 };
 
@@ -305,7 +305,8 @@ async fn control_loop(
                 d.placement.notify_one();
             }
             Some(node_control::Msg::Drain(drain)) => {
-                info!(node = %session.node_id.short(), reason = %drain.reason, "node draining");
+                let reason = clip(&drain.reason, session::MAX_REASON_CHARS);
+                info!(node = %session.node_id.short(), %reason, "node draining");
                 session.drain();
             }
             Some(node_control::Msg::Hello(_) | node_control::Msg::Open(_)) | None => {

@@ -28,6 +28,7 @@ use tokio::{sync::oneshot, task::JoinHandle};
 use crate::{
     app::{AppError, Application},
     config::CoordinatorConfig,
+    ledger::{Account, Ledger, ESCROW, FEE},
     link::tls::fingerprint,
 };
 
@@ -333,7 +334,7 @@ impl Dialer {
 pub struct FakeNode {
     pub key: ed25519_dalek::SigningKey,
     pub conn: quinn::Connection,
-    _dialer: Dialer,
+    dialer: Dialer,
 }
 
 impl FakeNode {
@@ -353,7 +354,7 @@ impl FakeNode {
         Self {
             key,
             conn: dialer.conn.clone(),
-            _dialer: dialer,
+            dialer,
         }
     }
 
@@ -365,6 +366,11 @@ impl FakeNode {
         text: &str,
     ) -> mlxnet_proto::v1::ResultClaim {
         claim_for(&self.key, a, ids, text)
+    }
+
+    /// Sends `msg` on the node's control stream.
+    pub async fn control(&mut self, msg: &NodeControl) {
+        write_frame(&mut self.dialer.send, msg).await.unwrap();
     }
 
     /// The next job the coordinator assigns.
@@ -404,4 +410,57 @@ pub fn claim_for(
         finish_reason: "eos".into(),
         ..Default::default()
     }
+}
+
+/// The update streaming exactly the tokens and text `c` lists, from token
+/// `index` (a claim must cover what its attempt streamed).
+pub fn tokens_of(index: u32, c: &mlxnet_proto::v1::ResultClaim) -> mlxnet_proto::v1::JobUpdate {
+    use mlxnet_proto::v1::{job_update, JobUpdate};
+    JobUpdate {
+        msg: Some(job_update::Msg::Tokens(job_update::Tokens {
+            index,
+            token_ids: c.output_token_ids.clone(),
+            text: c.output_text.clone(),
+        })),
+    }
+}
+
+/// Every balance a refused claim (or any node's misbehaviour) could move:
+/// the test client's, one operator's, the fee's and the escrow's.
+#[derive(Debug, PartialEq)]
+pub struct Books {
+    pub client: Account,
+    pub operator: Account,
+    pub fee: Account,
+    pub escrow: Account,
+}
+
+pub async fn books(ledger: &Ledger, client: &str, operator: &str) -> Books {
+    let get = |id: String| async move { ledger.account(&id).await.unwrap().unwrap() };
+    Books {
+        client: get(client.to_owned()).await,
+        operator: get(operator.to_owned()).await,
+        fee: get(FEE.to_owned()).await,
+        escrow: get(ESCROW.to_owned()).await,
+    }
+}
+
+/// The books once `settled` holds of them: settlement runs after the store
+/// records a completion, so a test that saw the completion (or the node's next
+/// assignment) waits for it, up to 10 s.
+pub async fn books_once(
+    ledger: &Ledger,
+    client: &str,
+    operator: &str,
+    settled: impl Fn(&Books) -> bool,
+) -> Books {
+    let mut now = books(ledger, client, operator).await;
+    for _ in 0..500 {
+        if settled(&now) {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        now = books(ledger, client, operator).await;
+    }
+    now
 }

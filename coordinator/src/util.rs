@@ -1,10 +1,12 @@
 //! Small helpers every layer may use: a poison-tolerant lock, an error's
-//! whole chain as one line, the wall clock in milliseconds, and the set of
-//! background tasks the application waits for on shutdown.
+//! whole chain as one line, the clock in milliseconds (the wall clock, or a
+//! simulator's: [`clock`]), and the set of background tasks the application
+//! waits for on shutdown.
 //!
 //! # Invariants
 //! - Nothing here imports another module of the crate.
 
+pub mod clock;
 pub mod net;
 
 use std::sync::{Mutex, MutexGuard};
@@ -29,12 +31,19 @@ pub fn error_chain(err: &dyn std::error::Error) -> String {
     out
 }
 
-/// Milliseconds since the Unix epoch (0 if the clock is before it).
+/// The first `max` characters of `s` (all of it if shorter): for strings a
+/// peer sent, before they are stored or logged.
+pub fn clip(s: &str, max: usize) -> &str {
+    match s.char_indices().nth(max) {
+        Some((i, _)) => &s[..i],
+        None => s,
+    }
+}
+
+/// Milliseconds since the Unix epoch (0 if the clock is before it), by
+/// this thread's clock (see [`clock`]).
 pub fn now_ms() -> i64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_millis() as i64)
-        .unwrap_or(0)
+    clock::now_ms()
 }
 
 /// Background tasks the application waits for on shutdown (attempts,

@@ -346,6 +346,8 @@ pub enum EngineError {
     KvPoolTooSmall { positions: usize, capacity: usize },
     #[error("batched step: {0}")]
     Batch(String),
+    #[error("resumed token id {id} is outside the model's vocabulary of {vocab}")]
+    ResumeToken { id: u32, vocab: usize },
 }
 
 impl EngineError {
@@ -358,6 +360,7 @@ impl EngineError {
                 | EngineError::Template(_)
                 | EngineError::InvalidSampling(_)
                 | EngineError::ResumeMismatch
+                | EngineError::ResumeToken { .. }
         )
     }
 }

@@ -222,6 +222,10 @@ async fn a_verified_job_moves_exactly_its_price_and_a_cancelled_one_nothing() {
         .await
         .unwrap()
         .into_inner();
+    // A claim covers what its attempt streamed.
+    write_frame(&mut send, &crate::test_utils::tokens_of(0, &c))
+        .await
+        .unwrap();
     write_frame(
         &mut send,
         &JobUpdate {

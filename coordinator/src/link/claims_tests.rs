@@ -16,49 +16,7 @@ use mlxnet_proto::{
 };
 use rand::{rngs::StdRng, SeedableRng};
 
-use crate::{
-    ledger::{Account, Ledger, ESCROW, FEE},
-    test_utils::{claim_for, prompt_job, spawn_app, FakeNode},
-};
-
-/// Every balance a refused claim could move.
-#[derive(Debug, PartialEq)]
-struct Books {
-    client: Account,
-    operator: Account,
-    fee: Account,
-    escrow: Account,
-}
-
-async fn books(ledger: &Ledger, client: &str, operator: &str) -> Books {
-    let get = |id: String| async move { ledger.account(&id).await.unwrap().unwrap() };
-    Books {
-        client: get(client.to_owned()).await,
-        operator: get(operator.to_owned()).await,
-        fee: get(FEE.to_owned()).await,
-        escrow: get(ESCROW.to_owned()).await,
-    }
-}
-
-/// The books once `settled` holds of them: settlement runs after the store
-/// records a completion, so a test that saw the completion (or the node's next
-/// assignment) waits for it, up to 10 s.
-async fn books_once(
-    ledger: &Ledger,
-    client: &str,
-    operator: &str,
-    settled: impl Fn(&Books) -> bool,
-) -> Books {
-    let mut now = books(ledger, client, operator).await;
-    for _ in 0..500 {
-        if settled(&now) {
-            break;
-        }
-        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
-        now = books(ledger, client, operator).await;
-    }
-    now
-}
+use crate::test_utils::{books, books_once, claim_for, prompt_job, spawn_app, tokens_of, FakeNode};
 
 /// What forged claims borrow from elsewhere.
 struct Others {
@@ -72,6 +30,15 @@ fn send_result(signed: SignedClaim) -> JobUpdate {
     JobUpdate {
         msg: Some(job_update::Msg::Result(signed)),
     }
+}
+
+/// Streams the tokens `signed` lists (a claim covers what its attempt
+/// streamed), then sends it.
+async fn stream_and_send(send: &mut quinn::SendStream, signed: SignedClaim) {
+    if let Some(c) = &signed.claim {
+        write_frame(send, &tokens_of(0, c)).await.unwrap();
+    }
+    write_frame(send, &send_result(signed)).await.unwrap();
 }
 
 #[tokio::test]
@@ -88,9 +55,7 @@ async fn refused_claims_change_no_balance_and_the_honest_one_is_paid() {
     jobs.submit(request_a).await.unwrap().into_inner();
     let (mut send, _recv, a) = node.next_assignment().await;
     let claim_a = claim::sign(node.claim(&a, vec![7, 8], " Paris"), &node.key);
-    write_frame(&mut send, &send_result(claim_a.clone()))
-        .await
-        .unwrap();
+    stream_and_send(&mut send, claim_a.clone()).await;
 
     // Job B: every refused claim arrives on one attempt of it.
     let request_b = prompt_job("The capital of Italy is", 8);
@@ -189,9 +154,7 @@ async fn refused_claims_change_no_balance_and_the_honest_one_is_paid() {
     ];
     for (what, forge) in &forgeries {
         let attempt = assignment.attempt;
-        write_frame(&mut send, &send_result(forge(attempt)))
-            .await
-            .unwrap();
+        stream_and_send(&mut send, forge(attempt)).await;
         // The refusal resets the stream; the job comes back as the next attempt.
         let mut buf = [0u8; 8];
         let read = recv.read(&mut buf).await;
@@ -225,12 +188,7 @@ async fn refused_claims_change_no_balance_and_the_honest_one_is_paid() {
 
     // The honest claim for the current attempt is accepted and paid.
     let attempt = assignment.attempt;
-    write_frame(
-        &mut send,
-        &send_result(claim::sign(honest(attempt), &node.key)),
-    )
-    .await
-    .unwrap();
+    stream_and_send(&mut send, claim::sign(honest(attempt), &node.key)).await;
     let mut watch = jobs
         .watch(WatchJobRequest {
             job_id: job_b.id.clone(),

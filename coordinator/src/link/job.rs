@@ -5,9 +5,13 @@
 //! # Invariants
 //! - A result is accepted only if its claim verifies, was signed by the node
 //!   this session authenticated, names exactly this job, attempt, model
-//!   digest and input digest, lists as many tokens as it bills, and bills no
-//!   more than the job's `max_tokens`. [`check_result`] is the one place that
-//!   decides; whether the tokens are the model's is the audit's question.
+//!   digest and input digest, lists as many tokens as it bills, bills no
+//!   more completion tokens than the attempt has left of the job's
+//!   `max_tokens` and no more prompt tokens than the coordinator's own bound
+//!   of the input ([`check_result`]), and covers exactly what the attempt
+//!   streamed ([`check_streamed`]): the text the client watched is the
+//!   signed text. A hand-off claim counts only from a node that drained.
+//!   Whether the tokens are the model's is the audit's question.
 //!
 //! # Failure
 //! Stream errors surface as [`FrameError`] / [`quinn::ConnectionError`]; a
@@ -47,10 +51,21 @@ pub enum ResultError {
     WrongInput,
     #[error("hand-off claim covers {claimed} tokens, not the {streamed} streamed")]
     HandoffMismatch { claimed: usize, streamed: usize },
+    #[error("hand-off claim from a node that did not drain")]
+    UnaskedHandoff,
+    #[error("claim covers {claimed} tokens and {claimed_bytes} bytes of text, the attempt streamed {streamed} tokens and {streamed_bytes} bytes")]
+    NotStreamed {
+        claimed: usize,
+        claimed_bytes: usize,
+        streamed: usize,
+        streamed_bytes: usize,
+    },
     #[error("claim counts {counted} completion tokens but lists {listed}")]
     TokenCount { counted: u32, listed: usize },
     #[error("claim has {claimed} completion tokens, the job allows {max}")]
     TooManyTokens { claimed: u32, max: u32 },
+    #[error("claim bills {claimed} prompt tokens, the input can make at most {max}")]
+    TooManyPromptTokens { claimed: u32, max: u64 },
 }
 
 /// What the coordinator assigned, for checking the result against.
@@ -61,8 +76,13 @@ pub struct Expected {
     pub node_id: NodeId,
     pub model_sha256: [u8; 32],
     pub input_sha256: [u8; 32],
-    /// The job's `max_tokens`: no claim may bill more.
+    /// What the attempt has left of the job's `max_tokens` (a resumed
+    /// attempt continues after the tokens earlier attempts streamed): no
+    /// claim may bill more.
     pub max_tokens: u32,
+    /// The most prompt tokens the attempt's input (with the resumed tokens)
+    /// can make: no claim may bill more.
+    pub max_prompt_tokens: u64,
 }
 
 /// Accepts `signed` only if it is this node's signed claim about exactly this
@@ -106,21 +126,62 @@ pub fn check_result(signed: &SignedClaim, expected: &Expected) -> Result<(), Res
             max: expected.max_tokens,
         });
     }
+    if u64::from(c.prompt_tokens) > expected.max_prompt_tokens {
+        return Err(ResultError::TooManyPromptTokens {
+            claimed: c.prompt_tokens,
+            max: expected.max_prompt_tokens,
+        });
+    }
     Ok(())
 }
 
-/// A hand-off claim must cover exactly the tokens its attempt streamed:
-/// those are what the next attempt resumes after and what the node is paid.
-pub fn check_handoff(signed: &SignedClaim, streamed: &Segment) -> Result<(), ResultError> {
-    let Some(c) = signed.claim.as_ref() else {
+/// Whether `signed` is a hand-off claim (its node stopped mid-job and a
+/// later attempt resumes after its tokens).
+pub fn is_handoff(signed: &SignedClaim) -> bool {
+    signed
+        .claim
+        .as_ref()
+        .is_some_and(|c| c.finish_reason == claim::FINISH_HANDOFF)
+}
+
+/// A claim must cover what its attempt streamed, so the text a client
+/// watched is the text the node signed:
+/// - a hand-off claim (from a node that `drained`, never otherwise) covers
+///   exactly the streamed tokens and text: those are what the next attempt
+///   resumes after and what the node is paid;
+/// - any other claim's text is exactly the streamed text, and it lists as
+///   many tokens as were streamed (a node streams the end-of-sequence
+///   token's id with the text held back until the end, so one more id may
+///   have been streamed than the claim lists). The claim's ids, not the
+///   streamed ones, are the result: whether they are the model's is the
+///   audit's question.
+pub fn check_streamed(
+    signed: &SignedClaim,
+    streamed: &Segment,
+    drained: bool,
+) -> Result<(), ResultError> {
+    let c = signed.claim.as_ref().ok_or(ClaimError::Missing)?;
+    if c.finish_reason == claim::FINISH_HANDOFF {
+        if !drained {
+            return Err(ResultError::UnaskedHandoff);
+        }
+        if c.output_token_ids != streamed.token_ids || c.output_text != streamed.text {
+            return Err(ResultError::HandoffMismatch {
+                claimed: c.output_token_ids.len(),
+                streamed: streamed.token_ids.len(),
+            });
+        }
         return Ok(());
-    };
-    if c.finish_reason == claim::FINISH_HANDOFF
-        && (c.output_token_ids != streamed.token_ids || c.output_text != streamed.text)
-    {
-        return Err(ResultError::HandoffMismatch {
+    }
+    let ids = streamed.token_ids.len();
+    let covered = (c.output_token_ids.len()..=c.output_token_ids.len() + 1).contains(&ids)
+        && c.output_text == streamed.text;
+    if !covered {
+        return Err(ResultError::NotStreamed {
             claimed: c.output_token_ids.len(),
-            streamed: streamed.token_ids.len(),
+            claimed_bytes: c.output_text.len(),
+            streamed: ids,
+            streamed_bytes: streamed.text.len(),
         });
     }
     Ok(())
@@ -186,6 +247,7 @@ mod tests {
             model_sha256: [7; 32],
             input_sha256: [9; 32],
             max_tokens: 16,
+            max_prompt_tokens: 100,
         };
         let claim = ResultClaim {
             job_id: expected.job_id.clone(),
@@ -195,6 +257,7 @@ mod tests {
             output_token_ids: vec![1, 2],
             output_text: "Paris".into(),
             completion_tokens: 2,
+            prompt_tokens: 12,
             node_id: key.verifying_key().to_bytes().to_vec(),
             finish_reason: "eos".into(),
             ..Default::default()
@@ -266,6 +329,23 @@ mod tests {
                     max: 16,
                 },
             ),
+            (
+                Box::new(|c| c.prompt_tokens = u32::MAX),
+                ResultError::TooManyPromptTokens {
+                    claimed: u32::MAX,
+                    max: 100,
+                },
+            ),
+            // Found by the simulator (`mlxnet-sim`, a hostile node that
+            // inflates its prompt count): the claim's prompt tokens were
+            // billed unchecked, up to the job's whole hold.
+            (
+                Box::new(|c| c.prompt_tokens = 101),
+                ResultError::TooManyPromptTokens {
+                    claimed: 101,
+                    max: 100,
+                },
+            ),
         ];
         for (edit, want) in cases {
             let mut c = good.clone();
@@ -280,5 +360,57 @@ mod tests {
             check_result(&missing, &expected),
             Err(ResultError::Claim(ClaimError::Missing))
         );
+    }
+
+    #[test]
+    fn a_claim_covers_what_its_attempt_streamed_and_hands_off_only_after_a_drain() {
+        let (key, _, good) = setup();
+        let streamed = Segment {
+            token_ids: vec![1, 2],
+            text: "Paris".into(),
+            ..Segment::default()
+        };
+        let signed = |edit: fn(&mut ResultClaim)| {
+            let mut c = good.clone();
+            edit(&mut c);
+            claim::sign(c, &key)
+        };
+        assert_eq!(check_streamed(&signed(|_| {}), &streamed, false), Ok(()));
+        // The end-of-sequence id streamed with the held-back text.
+        let with_eos = Segment {
+            token_ids: vec![1, 2, 0],
+            ..streamed.clone()
+        };
+        assert_eq!(check_streamed(&signed(|_| {}), &with_eos, false), Ok(()));
+        let not_streamed =
+            |e: &Result<(), ResultError>| matches!(e, Err(ResultError::NotStreamed { .. }));
+        assert!(not_streamed(&check_streamed(
+            &signed(|c| c.output_text = "Rome".into()),
+            &streamed,
+            false
+        )));
+        assert!(not_streamed(&check_streamed(
+            &signed(|c| {
+                c.output_token_ids = vec![1, 2, 3];
+                c.completion_tokens = 3;
+            }),
+            &streamed,
+            false
+        )));
+        assert!(not_streamed(&check_streamed(
+            &signed(|_| {}),
+            &Segment::default(),
+            false
+        )));
+        let handoff = |c: &mut ResultClaim| c.finish_reason = claim::FINISH_HANDOFF.into();
+        assert_eq!(
+            check_streamed(&signed(handoff), &streamed, false),
+            Err(ResultError::UnaskedHandoff)
+        );
+        assert_eq!(check_streamed(&signed(handoff), &streamed, true), Ok(()));
+        assert!(matches!(
+            check_streamed(&signed(handoff), &with_eos, true),
+            Err(ResultError::HandoffMismatch { .. })
+        ));
     }
 }

@@ -20,7 +20,14 @@ use std::{
 use mlxnet_proto::ids::NodeId;
 
 use super::handshake::{PodMembership, Registration};
-use crate::scheduler::{BatchCurve, Fleet, Measured, Mode, NodeSpec, PodSpec, Policy};
+use crate::{
+    scheduler::{BatchCurve, Fleet, Measured, Mode, NodeSpec, PodSpec, Policy},
+    util::clip,
+};
+
+/// The longest node-sent reason (a drain's, a pod's degradation, a job's
+/// failure) kept or logged, in characters: a node may send megabytes.
+pub const MAX_REASON_CHARS: usize = 256;
 
 /// One authenticated node connection.
 #[derive(Debug)]
@@ -43,6 +50,8 @@ pub struct Session {
     running: AtomicU32,
     reserved_bytes: AtomicU64,
     draining: AtomicBool,
+    /// Wakes whoever waits for this node's `Drain` ([`Session::drained_within`]).
+    drained: tokio::sync::Notify,
     /// Set when the node is a pod member; such a node takes no job of its
     /// own (its pod's jobs go to the leader).
     pub pod: Option<PodMembership>,
@@ -70,13 +79,17 @@ impl Session {
             running: AtomicU32::new(0),
             reserved_bytes: AtomicU64::new(0),
             draining: AtomicBool::new(false),
+            drained: tokio::sync::Notify::new(),
             pod: node.pod.clone(),
             pod_degraded: Mutex::new(String::new()),
         }
     }
 
     /// Records the pod health a leader reported in a heartbeat.
+    /// The reason is clipped to [`MAX_REASON_CHARS`] before it is kept or
+    /// logged.
     pub fn report_pod_degraded(&self, reason: &str) {
+        let reason = clip(reason, MAX_REASON_CHARS);
         let mut d = self.pod_degraded.lock().unwrap_or_else(|p| p.into_inner());
         if *d != reason {
             if reason.is_empty() {
@@ -97,6 +110,22 @@ impl Session {
     /// The node asked for no new jobs.
     pub fn drain(&self) {
         self.draining.store(true, Ordering::Relaxed);
+        self.drained.notify_waiters();
+    }
+
+    /// Whether the node has asked for no new jobs, or does so within
+    /// `limit`: a drained node's `Drain` (control stream) and its hand-off
+    /// claims (job streams) travel on different streams, so either may
+    /// arrive first.
+    pub async fn drained_within(&self, limit: std::time::Duration) -> bool {
+        let notified = self.drained.notified();
+        tokio::pin!(notified);
+        notified.as_mut().enable();
+        if self.is_draining() {
+            return true;
+        }
+        let _ = tokio::time::timeout(limit, notified).await;
+        self.is_draining()
     }
 
     /// Whether the node asked for no new jobs.

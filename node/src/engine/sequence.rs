@@ -67,6 +67,12 @@ impl TextSide {
         let s = &request.sampling;
         sampler::validate(s)?;
         let resume = &request.resume;
+        // Resumed ids come from another node through the coordinator: one
+        // outside the vocabulary is refused here, not fed to the model.
+        let vocab = self.tokenizer.vocab_len();
+        if let Some(&id) = resume.token_ids.iter().find(|&&t| t as usize >= vocab) {
+            return Err(EngineError::ResumeToken { id, vocab });
+        }
         let mut prompt = self.prompt_tokens(&request.input)?;
         prompt.extend_from_slice(&resume.token_ids);
         if prompt.len() >= ctx {

@@ -1080,4 +1080,21 @@ fn smollm_resumed_generation_continues_the_uninterrupted_stream() {
         .generate(&bad, &mut |_| ControlFlow::Continue(()))
         .unwrap_err();
     assert!(matches!(err, EngineError::ResumeMismatch), "{err}");
+    // An id outside the vocabulary (from a hostile node, through the
+    // coordinator) is refused as the request's fault; it panicked before.
+    let foreign = GenerateRequest {
+        resume: Resume {
+            token_ids: vec![1, u32::MAX],
+            text: String::new(),
+        },
+        ..chat("Hi", greedy(4))
+    };
+    let err = engine
+        .generate(&foreign, &mut |_| ControlFlow::Continue(()))
+        .unwrap_err();
+    assert!(
+        matches!(err, EngineError::ResumeToken { id: u32::MAX, .. }),
+        "{err}"
+    );
+    assert!(err.is_client_error());
 }

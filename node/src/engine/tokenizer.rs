@@ -415,6 +415,11 @@ impl Tokenizer {
         Ok(ids)
     }
 
+    /// How many token ids the vocabulary has (ids are below this).
+    pub fn vocab_len(&self) -> usize {
+        self.token_bytes.len()
+    }
+
     /// The raw bytes of `id` (empty for control tokens and unknown ids).
     pub fn token_bytes(&self, id: u32) -> &[u8] {
         self.token_bytes.get(id as usize).map_or(&[], Vec::as_slice)

@@ -285,20 +285,6 @@ async fn run(
         };
         return finish(send, outcome).await;
     }
-    let Ok(_permit) = ctx.slots.clone().try_acquire_owned() else {
-        let reason = format!(
-            "node is busy: all {} job slots in use",
-            ctx.max_concurrent_jobs
-        );
-        return finish(
-            send,
-            Outcome::Failure {
-                reason,
-                retryable: true,
-            },
-        )
-        .await;
-    };
     let resolved = match &ctx.pod {
         Some(pod) => {
             if pod.held.id != a.model {
@@ -324,16 +310,35 @@ async fn run(
             return finish(send, outcome).await;
         }
     };
-    let model_sha256 = match &runner {
-        Runner::Local(m) => m.held.sha256,
-        Runner::Pod(p) => p.held.sha256,
-    };
     let Some(input) = a.input.clone().filter(|i| i.kind.is_some()) else {
         let outcome = Outcome::Failure {
             reason: "assignment has no input".into(),
             retryable: false,
         };
         return finish(send, outcome).await;
+    };
+    // A refusal for good (a model or digest the node does not hold, no
+    // input) needs no slot, so it never makes the next job see the node busy.
+    // The slot is given back before the job's last frame is written: the
+    // coordinator frees its count of this node when it reads that frame, and
+    // may send the next job at once.
+    let Ok(permit) = ctx.slots.clone().try_acquire_owned() else {
+        let reason = format!(
+            "node is busy: all {} job slots in use",
+            ctx.max_concurrent_jobs
+        );
+        return finish(
+            send,
+            Outcome::Failure {
+                reason,
+                retryable: true,
+            },
+        )
+        .await;
+    };
+    let model_sha256 = match &runner {
+        Runner::Local(m) => m.held.sha256,
+        Runner::Pod(p) => p.held.sha256,
     };
     let resume = a.resume.clone().unwrap_or_default();
     let request = GenerateRequest {
@@ -363,6 +368,7 @@ async fn run(
                 retryable: true,
             },
         };
+        drop(permit);
         return finish(send, outcome).await;
     }
     tracing::info!(job_id = %a.job_id, attempt = a.attempt, "job started");
@@ -476,6 +482,10 @@ async fn run(
     if let Outcome::Claim(signed) = &outcome {
         watch.signed(signed);
     }
+    // The board, the journal and the slot are done with before the
+    // coordinator hears the end (see the slot above).
+    drop(watch);
+    drop(permit);
     finish(send, outcome).await
 }
 

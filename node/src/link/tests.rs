@@ -43,12 +43,15 @@ struct TestLink {
     task: tokio::task::JoinHandle<()>,
     /// The lending decision the link follows (lends from the start).
     lending: watch::Sender<Option<Decision>>,
+    /// The link's job slots.
+    slots: Arc<Semaphore>,
 }
 
 impl TestLink {
     fn start(server: SocketAddr, pin: &str, models: Arc<ModelSet>, slots: u32) -> Self {
         let identity = Arc::new(Identity::generate());
         let (lending, lending_rx) = watch::channel(Some(Decision::Lend));
+        let job_slots = Arc::new(Semaphore::new(slots as usize));
         let ctx = Arc::new(LinkContext {
             identity: identity.clone(),
             models,
@@ -70,7 +73,7 @@ impl TestLink {
             connect_timeout: Duration::from_secs(10),
             reconnect_min: Duration::from_millis(10),
             reconnect_max: Duration::from_millis(50),
-            slots: Arc::new(Semaphore::new(slots as usize)),
+            slots: job_slots.clone(),
             drain: Arc::default(),
             drain_grace: Duration::from_millis(100),
             lending: lending_rx,
@@ -90,6 +93,7 @@ impl TestLink {
             stop,
             task,
             lending,
+            slots: job_slots,
         }
     }
 
@@ -484,6 +488,9 @@ async fn jobs_stream_tokens_and_a_signed_claim_and_bad_jobs_are_refused() {
     assert!(c.prompt_tokens > 5 && !ids.is_empty());
     // The model's own words (its quality is the engine's tests' business).
     assert!(!text.trim().is_empty());
+    // The slot was given back before the result was sent: the coordinator
+    // may send the next job the moment it reads the result.
+    assert_eq!(link.slots.available_permits(), 1, "the slot is still held");
 
     // A digest the node does not hold, and a model it does not have: refused for good.
     let bad = assignment("job-2", "Hi", 4, &"00".repeat(32));
@@ -506,10 +513,12 @@ async fn jobs_stream_tokens_and_a_signed_claim_and_bad_jobs_are_refused() {
 
     // One slot: a second job while the first runs is refused as retryable;
     // resetting the first cancels it and frees the slot.
+    // (Long, yet inside the test pool's 1,456 KV positions: a job the pool
+    // cannot hold is refused as soon as it reaches the batch.)
     let long = assignment(
         "job-4",
         "Write a long story about a lighthouse.",
-        2000,
+        1000,
         MODEL_SHA256,
     );
     let (mut long_send, mut long_recv) = open_job(&peer, &long).await;

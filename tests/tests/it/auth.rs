@@ -193,6 +193,10 @@ async fn send_result(
     send: &mut quinn::SendStream,
     signed: mlxnet_proto::v1::SignedClaim,
 ) -> anyhow::Result<()> {
+    // A claim covers what its attempt streamed: stream its tokens first.
+    if let Some(c) = &signed.claim {
+        write_frame(send, &mlxnet_coordinator::test_utils::tokens_of(0, c)).await?;
+    }
     let update = JobUpdate {
         msg: Some(job_update::Msg::Result(signed)),
     };

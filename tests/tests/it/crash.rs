@@ -246,6 +246,8 @@ async fn serve(conn: quinn::Connection, key: SigningKey, seed: u64, served: Arc<
                 finish_reason: "length".into(),
                 ..Default::default()
             };
+            // A claim covers what its attempt streamed: stream it first.
+            let _ = write_frame(&mut send, &mlxnet_coordinator::test_utils::tokens_of(0, &c)).await;
             job_update::Msg::Result(claim::sign(c, &key))
         } else if roll < 9 {
             job_update::Msg::Failure(job_update::Failure {

@@ -1,0 +1,146 @@
+//! `mlxnet-sim`: runs the deterministic simulator over many seeds (or one,
+//! to replay it) and prints seeds, steps, faults per kind and violations;
+//! each failing seed with the one-line command that replays it. Exits 1 if
+//! any seed broke an invariant.
+#![allow(clippy::print_stdout, reason = "a command-line tool's output")]
+
+use std::{
+    collections::BTreeMap,
+    sync::{
+        atomic::{AtomicU64, Ordering},
+        Arc, Mutex,
+    },
+    time::Instant,
+};
+
+use clap::Parser;
+use mlxnet_sim::{replay_command, run_seed, Fault, Mutation, Options, Report};
+
+#[derive(Parser, Debug)]
+#[command(about = "Deterministic simulation of the mlx-network coordinator under faults")]
+struct Args {
+    /// Seeds to run (seeds FIRST..FIRST+N).
+    #[arg(long, default_value_t = 100)]
+    seeds: u64,
+    /// The first seed.
+    #[arg(long, default_value_t = 0)]
+    first: u64,
+    /// Run only this seed (a replay), printing its trace hash.
+    #[arg(long)]
+    seed: Option<u64>,
+    /// Most nodes in a seed's world.
+    #[arg(long, default_value_t = Options::default().nodes)]
+    nodes: u32,
+    /// Events per seed while faults are injected.
+    #[arg(long, default_value_t = Options::default().steps)]
+    steps: u32,
+    /// Threads running seeds (default: the machine's cores).
+    #[arg(long)]
+    threads: Option<usize>,
+    /// Turn a guard off on purpose: skip-result-check, skip-lease.
+    #[arg(long)]
+    mutate: Option<Mutation>,
+}
+
+fn main() -> std::process::ExitCode {
+    let args = Args::parse();
+    let options = Options {
+        nodes: args.nodes,
+        steps: args.steps,
+        mutation: args.mutate,
+        ..Options::default()
+    };
+    let seeds: Vec<u64> = match args.seed {
+        Some(s) => vec![s],
+        None => (args.first..args.first.saturating_add(args.seeds)).collect(),
+    };
+    let threads = args
+        .threads
+        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
+        .clamp(1, seeds.len().max(1));
+    let started = Instant::now();
+    let next = Arc::new(AtomicU64::new(0));
+    let reports: Arc<Mutex<Vec<Result<Report, String>>>> = Arc::default();
+    let seeds = Arc::new(seeds);
+    let workers: Vec<_> = (0..threads)
+        .map(|_| {
+            let (next, reports, seeds, options) = (
+                Arc::clone(&next),
+                Arc::clone(&reports),
+                Arc::clone(&seeds),
+                options.clone(),
+            );
+            std::thread::spawn(move || loop {
+                let i = next.fetch_add(1, Ordering::SeqCst) as usize;
+                let Some(&seed) = seeds.get(i) else {
+                    return;
+                };
+                let r = run_seed(seed, &options).map_err(|e| format!("seed {seed}: {e:?}"));
+                reports.lock().unwrap_or_else(|p| p.into_inner()).push(r);
+            })
+        })
+        .collect();
+    for w in workers {
+        let _ = w.join();
+    }
+    let mut reports = std::mem::take(&mut *reports.lock().unwrap_or_else(|p| p.into_inner()));
+    reports.sort_by_key(|r| r.as_ref().map_or(0, |r| r.seed));
+    let mut steps = 0u64;
+    let mut jobs = (0u64, 0u64, 0u64, 0u64);
+    let mut nodes = 0u64;
+    let mut faults: BTreeMap<Fault, u64> = BTreeMap::new();
+    let mut failing = Vec::new();
+    let mut errors = 0;
+    for r in &reports {
+        match r {
+            Ok(r) => {
+                steps += r.steps;
+                nodes += u64::from(r.nodes);
+                jobs.0 += r.jobs;
+                jobs.1 += r.completed;
+                jobs.2 += r.failed;
+                jobs.3 += r.cancelled;
+                for (f, n) in &r.faults {
+                    *faults.entry(*f).or_default() += n;
+                }
+                if !r.violations.is_empty() {
+                    failing.push(r);
+                }
+                if args.seed.is_some() {
+                    println!("seed {} trace {}", r.seed, r.trace);
+                }
+            }
+            Err(e) => {
+                errors += 1;
+                println!("error: {e}");
+            }
+        }
+    }
+    let violations: usize = failing.iter().map(|r| r.violations.len()).sum();
+    println!(
+        "seeds {} | steps {steps} | nodes {nodes} | jobs {} (completed {}, failed {}, cancelled {}) | {:.1} s on {threads} threads",
+        reports.len(),
+        jobs.0,
+        jobs.1,
+        jobs.2,
+        jobs.3,
+        started.elapsed().as_secs_f64()
+    );
+    let kinds: Vec<String> = faults
+        .iter()
+        .map(|(f, n)| format!("{} {n}", f.as_str()))
+        .collect();
+    println!("faults: {}", kinds.join(", "));
+    println!("violations {violations} in {} seeds", failing.len());
+    for r in &failing {
+        for v in r.violations.iter().take(3) {
+            println!("  seed {}: {v}", r.seed);
+        }
+        println!("  replay: {}", replay_command(r.seed, &options));
+    }
+    if violations > 0 || errors > 0 {
+        std::process::ExitCode::FAILURE
+    } else {
+        std::process::ExitCode::SUCCESS
+    }
+}
