@@ -636,6 +636,8 @@ impl Dispatcher {
                 index: 0,
                 token_ids: resumed.token_ids.clone(),
                 text: resumed.text.clone(),
+                // Not stored: a late watcher replays the ids and text only.
+                logprobs: Vec::new(),
             },
         );
         let outcome = self
@@ -808,6 +810,14 @@ impl Dispatcher {
                             retryable: true,
                         });
                     }
+                    if let Err(e) = crate::link::job::check_logprobs(&t, job.sampling.logprobs) {
+                        Metrics::inc(&self.metrics.results_refused);
+                        return Err(Outcome::Failed {
+                            vanished: false,
+                            reason: format!("the node's token chunk was refused: {e}"),
+                            retryable: true,
+                        });
+                    }
                     segment.token_ids.extend_from_slice(&t.token_ids);
                     segment.text.push_str(&t.text);
                     self.metrics.tokens_streamed.fetch_add(
@@ -820,6 +830,7 @@ impl Dispatcher {
                             index: t.index,
                             token_ids: t.token_ids,
                             text: t.text,
+                            logprobs: t.logprobs,
                         },
                     );
                 }
