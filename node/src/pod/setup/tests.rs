@@ -175,6 +175,9 @@ fn adverts_round_trip_through_txt_properties() {
 #[test]
 fn two_members_find_each_other_over_mdns_write_one_hostfile_and_measure_their_link() {
     let dir = tempfile::tempdir().unwrap();
+    // Rank r listens on `port + r`: two free ports side by side, so a run
+    // beside another (another suite, another checkout) does not collide.
+    let port = free_port_pair();
     let me = |id: &str, host: &str| SetupArgs {
         me: Member {
             node_id: id.into(),
@@ -185,7 +188,7 @@ fn two_members_find_each_other_over_mdns_write_one_hostfile_and_measure_their_li
         },
         members: 2,
         timeout: Duration::from_secs(60),
-        port: 40110,
+        port,
         output: dir.path().join(format!("{host}.json")),
         require_rdma: false,
         apply: false,
@@ -215,4 +218,15 @@ fn two_members_find_each_other_over_mdns_write_one_hostfile_and_measure_their_li
             .any(|l| l.starts_with("link rank 0 - rank 1: latency")),
         "{la:?}"
     );
+}
+
+/// A port p with p and p + 1 both free on 127.0.0.1 just now.
+fn free_port_pair() -> u16 {
+    loop {
+        let first = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let p = first.local_addr().unwrap().port();
+        if p < u16::MAX && std::net::TcpListener::bind(("127.0.0.1", p + 1)).is_ok() {
+            return p;
+        }
+    }
 }
