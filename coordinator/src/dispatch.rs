@@ -649,6 +649,8 @@ impl Dispatcher {
                 index: 0,
                 token_ids: resumed.token_ids.clone(),
                 text: resumed.text.clone(),
+                // Not stored: a late watcher replays the ids and text only.
+                logprobs: Vec::new(),
             },
         );
         let outcome = self
@@ -821,6 +823,14 @@ impl Dispatcher {
                             retryable: true,
                         });
                     }
+                    if let Err(e) = crate::link::job::check_logprobs(&t, job.sampling.logprobs) {
+                        self.metrics.results_refused.inc();
+                        return Err(Outcome::Failed {
+                            vanished: false,
+                            reason: format!("the node's token chunk was refused: {e}"),
+                            retryable: true,
+                        });
+                    }
                     if next == 0 && job.attempt == 1 && !t.token_ids.is_empty() {
                         Metrics::observe_since_ms(
                             &self.metrics.first_token_seconds,
@@ -839,6 +849,7 @@ impl Dispatcher {
                             index: t.index,
                             token_ids: t.token_ids,
                             text: t.text,
+                            logprobs: t.logprobs,
                         },
                     );
                 }

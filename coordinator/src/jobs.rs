@@ -170,6 +170,7 @@ mod tests {
             index,
             token_ids: vec![index],
             text: text.into(),
+            logprobs: Vec::new(),
         }
     }
 

@@ -34,6 +34,7 @@
 
 mod chat;
 mod completions;
+mod logprobs;
 pub mod messages;
 mod params;
 mod stream;
@@ -418,7 +419,16 @@ impl Started {
         err: impl FnOnce(OpenAiError) -> Response,
     ) -> Response {
         let mut end = Err(stream::ended_early());
+        let mut collected = logprobs::Collected::default();
         while let Some(e) = self.events.recv().await {
+            if let Ok(JobEvent {
+                event: Some(job_event::Event::Tokens(chunk)),
+                ..
+            }) = &e
+            {
+                collected.add(chunk);
+                continue;
+            }
             match stream::outcome(e) {
                 Ok(None) => continue,
                 Ok(Some(o)) => end = Ok(o),
@@ -428,7 +438,10 @@ impl Started {
         }
         self.cancel.disarm();
         let resp = match end {
-            Ok(o) => ok(&self.meta, o),
+            Ok(mut o) => {
+                o.logprobs = collected.into_entries();
+                ok(&self.meta, o)
+            }
             Err(e) => err(e),
         };
         with_job(resp, self.meta.id, self.permit)
@@ -535,10 +548,18 @@ async fn unknown_route(req: Request) -> Response {
     .into_response()
 }
 
+/// What a stream sends of a token event: its text, if it has any and is
+/// new, and the log-probabilities of its new tokens.
+#[derive(Debug, Default)]
+struct Fresh {
+    text: Option<String>,
+    logprobs: Vec<mlxnet_proto::v1::TokenLogprob>,
+}
+
 /// What a stream sends of event `e`: `None` if it is not a token event;
-/// else its text, if it has any and is new (a retried attempt replays
-/// from its start: only tokens past `sent` are sent on).
-fn new_text(e: &Result<JobEvent, tonic::Status>, sent: &mut u32) -> Option<Option<String>> {
+/// else what is new in it (a retried attempt replays from its start: only
+/// tokens past `sent` are sent on).
+fn new_tokens(e: &Result<JobEvent, tonic::Status>, sent: &mut u32) -> Option<Fresh> {
     let Ok(JobEvent {
         event: Some(job_event::Event::Tokens(chunk)),
         ..
@@ -547,8 +568,18 @@ fn new_text(e: &Result<JobEvent, tonic::Status>, sent: &mut u32) -> Option<Optio
         return None;
     };
     let fresh = chunk.index >= *sent && !chunk.text.is_empty();
+    let skip = (*sent).saturating_sub(chunk.index) as usize;
+    let logprobs = chunk.logprobs.iter().skip(skip).cloned().collect();
     *sent = (*sent).max(chunk.index + chunk.token_ids.len() as u32);
-    Some(fresh.then(|| chunk.text.clone()))
+    Some(Fresh {
+        text: fresh.then(|| chunk.text.clone()),
+        logprobs,
+    })
+}
+
+/// [`new_tokens`]'s text only.
+fn new_text(e: &Result<JobEvent, tonic::Status>, sent: &mut u32) -> Option<Option<String>> {
+    new_tokens(e, sent).map(|f| f.text)
 }
 
 #[cfg(test)]

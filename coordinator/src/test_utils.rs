@@ -450,6 +450,7 @@ pub fn tokens_of(index: u32, c: &mlxnet_proto::v1::ResultClaim) -> mlxnet_proto:
             index,
             token_ids: c.output_token_ids.clone(),
             text: c.output_text.clone(),
+            logprobs: Vec::new(),
         })),
     }
 }

@@ -30,7 +30,8 @@
 //!   `tokenizer.json`, plus the incremental detokenizer used for streaming.
 //! - `template`: the model's chat template, rendered with minijinja.
 //! - `sampler`: greedy / temperature / top-k / top-p / min-p / repetition
-//!   penalty with a seeded generator; `stop`: stop strings.
+//!   penalty with a seeded generator, and a token's log-probabilities;
+//!   `stop`: stop strings.
 //! - [`audit`]: the decision rule that judges a claimed generation from one
 //!   teacher-forced pass ([`Engine::audit`]).
 //! - [`cli`]: `mlx-node generate` and `mlx-node bench`.
@@ -234,7 +235,14 @@ pub struct Sampling {
     /// Generation ends when the output contains one of these; the stop string
     /// itself is not part of the output.
     pub stop: Vec<String>,
+    /// `Some(k)`: each streamed token carries its log-probability and the
+    /// `k` (at most [`MAX_LOGPROBS`]) most probable alternatives
+    /// ([`TokenChunk::logprobs`]).
+    pub logprobs: Option<usize>,
 }
+
+/// Most alternatives a token's log-probabilities may list (OpenAI's bound).
+pub const MAX_LOGPROBS: usize = 20;
 
 impl Default for Sampling {
     fn default() -> Self {
@@ -247,12 +255,13 @@ impl Default for Sampling {
             seed: 0,
             max_tokens: 128,
             stop: Vec::new(),
+            logprobs: None,
         }
     }
 }
 
 /// One generated token, as streamed to the callback.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct TokenChunk {
     /// 0-based index of this token in the job (resumed tokens count).
     pub index: usize,
@@ -260,6 +269,26 @@ pub struct TokenChunk {
     /// Newly decodable text: valid UTF-8, may be empty (an incomplete
     /// character, or text that might start a stop string, is held back).
     pub text: String,
+    /// With [`Sampling::logprobs`]: this token's log-probability and the
+    /// most probable alternatives at its position.
+    pub logprobs: Option<TokenLogprobs>,
+}
+
+/// A token's log-probability under the model's distribution at its
+/// position (see `sampler::logprobs`) and the most probable tokens there.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TokenLogprobs {
+    pub chosen: Logprob,
+    /// Most probable first (ties: lower id first), `k` of them.
+    pub top: Vec<Logprob>,
+}
+
+/// One token with its log-probability (finite, <= 0) and its bytes.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Logprob {
+    pub token_id: u32,
+    pub logprob: f32,
+    pub bytes: Vec<u8>,
 }
 
 /// The result of one generation.

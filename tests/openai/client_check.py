@@ -80,6 +80,79 @@ streamed = "".join(ch.choices[0].delta.content or "" for ch in chunks[:-1])
 check(streamed == c0.message.content, f"streamed {streamed!r} != {c0.message.content!r}")
 summary["stream_id"] = chunks[0].id
 
+# Logprobs (chat): asking for them changes no token; one entry per token,
+# each <= 0 with its 5 alternatives; at temperature 0 the chosen token is the
+# most probable one; the bytes add up to the text.
+lp = client.chat.completions.create(
+    model=MODEL, messages=QUESTION, max_tokens=12, temperature=0, seed=7,
+    logprobs=True, top_logprobs=5,
+)
+lc = lp.choices[0]
+check(lc.message.content == c0.message.content, f"logprobs changed the text: {lc.message.content!r}")
+content = lc.logprobs.content
+n = lp.usage.completion_tokens
+check(len(content) in (n, n + 1), f"{len(content)} logprob entries for {n} tokens")
+for e in content:
+    check(e.logprob <= 0, f"logprob {e}")
+    check(len(e.top_logprobs) == 5, f"5 alternatives: {e}")
+    check(all(t.logprob <= 0 for t in e.top_logprobs), f"alternatives <= 0: {e}")
+    top = e.top_logprobs[0]
+    check(e.token in [t.token for t in e.top_logprobs], f"chosen among the top 5: {e}")
+    check(top.token == e.token and top.logprob == e.logprob, f"greedy picks the argmax: {e}")
+    check(
+        all(a.logprob >= b.logprob for a, b in zip(e.top_logprobs, e.top_logprobs[1:])),
+        f"most probable first: {e}",
+    )
+if lc.finish_reason == "length":
+    joined = b"".join(bytes(e.bytes) for e in content).decode("utf-8", "replace")
+    check(joined == lc.message.content, f"bytes {joined!r} vs {lc.message.content!r}")
+summary["logprobs_id"] = lp.id
+
+# Logprobs streamed: the same entries, chunk by chunk.
+lchunks = list(
+    client.chat.completions.create(
+        model=MODEL, messages=QUESTION, max_tokens=12, temperature=0, seed=7,
+        logprobs=True, top_logprobs=5, stream=True,
+    )
+)
+streamed_lp = [e for ch in lchunks if ch.choices and ch.choices[0].logprobs for e in ch.choices[0].logprobs.content]
+check(
+    [(e.token, e.logprob) for e in streamed_lp] == [(e.token, e.logprob) for e in content],
+    f"streamed logprobs {streamed_lp} vs {content}",
+)
+check(
+    "".join(ch.choices[0].delta.content or "" for ch in lchunks if ch.choices) == lc.message.content,
+    "streamed text with logprobs",
+)
+
+# Sampled (temperature 1): still log-probabilities of the model's distribution.
+hot = client.chat.completions.create(
+    model=MODEL, messages=QUESTION, max_tokens=8, temperature=1.0, seed=3,
+    logprobs=True, top_logprobs=3,
+)
+for e in hot.choices[0].logprobs.content:
+    check(e.logprob <= e.top_logprobs[0].logprob <= 0, f"sampled logprob {e}")
+
+# Logprobs (completions): tokens, token_logprobs, top_logprobs, text_offset.
+tl = client.completions.create(
+    model=MODEL, prompt="The sky is", max_tokens=6, temperature=0, logprobs=3
+)
+l = tl.choices[0].logprobs
+check(len(l.tokens) == len(l.token_logprobs) == len(l.top_logprobs) == len(l.text_offset), f"lengths {l}")
+check(len(l.tokens) >= tl.usage.completion_tokens, f"one entry per token {l}")
+check(all(x <= 0 for x in l.token_logprobs), f"token_logprobs {l.token_logprobs}")
+check(l.text_offset == sorted(l.text_offset) and l.text_offset[0] == 0, f"text_offset {l.text_offset}")
+for tok, x, top in zip(l.tokens, l.token_logprobs, l.top_logprobs):
+    check(1 <= len(top) <= 3 and all(v <= 0 for v in top.values()), f"top {top}")
+    check(tok in top and top[tok] == x == max(top.values()), f"greedy argmax {tok!r} {x} {top}")
+tparts = list(
+    client.completions.create(
+        model=MODEL, prompt="The sky is", max_tokens=6, temperature=0, logprobs=3, stream=True
+    )
+)
+st = [t for p in tparts if p.choices[0].logprobs for t in p.choices[0].logprobs.token_logprobs]
+check(st == l.token_logprobs, f"streamed token_logprobs {st} vs {l.token_logprobs}")
+
 # Seed reproducibility at temperature 1: the same seed, the same text.
 def sampled(seed):
     r = client.chat.completions.create(
@@ -162,6 +235,12 @@ e = refused(openai.BadRequestError, 400, chat_with(messages=[{"role": "wizard", 
 check(e["param"] == "messages", f"param {e}")
 e = refused(openai.BadRequestError, 400, chat_with(frequency_penalty=1.0))
 check(e["code"] == "unsupported_parameter", f"code {e}")
+e = refused(openai.BadRequestError, 400, chat_with(logprobs=True, top_logprobs=21))
+check(e["param"] == "top_logprobs", f"param {e}")
+e = refused(openai.BadRequestError, 400, chat_with(logprobs=True, top_logprobs=-1))
+check(e["param"] == "top_logprobs", f"param {e}")
+e = refused(openai.BadRequestError, 400, lambda: client.completions.create(model=MODEL, prompt="a", logprobs=21))
+check(e["param"] == "logprobs", f"param {e}")
 e = refused(openai.BadRequestError, 400, chat_with(max_tokens=100000))
 refused(openai.BadRequestError, 400, lambda: client.completions.create(model=MODEL, prompt="a", suffix="b"))
 

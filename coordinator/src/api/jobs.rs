@@ -140,6 +140,12 @@ pub fn validate_submit(
     in_range("top_p", s.top_p, 0.0, 1.0)?;
     in_range("min_p", s.min_p, 0.0, 1.0)?;
     in_range("repetition_penalty", s.repetition_penalty, 0.0, 10.0)?;
+    if let Some(k) = s.logprobs.filter(|&k| k > crate::domain::job::MAX_LOGPROBS) {
+        return Err(invalid(format!(
+            "logprobs {k} must be at most {}",
+            crate::domain::job::MAX_LOGPROBS
+        )));
+    }
     if s.stop.len() > limits.max_stop_strings {
         return Err(invalid(format!(
             "{} stop strings; the limit is {}",

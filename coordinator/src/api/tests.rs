@@ -230,6 +230,7 @@ async fn a_job_streams_tokens_and_completes_only_with_a_verified_result() {
             index,
             token_ids: vec![id],
             text: text.into(),
+            logprobs: Vec::new(),
         })),
     };
     write_frame(&mut send, &tokens(0, 7, " Par")).await.unwrap();

@@ -29,6 +29,7 @@ fn tokens(index: u32, token_ids: Vec<u32>, text: &str) -> JobUpdate {
             index,
             token_ids,
             text: text.into(),
+            logprobs: Vec::new(),
         })),
     }
 }

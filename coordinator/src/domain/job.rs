@@ -12,6 +12,10 @@ use mlxnet_proto::{
     v1::{self, job_event, JobEvent, JobInput, SamplingParams, SignedClaim},
 };
 
+/// The most alternatives a token's log-probabilities may list (OpenAI's
+/// `top_logprobs` bound), for `SamplingParams.logprobs`.
+pub const MAX_LOGPROBS: u32 = 20;
+
 /// Where a job is in its life.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum JobState {

@@ -12,6 +12,15 @@
 //!   streamed ([`check_streamed`]): the text the client watched is the
 //!   signed text. A hand-off claim counts only from a node that drained.
 //!   Whether the tokens are the model's is the audit's question.
+//! - A token chunk's log-probabilities ([`check_logprobs`]) are one entry
+//!   per streamed id, only when the job asked for them, with at most the
+//!   alternatives it asked for, every value finite and <= 0, most probable
+//!   first and consistent with the chosen token's: an entry belongs to the
+//!   id beside it, so a node cannot report logprobs for a token it did not
+//!   stream. The signed claim binds the ids, not these values (they are
+//!   floats of the node's arithmetic, and the client receives them live):
+//!   an audit re-scores each position from the same logits and could
+//!   compare them, were they stored with the job.
 //!
 //! # Failure
 //! Stream errors surface as [`FrameError`] / [`quinn::ConnectionError`]; a
@@ -21,7 +30,7 @@ use mlxnet_proto::{
     claim::{self, ClaimError},
     frame::{read_frame, write_frame, FrameError},
     ids::NodeId,
-    v1::{Assignment, JobUpdate, SignedClaim},
+    v1::{job_update, Assignment, JobUpdate, SignedClaim, TokenLogprob},
 };
 
 use crate::domain::Segment;
@@ -66,6 +75,78 @@ pub enum ResultError {
     TooManyTokens { claimed: u32, max: u32 },
     #[error("claim bills {claimed} prompt tokens, the input can make at most {max}")]
     TooManyPromptTokens { claimed: u32, max: u64 },
+}
+
+/// The most bytes a token (chosen or alternative) may carry in its logprobs.
+pub const MAX_TOKEN_BYTES: usize = 256;
+
+/// Why a token chunk's log-probabilities were refused.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum LogprobsError {
+    #[error("{sent} logprob entries for a job that asked for none")]
+    Unasked { sent: usize },
+    #[error("{sent} logprob entries for {tokens} streamed tokens")]
+    Count { sent: usize, tokens: usize },
+    #[error("token {at}: {sent} alternatives, the job asked for {asked}")]
+    Alternatives { at: u32, sent: usize, asked: u32 },
+    #[error("token {at}: a log-probability that is not a finite number <= 0")]
+    Value { at: u32 },
+    #[error("token {at}: alternatives out of order, or inconsistent with the chosen token")]
+    Inconsistent { at: u32 },
+    #[error("token {at}: a token of more than {MAX_TOKEN_BYTES} bytes")]
+    TokenBytes { at: u32 },
+}
+
+/// Accepts the logprobs of a token chunk `t` of a job that asked for
+/// `asked` alternatives per token (`None`: no logprobs).
+pub fn check_logprobs(t: &job_update::Tokens, asked: Option<u32>) -> Result<(), LogprobsError> {
+    let Some(k) = asked else {
+        return match t.logprobs.len() {
+            0 => Ok(()),
+            sent => Err(LogprobsError::Unasked { sent }),
+        };
+    };
+    if t.logprobs.len() != t.token_ids.len() {
+        return Err(LogprobsError::Count {
+            sent: t.logprobs.len(),
+            tokens: t.token_ids.len(),
+        });
+    }
+    for (i, (l, &id)) in t.logprobs.iter().zip(&t.token_ids).enumerate() {
+        let at = t.index.saturating_add(i as u32);
+        check_entry(l, id, k, at)?;
+    }
+    Ok(())
+}
+
+fn check_entry(l: &TokenLogprob, id: u32, k: u32, at: u32) -> Result<(), LogprobsError> {
+    if l.top.len() > k as usize {
+        return Err(LogprobsError::Alternatives {
+            at,
+            sent: l.top.len(),
+            asked: k,
+        });
+    }
+    let fine = |v: f32| v.is_finite() && v <= 0.0;
+    if !fine(l.logprob) || !l.top.iter().all(|a| fine(a.logprob)) {
+        return Err(LogprobsError::Value { at });
+    }
+    if l.token.len() > MAX_TOKEN_BYTES || l.top.iter().any(|a| a.token.len() > MAX_TOKEN_BYTES) {
+        return Err(LogprobsError::TokenBytes { at });
+    }
+    // Most probable first; the first at least as probable as the chosen
+    // token; the chosen token, where listed, with its own value.
+    let ordered = l.top.windows(2).all(|w| w[0].logprob >= w[1].logprob);
+    let above_chosen = l.top.first().is_none_or(|a| a.logprob >= l.logprob);
+    let same = l
+        .top
+        .iter()
+        .all(|a| a.token_id != id || a.logprob == l.logprob);
+    if !ordered || !above_chosen || !same {
+        return Err(LogprobsError::Inconsistent { at });
+    }
+    Ok(())
 }
 
 /// What the coordinator assigned, for checking the result against.
@@ -412,5 +493,83 @@ mod tests {
             check_streamed(&signed(handoff), &with_eos, true),
             Err(ResultError::HandoffMismatch { .. })
         ));
+    }
+
+    fn lp(logprob: f32, top: &[(u32, f32)]) -> TokenLogprob {
+        TokenLogprob {
+            logprob,
+            token: b"x".to_vec(),
+            top: top
+                .iter()
+                .map(|&(token_id, logprob)| mlxnet_proto::v1::TopLogprob {
+                    token_id,
+                    logprob,
+                    token: b"y".to_vec(),
+                })
+                .collect(),
+        }
+    }
+
+    fn tokens(ids: &[u32], logprobs: Vec<TokenLogprob>) -> job_update::Tokens {
+        job_update::Tokens {
+            index: 4,
+            token_ids: ids.to_vec(),
+            text: "xx".into(),
+            logprobs,
+        }
+    }
+
+    #[test]
+    fn logprobs_must_belong_to_streamed_tokens_and_be_log_probabilities() {
+        let good = || vec![lp(-0.5, &[(7, -0.5), (8, -1.0)]), lp(-2.0, &[(1, -0.1)])];
+        assert_eq!(check_logprobs(&tokens(&[7, 9], good()), Some(2)), Ok(()));
+        assert_eq!(check_logprobs(&tokens(&[7, 9], vec![]), None), Ok(()));
+        let refused = |t: job_update::Tokens, k: Option<u32>| check_logprobs(&t, k).unwrap_err();
+        // Not asked for, or more (or fewer) entries than streamed ids.
+        assert_eq!(
+            refused(tokens(&[7, 9], good()), None),
+            LogprobsError::Unasked { sent: 2 }
+        );
+        assert_eq!(
+            refused(tokens(&[7], good()), Some(2)),
+            LogprobsError::Count { sent: 2, tokens: 1 }
+        );
+        assert_eq!(
+            refused(tokens(&[7, 9, 10], good()), Some(2)),
+            LogprobsError::Count { sent: 2, tokens: 3 }
+        );
+        // More alternatives than asked.
+        assert!(matches!(
+            refused(tokens(&[7, 9], good()), Some(1)),
+            LogprobsError::Alternatives {
+                at: 4,
+                sent: 2,
+                asked: 1
+            }
+        ));
+        // Not a log-probability: positive, NaN, infinite.
+        for bad in [0.5, f32::NAN, f32::NEG_INFINITY] {
+            let t = tokens(&[7], vec![lp(bad, &[])]);
+            assert_eq!(refused(t, Some(0)), LogprobsError::Value { at: 4 });
+            let t = tokens(&[7], vec![lp(-1.0, &[(3, bad)])]);
+            assert_eq!(refused(t, Some(1)), LogprobsError::Value { at: 4 });
+        }
+        // Out of order; the chosen token above the most probable; the
+        // chosen token listed with another value.
+        for top in [
+            vec![(1, -2.0), (2, -1.0)],
+            vec![(1, -3.0)],
+            vec![(7, -0.1), (1, -1.5)],
+        ] {
+            let t = tokens(&[7], vec![lp(-1.5, &top)]);
+            assert_eq!(refused(t, Some(2)), LogprobsError::Inconsistent { at: 4 });
+        }
+        // A token of more bytes than any real one.
+        let mut big = lp(-1.0, &[]);
+        big.token = vec![b'a'; MAX_TOKEN_BYTES + 1];
+        assert_eq!(
+            refused(tokens(&[7], vec![big]), Some(0)),
+            LogprobsError::TokenBytes { at: 4 }
+        );
     }
 }

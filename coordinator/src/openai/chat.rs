@@ -7,8 +7,9 @@
 //! (1), `user`, `parallel_tool_calls`, `presence_penalty` /
 //! `frequency_penalty` (0 only), `logit_bias` (empty only),
 //! `response_format` (`text` only), `tools` (empty only), `tool_choice`
-//! (`none` or `auto` only), `logprobs` (false only). Anything else, or a
-//! value this network cannot honour, is a 400 naming the parameter.
+//! (`none` or `auto` only), `logprobs` and `top_logprobs` (0-20, only with
+//! `logprobs: true`). Anything else, or a value this network cannot honour,
+//! is a 400 naming the parameter.
 
 use std::sync::Arc;
 
@@ -21,9 +22,9 @@ use mlxnet_proto::v1::{job_input, ChatMessage, ChatMessages, SubmitJobRequest};
 use serde_json::{json, Value};
 
 use super::{
-    accept, job, params::Params, sampling, stream, JobMeta, OpenAiError, Outcome, Started,
+    accept, job, logprobs, params::Params, sampling, stream, JobMeta, OpenAiError, Outcome, Started,
 };
-use crate::api::ApiContext;
+use crate::{api::ApiContext, domain::job::MAX_LOGPROBS};
 
 /// A parsed chat request.
 #[derive(Debug, Clone, PartialEq)]
@@ -190,24 +191,22 @@ pub fn parse(map: serde_json::Map<String, Value>) -> Result<ChatRequest, OpenAiE
             ))
         }
     }
-    if p.bool("logprobs")? == Some(true) {
-        return Err(OpenAiError::unsupported(
-            "logprobs",
-            "log probabilities are not served yet",
-        ));
-    }
-    if p.integer("top_logprobs", 0, 20)?.is_some_and(|n| n > 0) {
-        return Err(OpenAiError::unsupported(
-            "top_logprobs",
-            "log probabilities are not served yet",
+    let logprobs = p.bool("logprobs")?.unwrap_or(false);
+    let top = p.integer("top_logprobs", 0, i64::from(MAX_LOGPROBS))?;
+    if top.is_some() && !logprobs {
+        return Err(OpenAiError::invalid(
+            "top_logprobs requires logprobs: true",
+            Some("top_logprobs"),
         ));
     }
     p.finish()?;
+    let mut sampling = sampling(temperature, top_p, seed, stop, max_tokens);
+    sampling.logprobs = logprobs.then(|| top.unwrap_or(0) as u32);
     Ok(ChatRequest {
         submit: job(
             model,
             job_input::Kind::Chat(ChatMessages { messages: msgs }),
-            sampling(temperature, top_p, seed, stop, max_tokens),
+            sampling,
         ),
         stream,
         include_usage,
@@ -218,6 +217,11 @@ pub async fn run(d: &Arc<ApiContext>, req: Request) -> Result<Response, OpenAiEr
     let headers = req.headers().clone();
     let (caller, permit, body) = accept(d, &headers, req).await?;
     let chat = parse(body)?;
+    let asked = chat
+        .submit
+        .sampling
+        .as_ref()
+        .is_some_and(|s| s.logprobs.is_some());
     let job = Started::new(d, &caller, chat.submit, permit).await?;
     if chat.stream {
         let usage = chat.include_usage;
@@ -233,7 +237,7 @@ pub async fn run(d: &Arc<ApiContext>, req: Request) -> Result<Response, OpenAiEr
             "choices": [{
                 "index": 0,
                 "message": {"role": "assistant", "content": end.text, "refusal": null},
-                "logprobs": null,
+                "logprobs": asked.then(|| logprobs::chat(&end.logprobs)),
                 "finish_reason": end.finish,
             }],
             "usage": end.usage(),

@@ -4,8 +4,9 @@
 //! `stream_options.include_usage`, `max_tokens` (default 16, as OpenAI's),
 //! `temperature`, `top_p`, `seed`, `stop`, `echo`, `n` and `best_of` (1),
 //! `user`, `presence_penalty` / `frequency_penalty` (0 only), `logit_bias`
-//! (empty only), `logprobs` (0 or null only), `suffix` (refused: no
-//! catalogue model does fill-in-the-middle).
+//! (empty only), `logprobs` (0-20 alternatives; not with `echo`: the
+//! prompt's are not computed), `suffix` (refused: no catalogue model does
+//! fill-in-the-middle).
 
 use std::sync::Arc;
 
@@ -18,9 +19,9 @@ use mlxnet_proto::v1::{job_input, SubmitJobRequest};
 use serde_json::{json, Value};
 
 use super::{
-    accept, job, params::Params, sampling, stream, JobMeta, OpenAiError, Outcome, Started,
+    accept, job, logprobs, params::Params, sampling, stream, JobMeta, OpenAiError, Outcome, Started,
 };
-use crate::api::ApiContext;
+use crate::{api::ApiContext, domain::job::MAX_LOGPROBS};
 
 /// OpenAI's default `max_tokens` for completions.
 pub const DEFAULT_MAX_TOKENS: u32 = 16;
@@ -76,10 +77,11 @@ pub fn parse(map: serde_json::Map<String, Value>) -> Result<CompletionRequest, O
     p.zero_only("presence_penalty", -2.0, 2.0)?;
     p.zero_only("frequency_penalty", -2.0, 2.0)?;
     p.no_logit_bias()?;
-    if p.integer("logprobs", 0, 5)?.is_some_and(|n| n > 0) {
+    let logprobs = p.integer("logprobs", 0, i64::from(MAX_LOGPROBS))?;
+    if logprobs.is_some() && echo {
         return Err(OpenAiError::unsupported(
             "logprobs",
-            "log probabilities are not served yet",
+            "the prompt's log probabilities (echo with logprobs) are not served",
         ));
     }
     if p.string("suffix")?.is_some_and(|s| !s.is_empty()) {
@@ -89,23 +91,21 @@ pub fn parse(map: serde_json::Map<String, Value>) -> Result<CompletionRequest, O
         ));
     }
     p.finish()?;
+    let mut sampling = sampling(
+        temperature,
+        top_p,
+        seed,
+        stop,
+        if max_tokens == 0 {
+            DEFAULT_MAX_TOKENS
+        } else {
+            max_tokens
+        },
+    );
+    sampling.logprobs = logprobs.map(|k| k as u32);
     Ok(CompletionRequest {
         echo: echo.then(|| text.clone()),
-        submit: job(
-            model,
-            job_input::Kind::Prompt(text),
-            sampling(
-                temperature,
-                top_p,
-                seed,
-                stop,
-                if max_tokens == 0 {
-                    DEFAULT_MAX_TOKENS
-                } else {
-                    max_tokens
-                },
-            ),
-        ),
+        submit: job(model, job_input::Kind::Prompt(text), sampling),
         stream,
         include_usage,
     })
@@ -115,6 +115,11 @@ pub async fn run(d: &Arc<ApiContext>, req: Request) -> Result<Response, OpenAiEr
     let headers = req.headers().clone();
     let (caller, permit, body) = accept(d, &headers, req).await?;
     let c = parse(body)?;
+    let asked = c
+        .submit
+        .sampling
+        .as_ref()
+        .is_some_and(|s| s.logprobs.is_some());
     let job = Started::new(d, &caller, c.submit, permit).await?;
     if c.stream {
         let (usage, shape) = (c.include_usage, stream::Shape::Text { echo: c.echo });
@@ -132,7 +137,7 @@ pub async fn run(d: &Arc<ApiContext>, req: Request) -> Result<Response, OpenAiEr
             "choices": [{
                 "index": 0,
                 "text": text,
-                "logprobs": null,
+                "logprobs": asked.then(|| logprobs::text(&end.logprobs, 0)),
                 "finish_reason": end.finish,
             }],
             "usage": end.usage(),

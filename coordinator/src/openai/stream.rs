@@ -15,15 +15,15 @@ use axum::{
         IntoResponse, Response,
     },
 };
-use mlxnet_proto::v1::{job_event, JobEvent};
+use mlxnet_proto::v1::{job_event, JobEvent, TokenLogprob};
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 
-use super::{finish_reason, new_text, CancelOnDrop, Events, JobMeta, OpenAiError};
+use super::{finish_reason, logprobs, new_tokens, CancelOnDrop, Events, JobMeta, OpenAiError};
 
 /// How a job ended well.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct Outcome {
     pub text: String,
     pub prompt_tokens: u32,
@@ -32,6 +32,10 @@ pub struct Outcome {
     pub finish: &'static str,
     /// The claim's own: "eos", "stop" (a stop string) or "length".
     pub claim_finish: String,
+    /// One entry per streamed token when the job asked for logprobs (the
+    /// node streams an end-of-generation token's id, and so its entry, when
+    /// it held text back until the end).
+    pub logprobs: Vec<TokenLogprob>,
 }
 
 impl Outcome {
@@ -75,6 +79,7 @@ pub fn outcome(e: Result<JobEvent, tonic::Status>) -> Result<Option<Outcome>, Op
                 completion_tokens: claim.completion_tokens,
                 finish: finish_reason(&claim.finish_reason),
                 claim_finish: claim.finish_reason,
+                logprobs: Vec::new(),
             }))
         }
         Some(job_event::Event::Failed(f)) => Err(server_error(
@@ -99,7 +104,17 @@ pub enum Shape {
 }
 
 impl Shape {
-    fn chunk(&self, meta: &JobMeta, text: Option<&str>, finish: Option<&str>, role: bool) -> Value {
+    /// A chunk of `text` (chat: a delta), the log-probabilities of its
+    /// tokens (`logprobs`, the first at character `offset` of a completion's
+    /// text) when the job asked for them.
+    fn chunk(
+        &self,
+        meta: &JobMeta,
+        text: Option<&str>,
+        finish: Option<&str>,
+        role: bool,
+        lp: Option<(&[TokenLogprob], usize)>,
+    ) -> Value {
         let choice = match self {
             Shape::Chat => {
                 let mut delta = serde_json::Map::new();
@@ -109,10 +124,12 @@ impl Shape {
                 if let Some(t) = text {
                     delta.insert("content".into(), json!(t));
                 }
-                json!({"index": 0, "delta": delta, "logprobs": null, "finish_reason": finish})
+                let lp = lp.map_or(Value::Null, |(e, _)| logprobs::chat(e));
+                json!({"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish})
             }
             Shape::Text { .. } => {
-                json!({"index": 0, "text": text.unwrap_or(""), "logprobs": null, "finish_reason": finish})
+                let lp = lp.map_or(Value::Null, |(e, at)| logprobs::text(e, at));
+                json!({"index": 0, "text": text.unwrap_or(""), "logprobs": lp, "finish_reason": finish})
             }
         };
         self.object(meta, vec![choice])
@@ -155,8 +172,8 @@ pub fn sse(
             v
         };
         let first = match &shape {
-            Shape::Chat => Some(shape.chunk(&meta, Some(""), None, true)),
-            Shape::Text { echo: Some(p) } => Some(shape.chunk(&meta, Some(p), None, false)),
+            Shape::Chat => Some(shape.chunk(&meta, Some(""), None, true, None)),
+            Shape::Text { echo: Some(p) } => Some(shape.chunk(&meta, Some(p), None, false, None)),
             Shape::Text { echo: None } => None,
         };
         if let Some(first) = first {
@@ -165,6 +182,8 @@ pub fn sse(
             }
         }
         let mut sent = 0u32;
+        // Characters of the completion the tokens so far span.
+        let mut offset = 0usize;
         loop {
             let next = tokio::select! {
                 _ = tx.closed() => return,
@@ -174,9 +193,14 @@ pub fn sse(
                 let _ = tx.send(Ok(data(&ended_early().body()))).await;
                 return;
             };
-            if let Some(text) = new_text(&e, &mut sent) {
-                if let Some(text) = text {
-                    let v = with_usage(shape.chunk(&meta, Some(&text), None, false));
+            if let Some(fresh) = new_tokens(&e, &mut sent) {
+                // A chunk for new text, and for new tokens' logprobs even
+                // when their text is held back (content "").
+                let lp = (!fresh.logprobs.is_empty()).then_some((&fresh.logprobs[..], offset));
+                if fresh.text.is_some() || lp.is_some() {
+                    let text = fresh.text.as_deref().unwrap_or("");
+                    let v = with_usage(shape.chunk(&meta, Some(text), None, false, lp));
+                    offset += logprobs::chars(&fresh.logprobs);
                     if tx.send(Ok(data(&v))).await.is_err() {
                         return;
                     }
@@ -187,7 +211,7 @@ pub fn sse(
                 Ok(None) => continue,
                 Ok(Some(end)) => {
                     cancel.disarm();
-                    let last = with_usage(shape.chunk(&meta, None, Some(end.finish), false));
+                    let last = with_usage(shape.chunk(&meta, None, Some(end.finish), false, None));
                     let _ = tx.send(Ok(data(&last))).await;
                     if include_usage {
                         let mut u = shape.object(&meta, Vec::new());

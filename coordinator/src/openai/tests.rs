@@ -93,7 +93,10 @@ fn what_cannot_be_honoured_is_refused_by_name() {
             json!([{"type": "function", "function": {"name": "f"}}]),
         ),
         ("tool_choice", json!("required")),
-        ("logprobs", json!(true)),
+        ("logprobs", json!("yes")),
+        ("top_logprobs", json!(21)),
+        ("top_logprobs", json!(-1)),
+        ("top_logprobs", json!(3)),
         ("stream_options", json!({"include_usage": true})),
         ("max_tokens", json!(0)),
         ("seed", json!("7")),
@@ -119,6 +122,118 @@ fn what_cannot_be_honoured_is_refused_by_name() {
     let many =
         completions::parse(obj(json!({"model": "m", "prompt": ["a", "b"]}))).expect_err("refused");
     assert_eq!(many.param.as_deref(), Some("prompt"));
+}
+
+#[test]
+fn logprobs_are_asked_for_in_openai_terms() {
+    let chat_k = |extra: Value| {
+        let mut b = json!({"model": "m", "messages": [{"role": "user", "content": "x"}]});
+        for (k, v) in extra.as_object().expect("object") {
+            b[k] = v.clone();
+        }
+        chat::parse(obj(b)).map(|c| c.submit.sampling.expect("sampling").logprobs)
+    };
+    assert_eq!(chat_k(json!({})).expect("valid"), None);
+    assert_eq!(chat_k(json!({"logprobs": false})).expect("valid"), None);
+    assert_eq!(chat_k(json!({"logprobs": true})).expect("valid"), Some(0));
+    assert_eq!(
+        chat_k(json!({"logprobs": true, "top_logprobs": 20})).expect("valid"),
+        Some(20)
+    );
+    for bad in [
+        json!({"logprobs": true, "top_logprobs": 21}),
+        json!({"logprobs": true, "top_logprobs": -1}),
+        json!({"logprobs": true, "top_logprobs": 2.5}),
+        json!({"logprobs": false, "top_logprobs": 2}),
+    ] {
+        let e = chat_k(bad.clone()).expect_err("refused");
+        assert_eq!(e.status, StatusCode::BAD_REQUEST, "{bad}");
+        assert_eq!(e.param.as_deref(), Some("top_logprobs"), "{bad}");
+    }
+    let text_k = |v: Value| {
+        completions::parse(obj(v)).map(|c| c.submit.sampling.expect("sampling").logprobs)
+    };
+    assert_eq!(
+        text_k(json!({"model": "m", "prompt": "a", "logprobs": 3})).expect("valid"),
+        Some(3)
+    );
+    assert_eq!(
+        text_k(json!({"model": "m", "prompt": "a", "logprobs": 0})).expect("valid"),
+        Some(0)
+    );
+    for bad in [
+        json!({"model": "m", "prompt": "a", "logprobs": 21}),
+        json!({"model": "m", "prompt": "a", "logprobs": -1}),
+        json!({"model": "m", "prompt": "a", "logprobs": 1, "echo": true}),
+    ] {
+        let e = text_k(bad.clone()).expect_err("refused");
+        assert_eq!(e.status, StatusCode::BAD_REQUEST, "{bad}");
+        assert_eq!(e.param.as_deref(), Some("logprobs"), "{bad}");
+    }
+}
+
+fn entry(token: &str, logprob: f32, top: &[(u32, &str, f32)]) -> mlxnet_proto::v1::TokenLogprob {
+    mlxnet_proto::v1::TokenLogprob {
+        logprob,
+        token: token.as_bytes().to_vec(),
+        top: top
+            .iter()
+            .map(|&(token_id, t, logprob)| mlxnet_proto::v1::TopLogprob {
+                token_id,
+                logprob,
+                token: t.as_bytes().to_vec(),
+            })
+            .collect(),
+    }
+}
+
+#[test]
+fn logprobs_have_openai_shapes() {
+    let entries = [
+        entry("Hi", -0.25, &[(5, "Hi", -0.25), (6, "Hey", -1.5)]),
+        entry(" you", -2.0, &[(7, " there", -0.5), (8, " you", -2.0)]),
+    ];
+    let c = super::logprobs::chat(&entries);
+    assert_eq!(c["refusal"], Value::Null);
+    assert_eq!(c["content"][0]["token"], "Hi");
+    assert_eq!(c["content"][0]["logprob"], -0.25);
+    assert_eq!(c["content"][0]["bytes"], json!([72, 105]));
+    assert_eq!(c["content"][1]["top_logprobs"][0]["token"], " there");
+    assert_eq!(c["content"][1]["top_logprobs"][1]["logprob"], -2.0);
+    let t = super::logprobs::text(&entries, 3);
+    assert_eq!(t["tokens"], json!(["Hi", " you"]));
+    assert_eq!(t["token_logprobs"], json!([-0.25, -2.0]));
+    assert_eq!(t["top_logprobs"][1], json!({" there": -0.5, " you": -2.0}));
+    assert_eq!(t["text_offset"], json!([3, 5]));
+    // A token that is part of a character: lossy text, exact bytes.
+    let half = mlxnet_proto::v1::TokenLogprob {
+        logprob: -1.0,
+        token: vec![0xE2, 0x82],
+        top: Vec::new(),
+    };
+    let c = super::logprobs::chat(std::slice::from_ref(&half));
+    assert_eq!(c["content"][0]["bytes"], json!([0xE2, 0x82]));
+    assert_eq!(c["content"][0]["token"], "\u{FFFD}");
+}
+
+#[test]
+fn a_retried_attempt_replaces_the_logprobs_it_streams_again() {
+    use mlxnet_proto::v1::job_event::Tokens;
+    let chunk = |index: u32, lps: &[f32]| Tokens {
+        index,
+        token_ids: (0..lps.len() as u32).collect(),
+        text: String::new(),
+        logprobs: lps.iter().map(|&l| entry("x", l, &[])).collect(),
+    };
+    let mut c = super::logprobs::Collected::default();
+    c.add(&chunk(0, &[-1.0, -2.0]));
+    c.add(&chunk(2, &[-3.0]));
+    // The attempt failed; the next one resumes after token 1.
+    c.add(&chunk(1, &[-2.5, -3.5]));
+    // A chunk past a gap is left out, not misplaced.
+    c.add(&chunk(9, &[-9.0]));
+    let got: Vec<f32> = c.into_entries().iter().map(|e| e.logprob).collect();
+    assert_eq!(got, vec![-1.0, -2.5, -3.5]);
 }
 
 #[test]

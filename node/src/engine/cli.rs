@@ -170,6 +170,7 @@ pub fn generate(args: GenerateArgs) -> anyhow::Result<()> {
             seed: args.seed,
             max_tokens: args.max_tokens,
             stop: args.stop.clone(),
+            logprobs: None,
         },
         resume: Resume::default(),
     };

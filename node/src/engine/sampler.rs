@@ -4,6 +4,13 @@
 //! greedy (temperature 0) or top-k, temperature, softmax, top-p, min-p and a
 //! draw from a ChaCha generator seeded with the request's seed.
 //!
+//! Log-probabilities ([`logprobs`]) are those of the model's distribution at
+//! the position: the log-softmax of the logits after the repetition penalty,
+//! before temperature, top-k, top-p and min-p (what OpenAI and vLLM report by
+//! default). So they do not depend on the temperature, a greedy step reports
+//! real alternatives (not a point mass), and the chosen token of a greedy
+//! step is always the most probable one.
+//!
 //! # Invariants
 //! - Same logits, same history, same seed: same token. The generator is the
 //!   only source of randomness and is created per generation.
@@ -13,7 +20,11 @@
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
-use super::{EngineError, Sampling};
+use super::{EngineError, Sampling, MAX_LOGPROBS};
+
+/// The floor of a reported log-probability (OpenAI's): a token the model
+/// gives no weight at all still gets a finite, JSON-representable value.
+pub const LOGPROB_FLOOR: f32 = -9999.0;
 
 /// Checks the parameters a client sent.
 pub fn validate(s: &Sampling) -> Result<(), EngineError> {
@@ -38,6 +49,9 @@ pub fn validate(s: &Sampling) -> Result<(), EngineError> {
     }
     if s.stop.iter().any(String::is_empty) {
         return bad("stop strings must not be empty".to_string());
+    }
+    if let Some(k) = s.logprobs.filter(|&k| k > MAX_LOGPROBS) {
+        return bad(format!("logprobs {k} must be at most {MAX_LOGPROBS}"));
     }
     Ok(())
 }
@@ -150,6 +164,53 @@ pub fn candidates(logits: &[f32], p: &Sampling, cands: &mut Vec<(u32, f32)>) {
     }
 }
 
+/// The log-probability of `chosen` and the `k` most probable tokens (most
+/// probable first, lower id first on ties) under `softmax(logits)`, each
+/// `logit - logsumexp(logits)` computed in f64 and floored at
+/// [`LOGPROB_FLOOR`]; a non-finite logit counts as probability 0.
+/// `logits` are the ones the sampler chose from (after the repetition
+/// penalty, before temperature), so at temperature 0 `chosen` is the first
+/// of the top ones.
+pub fn logprobs(logits: &[f32], chosen: u32, k: usize) -> (f32, Vec<(u32, f32)>) {
+    let finite = || logits.iter().copied().filter(|l| l.is_finite());
+    let max = finite().fold(f32::NEG_INFINITY, f32::max);
+    let lse = if max.is_finite() {
+        let sum: f64 = finite()
+            .map(|l| (f64::from(l) - f64::from(max)).exp())
+            .sum();
+        f64::from(max) + sum.ln()
+    } else {
+        0.0
+    };
+    let of = |l: f32| -> f32 {
+        if !l.is_finite() || !max.is_finite() {
+            return LOGPROB_FLOOR;
+        }
+        ((f64::from(l) - lse).min(0.0) as f32).max(LOGPROB_FLOOR)
+    };
+    let chosen_lp = logits
+        .get(chosen as usize)
+        .map_or(LOGPROB_FLOOR, |&l| of(l));
+    let key = |i: usize| {
+        let l = logits[i];
+        if l.is_finite() {
+            l
+        } else {
+            f32::NEG_INFINITY
+        }
+    };
+    let mut idx: Vec<usize> = (0..logits.len()).collect();
+    let by_desc = |a: &usize, b: &usize| key(*b).total_cmp(&key(*a)).then(a.cmp(b));
+    let k = k.min(idx.len());
+    if k > 0 && k < idx.len() {
+        idx.select_nth_unstable_by(k - 1, by_desc);
+    }
+    idx.truncate(k);
+    idx.sort_unstable_by(by_desc);
+    let top = idx.into_iter().map(|i| (i as u32, of(logits[i]))).collect();
+    (chosen_lp, top)
+}
+
 /// Index of the largest value (the first one on ties).
 pub fn argmax(v: &[f32]) -> u32 {
     let mut best = 0usize;
@@ -220,5 +281,90 @@ impl StopBuffer {
     /// Text held back when generation ends for another reason.
     pub fn finish(&mut self) -> String {
         std::mem::take(&mut self.held)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Within f32 rounding of a value computed by hand.
+    fn near(a: f32, b: f64) -> bool {
+        (f64::from(a) - b).abs() < 1e-5
+    }
+
+    #[test]
+    fn logprobs_are_the_log_softmax_computed_by_hand() {
+        // softmax of [1, 2, 3, 0]: sum of exps = e + e^2 + e^3 + 1
+        // = 2.718282 + 7.389056 + 20.085537 + 1 = 31.192875, ln = 3.440190.
+        let logits = [1.0, 2.0, 3.0, 0.0];
+        let (chosen, top) = logprobs(&logits, 0, 2);
+        assert!(near(chosen, 1.0 - 3.440_190), "{chosen}");
+        assert_eq!(top.len(), 2);
+        assert_eq!((top[0].0, top[1].0), (2, 1));
+        assert!(near(top[0].1, 3.0 - 3.440_190), "{top:?}");
+        assert!(near(top[1].1, 2.0 - 3.440_190), "{top:?}");
+        // All of them: the probabilities add up to 1, most probable first.
+        let (_, all) = logprobs(&logits, 3, 4);
+        assert_eq!(
+            all.iter().map(|t| t.0).collect::<Vec<_>>(),
+            vec![2, 1, 0, 3]
+        );
+        let total: f64 = all.iter().map(|t| f64::from(t.1).exp()).sum();
+        assert!((total - 1.0).abs() < 1e-6, "{total}");
+        assert!(all.iter().all(|t| t.1 <= 0.0));
+        // k 0: the chosen token only; k past the vocabulary: all of it.
+        assert!(logprobs(&logits, 1, 0).1.is_empty());
+        assert_eq!(logprobs(&logits, 1, 20).1.len(), 4);
+    }
+
+    #[test]
+    fn ties_go_to_the_lower_id_and_nothing_is_below_the_floor() {
+        // Two equal logits: ln(1/2) each, id 0 first (as argmax picks it).
+        let (c, top) = logprobs(&[0.5, 0.5], 1, 2);
+        assert!(near(c, -std::f64::consts::LN_2), "{c}");
+        assert_eq!((top[0].0, top[1].0), (0, 1));
+        assert_eq!(argmax(&[0.5, 0.5]), top[0].0);
+        // A token the model rules out (-inf) or a gap past f32's exp range.
+        let (c, top) = logprobs(&[f32::NEG_INFINITY, 0.0, -20_000.0], 0, 3);
+        assert_eq!(c, LOGPROB_FLOOR);
+        assert_eq!(top[0], (1, 0.0));
+        assert_eq!(top[1], (2, LOGPROB_FLOOR));
+        assert_eq!(top[2], (0, LOGPROB_FLOOR));
+    }
+
+    #[test]
+    fn logprobs_follow_the_repetition_penalty_and_a_greedy_pick_is_the_top_one() {
+        // Token 1 leads, but it was seen: penalty 4 takes its logit 2 to 0.5,
+        // below token 0's 1.0, so a greedy step picks 0 and reports the
+        // penalised distribution: softmax of [1, 0.5, 0].
+        let sampling = Sampling {
+            repetition_penalty: 4.0,
+            logprobs: Some(3),
+            ..Sampling::default()
+        };
+        let mut s = Sampler::new(&sampling);
+        let mut logits = vec![1.0, 2.0, 0.0];
+        let token = s.sample(&mut logits, &[1]);
+        assert_eq!(token, 0);
+        let (chosen, top) = logprobs(&logits, token, 3);
+        // e^1 + e^0.5 + e^0 = 2.718282 + 1.648721 + 1 = 5.367003, ln = 1.680270.
+        assert!(near(chosen, 1.0 - 1.680_270), "{chosen}");
+        assert_eq!(top[0].0, token);
+        assert!(near(top[1].1, 0.5 - 1.680_270), "{top:?}");
+    }
+
+    #[test]
+    fn more_than_twenty_alternatives_are_refused() {
+        let k = |k| Sampling {
+            logprobs: Some(k),
+            ..Sampling::default()
+        };
+        assert!(validate(&k(20)).is_ok());
+        assert!(validate(&k(0)).is_ok());
+        assert!(matches!(
+            validate(&k(21)),
+            Err(EngineError::InvalidSampling(_))
+        ));
     }
 }

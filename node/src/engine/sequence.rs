@@ -24,7 +24,10 @@ use std::time::{Duration, Instant};
 
 use super::sampler::{self, Sampler, StopBuffer, StopCheck};
 use super::tokenizer::Detokenizer;
-use super::{EngineError, FinishReason, GenerateRequest, Generation, TextSide, TokenChunk};
+use super::{
+    EngineError, FinishReason, GenerateRequest, Generation, Logprob, TextSide, TokenChunk,
+    TokenLogprobs,
+};
 
 /// What a request turned into.
 pub(crate) enum Begin {
@@ -37,6 +40,8 @@ pub(crate) enum Begin {
 /// One running generation.
 pub(crate) struct Sequence {
     sampler: Sampler,
+    /// Alternatives per token's log-probabilities (`Sampling::logprobs`).
+    logprobs: Option<usize>,
     stop: StopBuffer,
     detok: Detokenizer,
     /// Text of resumed tokens the client does not have yet.
@@ -113,6 +118,7 @@ impl TextSide {
         sampler.skip(resume.token_ids.len());
         Ok(Begin::Run(Box::new(Sequence {
             sampler,
+            logprobs: s.logprobs,
             stop: StopBuffer::new(&s.stop),
             detok,
             unsent,
@@ -157,6 +163,19 @@ impl Sequence {
             return ControlFlow::Break(());
         }
         let token = self.sampler.sample(logits, &self.history);
+        // From the logits the sampler chose from (penalised in place).
+        let logprobs = self.logprobs.map(|k| {
+            let (chosen, top) = sampler::logprobs(logits, token, k);
+            let entry = |token_id: u32, logprob: f32| Logprob {
+                token_id,
+                logprob,
+                bytes: text.tokenizer.token_bytes(token_id).to_vec(),
+            };
+            TokenLogprobs {
+                chosen: entry(token, chosen),
+                top: top.into_iter().map(|(id, lp)| entry(id, lp)).collect(),
+            }
+        });
         if self.decode_start.is_none() {
             self.generation.prefill = self.start.elapsed();
             self.decode_start = Some(Instant::now());
@@ -175,6 +194,7 @@ impl Sequence {
                     index,
                     token_id: token,
                     text: out,
+                    logprobs,
                 };
                 if on_token(&chunk).is_break() {
                     g.finish = FinishReason::Cancelled;
@@ -203,6 +223,7 @@ impl Sequence {
             index,
             token_id: token,
             text: out,
+            logprobs,
         };
         let flow = on_token(&chunk);
         self.done = true;

@@ -1357,3 +1357,46 @@ fn gemma3_tokenizer_matches_llama_cpp() {
     }
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
+
+#[test]
+fn streamed_tokens_carry_their_logprobs_and_asking_for_them_changes_no_token() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut engine = tiny_engine(dir.path());
+    for temperature in [0.0, 1.0] {
+        let plain = Sampling {
+            temperature,
+            seed: 7,
+            ..greedy(12)
+        };
+        let asked = Sampling {
+            logprobs: Some(5),
+            ..plain.clone()
+        };
+        let (want, plain_chunks) = run(&mut engine, &text("hello", plain));
+        let (got, chunks) = run(&mut engine, &text("hello", asked));
+        assert_eq!(
+            got.output_token_ids, want.output_token_ids,
+            "t={temperature}"
+        );
+        assert!(plain_chunks.iter().all(|c| c.logprobs.is_none()));
+        assert!(!chunks.is_empty());
+        for c in &chunks {
+            let l = c.logprobs.as_ref().expect("every chunk has its logprobs");
+            assert_eq!(l.chosen.token_id, c.token_id);
+            assert_eq!(
+                l.chosen.bytes,
+                engine.text.tokenizer.token_bytes(c.token_id)
+            );
+            assert!(l.chosen.logprob <= 0.0 && l.chosen.logprob.is_finite());
+            assert_eq!(l.top.len(), 5);
+            assert!(l.top.windows(2).all(|w| w[0].logprob >= w[1].logprob));
+            assert!(l.top.iter().all(|t| t.logprob <= 0.0));
+            assert!(l.chosen.logprob <= l.top[0].logprob);
+            if temperature == 0.0 {
+                // Greedy: the chosen token is the most probable one.
+                assert_eq!(l.top[0].token_id, c.token_id);
+                assert_eq!(l.top[0].logprob, l.chosen.logprob);
+            }
+        }
+    }
+}

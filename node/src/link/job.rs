@@ -45,7 +45,7 @@ use mlxnet_proto::{
     frame::{read_frame, write_frame, FrameError},
     v1::{
         job_input, job_update, Assignment, AuditTask, AuditVerdict, JobInput, JobUpdate,
-        ResultClaim, SamplingParams, SignedClaim,
+        ResultClaim, SamplingParams, SignedClaim, TokenLogprob, TopLogprob,
     },
 };
 use tokio::sync::mpsc;
@@ -76,12 +76,31 @@ pub enum JobError {
     Closed(#[from] quinn::ClosedStream),
 }
 
-/// Consecutive tokens not yet sent: the first index, the ids, their text.
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// Consecutive tokens not yet sent: the first index, the ids, their text,
+/// and (when the job asked for them) one log-probability entry per id.
+#[derive(Debug, Clone, PartialEq)]
 pub struct TokenBatch {
     pub index: usize,
     pub token_ids: Vec<u32>,
     pub text: String,
+    pub logprobs: Vec<TokenLogprob>,
+}
+
+/// A token's log-probabilities as they travel.
+fn logprob_entry(l: &crate::engine::TokenLogprobs) -> TokenLogprob {
+    TokenLogprob {
+        logprob: l.chosen.logprob,
+        token: l.chosen.bytes.clone(),
+        top: l
+            .top
+            .iter()
+            .map(|t| TopLogprob {
+                token_id: t.token_id,
+                logprob: t.logprob,
+                token: t.bytes.clone(),
+            })
+            .collect(),
+    }
 }
 
 impl TokenBatch {
@@ -91,6 +110,7 @@ impl TokenBatch {
                 index: self.index as u32,
                 token_ids: self.token_ids,
                 text: self.text,
+                logprobs: self.logprobs,
             })),
         }
     }
@@ -166,12 +186,21 @@ impl Coalescer {
             Some(batch) => {
                 batch.token_ids.push(chunk.token_id);
                 batch.text.push_str(&chunk.text);
+                batch
+                    .logprobs
+                    .extend(chunk.logprobs.as_ref().map(logprob_entry));
             }
             None => {
                 self.pending = Some(TokenBatch {
                     index: chunk.index,
                     token_ids: vec![chunk.token_id],
                     text: chunk.text.clone(),
+                    logprobs: chunk
+                        .logprobs
+                        .as_ref()
+                        .map(logprob_entry)
+                        .into_iter()
+                        .collect(),
                 })
             }
         }
@@ -817,6 +846,7 @@ fn sampling(p: Option<&SamplingParams>) -> Sampling {
             p.max_tokens as usize
         },
         stop: p.stop.clone(),
+        logprobs: p.logprobs.map(|k| k as usize),
     }
 }
 
@@ -829,6 +859,7 @@ mod tests {
             index,
             token_id: 100 + index as u32,
             text: format!("t{index}"),
+            logprobs: None,
         }
     }
 
@@ -845,7 +876,8 @@ mod tests {
             TokenBatch {
                 index: 0,
                 token_ids: vec![100],
-                text: "t0".into()
+                text: "t0".into(),
+                logprobs: Vec::new(),
             }
         );
         assert!(rx.try_recv().is_err());
@@ -855,7 +887,8 @@ mod tests {
             TokenBatch {
                 index: 1,
                 token_ids: vec![101, 102, 103, 104, 105],
-                text: "t1t2t3t4t5".into()
+                text: "t1t2t3t4t5".into(),
+                logprobs: Vec::new(),
             }
         );
         assert!(c.push(&chunk(6)).is_continue());
@@ -866,6 +899,40 @@ mod tests {
             Some((7, vec![107]))
         );
         assert_eq!(rx.try_recv().unwrap().index, 6);
+    }
+
+    #[test]
+    fn coalesced_tokens_keep_one_logprob_entry_per_id() {
+        use crate::engine::{Logprob, TokenLogprobs};
+        let with_lp = |index: usize| TokenChunk {
+            logprobs: Some(TokenLogprobs {
+                chosen: Logprob {
+                    token_id: 100 + index as u32,
+                    logprob: -(index as f32),
+                    bytes: b"t".to_vec(),
+                },
+                top: vec![Logprob {
+                    token_id: 1,
+                    logprob: -0.0,
+                    bytes: b"a".to_vec(),
+                }],
+            }),
+            ..chunk(index)
+        };
+        let (tx, mut rx) = mpsc::channel(1);
+        let mut c = Coalescer::new(tx, Arc::new(AtomicBool::new(false)), Arc::default());
+        for i in 0..4 {
+            assert!(c.push(&with_lp(i)).is_continue());
+        }
+        let first = rx.try_recv().unwrap();
+        let rest = c.finish().expect("the held batch");
+        for b in [first, rest] {
+            assert_eq!(b.logprobs.len(), b.token_ids.len());
+            for (i, l) in b.logprobs.iter().enumerate() {
+                assert_eq!(l.logprob, -((b.index + i) as f32));
+                assert_eq!((l.token.as_slice(), l.top[0].token_id), (&b"t"[..], 1));
+            }
+        }
     }
 
     #[test]

@@ -177,6 +177,27 @@ async fn openai_clients_use_the_network() -> anyhow::Result<()> {
     // 400: not JSON; 404: unknown model and route; 413: over the body limit.
     let r = curl(post(&chat_url, Some(&key), "{not json")).await?;
     assert_eq!(r.error(400)["type"], "invalid_request_error");
+    // 400: logprobs out of range (more than 20 alternatives, negative).
+    for (url, body, param) in [
+        (
+            &chat_url,
+            chat_body(4).replace("\"seed\"", "\"logprobs\":true,\"top_logprobs\":21,\"seed\""),
+            "top_logprobs",
+        ),
+        (
+            &chat_url,
+            chat_body(4).replace("\"seed\"", "\"logprobs\":true,\"top_logprobs\":-1,\"seed\""),
+            "top_logprobs",
+        ),
+        (
+            &format!("{base}/completions"),
+            format!("{{\"model\":\"{TEST_MODEL_ID}\",\"prompt\":\"a\",\"logprobs\":21}}"),
+            "logprobs",
+        ),
+    ] {
+        let r = curl(post(url, Some(&key), &body)).await?;
+        assert_eq!(r.error(400)["param"], param, "{body}");
+    }
     let unknown = chat_body(4).replace(TEST_MODEL_ID, "no-such-model");
     let r = curl(post(&chat_url, Some(&key), &unknown)).await?;
     assert_eq!(r.error(404)["code"], "model_not_found");
@@ -379,6 +400,29 @@ async fn openai_clients_use_the_network() -> anyhow::Result<()> {
         summary["chat"]["usage"]["completion_tokens"]
             .as_u64()
             .unwrap_or(0)
+    );
+    // The logprobs job's claim binds its ids (not the logprobs): the same
+    // ids as the same request without them, signed and verified.
+    let lp_job = grpc
+        .jobs
+        .get(GetJobRequest {
+            job_id: summary["logprobs_id"]
+                .as_str()
+                .context("logprobs id")?
+                .to_owned(),
+        })
+        .await?
+        .into_inner();
+    let lp_signed = lp_job.result.context("the logprobs job's claim")?;
+    claim::verify(&lp_signed).map_err(|e| anyhow::anyhow!("claim: {e:?}"))?;
+    assert_eq!(
+        lp_signed.claim.context("claim")?.output_token_ids,
+        http_claim.output_token_ids
+    );
+    assert_eq!(
+        lp_job.sampling.and_then(|s| s.logprobs),
+        Some(5),
+        "the job records what it asked"
     );
 
     // The same request through gRPC: the same tokens, the same price.
