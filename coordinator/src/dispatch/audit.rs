@@ -39,7 +39,6 @@ use crate::{
     audit::{audit_rate, draw, Candidate, Ended, Verdict},
     catalogue::Model,
     domain::JobRecord,
-    ledger,
     link::{
         job::{JobStream, CODE_REFUSED},
         session::{Session, MAX_REASON_CHARS},
@@ -197,7 +196,7 @@ impl Dispatcher {
                     if !passed {
                         // Voids the hold now; a passed audit's pay waits for
                         // the window (the sweep).
-                        ledger::settle_logged(&self.ledger, job.id).await;
+                        self.settle(job.id).await;
                     }
                     if record.banned {
                         warn!(node = %served_by, "node banned from placement after failed audits");
