@@ -233,6 +233,12 @@ async fn serve_connection(conn: quinn::Connection, d: &LinkContext) {
 }
 
 /// Serves heartbeats until the node goes silent, leaves, or shutdown.
+///
+/// Every heartbeat is answered and updates the session's figures in
+/// memory, but the store (a write or two, fsynced), the availability
+/// ledger and a placement pass happen at most once per half heartbeat
+/// interval: a node sending heartbeats back to back costs an ack each, not
+/// a write each. A repeated `Drain` is logged once.
 async fn control_loop(
     d: &LinkContext,
     session: &Session,
@@ -243,6 +249,8 @@ async fn control_loop(
     let conn = &session.connection;
     let silence = Duration::from_millis(d.config.heartbeat_timeout_ms);
     let mut last_beat = std::time::Instant::now();
+    let write_gap = Duration::from_millis(d.config.heartbeat_interval_ms / 2);
+    let mut written: Option<std::time::Instant> = None;
     loop {
         let frame = tokio::select! {
             _ = d.shutdown.cancelled() => {
@@ -281,12 +289,19 @@ async fn control_loop(
                     conn.close(CLOSE_PROTOCOL.into(), b"control stream error");
                     return;
                 }
+                let beat = std::time::Instant::now();
+                if written.is_some_and(|w| beat.duration_since(w) < write_gap) {
+                    d.metrics.heartbeats_coalesced.inc();
+                    continue;
+                }
+                written = Some(beat);
+                d.metrics.heartbeats_written.inc();
                 if let Err(e) = d.store.touch_node(&session.node_id.to_string()).await {
                     warn!(error = %error_chain(&e), "recording the heartbeat failed");
                 }
                 // A dedicated node earns availability rewards for the time
-                // since its last heartbeat (at most the timeout: it answered).
-                let beat = std::time::Instant::now();
+                // since its last written heartbeat (at most the timeout: it
+                // answered).
                 let online = beat.duration_since(last_beat).min(silence);
                 last_beat = beat;
                 if dedicated {
@@ -306,8 +321,10 @@ async fn control_loop(
                 d.placement.notify_one();
             }
             Some(node_control::Msg::Drain(drain)) => {
-                let reason = clip(&drain.reason, session::MAX_REASON_CHARS);
-                info!(node = %session.node_id.short(), %reason, "node draining");
+                if !session.is_draining() {
+                    let reason = clip(&drain.reason, session::MAX_REASON_CHARS);
+                    info!(node = %session.node_id.short(), %reason, "node draining");
+                }
                 session.drain();
             }
             Some(node_control::Msg::Hello(_) | node_control::Msg::Open(_)) | None => {

@@ -41,6 +41,11 @@ pub struct Metrics {
     pub handshakes_refused: Counter,
     /// Model tokens streamed from nodes.
     pub tokens_streamed: Counter,
+    /// Node heartbeats recorded in the store (at most one per node per
+    /// half heartbeat interval).
+    pub heartbeats_written: Counter,
+    /// Node heartbeats answered but not written (they came sooner).
+    pub heartbeats_coalesced: Counter,
     /// A durable Submit: the job and its hold in one transaction.
     pub submit_seconds: Histogram,
     /// A job's wait in the queue (from its submit or requeue) until a node
@@ -78,6 +83,14 @@ impl Default for Metrics {
         let handshakes_accepted = counter("node_handshakes_accepted", "Node handshakes accepted.");
         let handshakes_refused = counter("node_handshakes_refused", "Node handshakes refused.");
         let tokens_streamed = counter("tokens_streamed", "Model tokens streamed from nodes.");
+        let heartbeats_written = counter(
+            "node_heartbeats_written",
+            "Node heartbeats recorded in the store.",
+        );
+        let heartbeats_coalesced = counter(
+            "node_heartbeats_coalesced",
+            "Node heartbeats answered without a store write: they came within half an interval of the last written one.",
+        );
         let mut histogram = |name: &str, help: &str| {
             // 1 ms, 2 ms, ... 2^16 ms (about 65 s).
             let h = Histogram::new(exponential_buckets(0.001, 2.0, 17));
@@ -122,6 +135,8 @@ impl Default for Metrics {
             handshakes_accepted,
             handshakes_refused,
             tokens_streamed,
+            heartbeats_written,
+            heartbeats_coalesced,
             submit_seconds,
             placement_seconds,
             first_token_seconds,

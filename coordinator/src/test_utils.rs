@@ -402,6 +402,11 @@ impl FakeNode {
         write_frame(&mut self.dialer.send, msg).await.unwrap();
     }
 
+    /// The coordinator's next message on the node's control stream.
+    pub async fn control_reply(&mut self) -> CoordinatorControl {
+        read_frame(&mut self.dialer.recv).await.unwrap()
+    }
+
     /// The next job the coordinator assigns.
     pub async fn next_assignment(
         &self,

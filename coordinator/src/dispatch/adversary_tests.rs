@@ -325,3 +325,87 @@ async fn a_drain_with_a_megabyte_reason_only_drains() {
     assert!(s.app.ledger.violations(now_ms()).await.unwrap().is_empty());
     s.app.stop().await;
 }
+
+/// The value of counter `name` on the coordinator's `/metrics`.
+async fn counter(app: &TestApp, name: &str) -> u64 {
+    let text = crate::test_utils::http_get(app.http_addr, "/metrics").await;
+    text.lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
+        .unwrap_or_else(|| panic!("no {name} in {text}"))
+}
+
+/// Hole 7 (heartbeats): each heartbeat was one or two fsynced writes and a
+/// placement pass, unlimited. A flood of them is answered (an ack each)
+/// but written at most once per half interval; the node is still placed
+/// and paid.
+#[tokio::test]
+async fn a_heartbeat_flood_is_answered_but_written_once_per_interval() {
+    // A long interval: the whole flood falls inside one half of it.
+    let app = spawn_app(|c| {
+        c.heartbeat_interval_ms = 600_000;
+        c.heartbeat_timeout_ms = 1_200_000;
+    })
+    .await;
+    let mut jobs = JobsClient::new(app.grpc().await);
+    let mut node = FakeNode::register(&app, 62).await;
+    let operator = app
+        .ledger
+        .link_node(&hex::encode(node.key.verifying_key().to_bytes()), "")
+        .await
+        .unwrap();
+    const FLOOD: u64 = 1_000;
+    let beat = NodeControl {
+        msg: Some(mlxnet_proto::v1::node_control::Msg::Heartbeat(
+            mlxnet_proto::v1::Heartbeat {
+                free_memory_bytes: 8 << 30,
+                ..Default::default()
+            },
+        )),
+    };
+    for _ in 0..FLOOD {
+        node.control(&beat).await;
+    }
+    for _ in 0..FLOOD {
+        let ack = node.control_reply().await;
+        assert!(
+            matches!(
+                ack.msg,
+                Some(mlxnet_proto::v1::coordinator_control::Msg::HeartbeatAck(_))
+            ),
+            "{ack:?}"
+        );
+    }
+    assert_eq!(
+        counter(&app, "mlxnet_node_heartbeats_written_total").await,
+        1,
+        "a heartbeat flood was written to the store beat by beat"
+    );
+    assert_eq!(
+        counter(&app, "mlxnet_node_heartbeats_coalesced_total").await,
+        FLOOD - 1
+    );
+
+    // The node is still placed and paid.
+    let job = jobs
+        .submit(prompt_job("The capital of France is", 8))
+        .await
+        .unwrap()
+        .into_inner()
+        .id;
+    let (mut send, _recv, a) = node.next_assignment().await;
+    assert_eq!(a.job_id, job);
+    let c = node.claim(&a, HONEST_IDS.to_vec(), HONEST_TEXT);
+    write_frame(&mut send, &tokens(0, HONEST_IDS.to_vec(), HONEST_TEXT))
+        .await
+        .unwrap();
+    write_frame(&mut send, &result(claim::sign(c, &node.key)))
+        .await
+        .unwrap();
+    let paid = books_once(&app.ledger, &app.client_account, &operator, |b| {
+        b.operator.balance() > 0 && b.client.debits_pending == 0
+    })
+    .await;
+    assert!(paid.operator.balance() > 0, "the node was paid");
+    assert!(app.ledger.violations(now_ms()).await.unwrap().is_empty());
+    app.stop().await;
+}
