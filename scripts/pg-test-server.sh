@@ -5,7 +5,7 @@
 # MLXNET_TEST_DATABASE_URL (each test creates its own database on it).
 #
 #   export MLXNET_TEST_DATABASE_URL=$(scripts/pg-test-server.sh)
-#   scripts/pg-test-server.sh stop DIR      # stops the server started in DIR
+#   scripts/pg-test-server.sh stop DIR      # stops the server started in DIR, removes DIR
 #
 # PostgreSQL refuses to run as root: as root the cluster belongs to (and the
 # server runs as) the `postgres` user, created if missing. The binaries are
@@ -37,7 +37,11 @@ as_owner() {
 }
 
 if [ "${1:-}" = stop ]; then
-  as_owner "$BIN/pg_ctl" -D "$2/data" -m fast stop >/dev/null
+  dir=${2:?usage: pg-test-server.sh stop DIR}
+  # Only a directory this script made (its cluster inside) is removed.
+  [ -f "$dir/data/PG_VERSION" ] || { echo "pg-test-server: $dir holds no cluster" >&2; exit 1; }
+  as_owner "$BIN/pg_ctl" -D "$dir/data" -m fast stop >/dev/null
+  rm -rf "$dir"
   exit 0
 fi
 

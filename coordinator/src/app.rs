@@ -515,11 +515,20 @@ mod tests {
             .await
             .unwrap()
             .into_inner();
-        let health = reqwest_like_get(http, "/readyz").await;
+        let health = crate::test_utils::http_get(http, "/readyz").await;
         assert!(health.starts_with("HTTP/1.1 200"), "{health}");
-        let metrics = reqwest_like_get(http, "/metrics").await;
+        let metrics = crate::test_utils::http_get(http, "/metrics").await;
         assert!(
             metrics.contains("mlxnet_jobs_submitted_total 1"),
+            "{metrics}"
+        );
+        // The submit was timed, in OpenMetrics text.
+        assert!(
+            metrics.contains("\nmlxnet_submit_seconds_count 1\n"),
+            "{metrics}"
+        );
+        assert!(
+            metrics.contains("application/openmetrics-text"),
             "{metrics}"
         );
         drop(client);
@@ -558,19 +567,5 @@ mod tests {
             channel,
             crate::test_utils::Bearer(Some(format!("Bearer {key}").parse().unwrap())),
         ))
-    }
-
-    /// A bare HTTP/1.1 GET, returning the whole response.
-    async fn reqwest_like_get(addr: SocketAddr, path: &str) -> String {
-        use tokio::io::{AsyncReadExt, AsyncWriteExt};
-        let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
-        s.write_all(
-            format!("GET {path} HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n").as_bytes(),
-        )
-        .await
-        .unwrap();
-        let mut out = String::new();
-        s.read_to_string(&mut out).await.unwrap();
-        out
     }
 }

@@ -247,8 +247,10 @@ impl Dispatcher {
 
     /// Queues a validated job, with its hold placed in the same transaction.
     pub async fn submit(&self, job: NewJob, terms: &JobTerms) -> Result<JobRecord, LedgerError> {
+        let started = std::time::Instant::now();
         let record = self.ledger.submit_job(&job, terms, now_ms()).await?;
-        Metrics::inc(&self.metrics.jobs_submitted);
+        Metrics::observe(&self.metrics.submit_seconds, started.elapsed());
+        self.metrics.jobs_submitted.inc();
         self.hub.publish(
             record.id,
             job_event::Event::Queued(job_event::Queued {
@@ -260,6 +262,14 @@ impl Dispatcher {
         Ok(record)
     }
 
+    /// Settles `id` (pay, refund, fee; logged, never failing the caller),
+    /// timed.
+    pub async fn settle(&self, id: JobId) {
+        let started = std::time::Instant::now();
+        ledger::settle_logged(&self.ledger, id).await;
+        Metrics::observe(&self.metrics.settlement_seconds, started.elapsed());
+    }
+
     /// Cancels a job: the store first, then the running attempt's stream.
     pub async fn cancel(&self, id: JobId) -> Result<CancelOutcome, StoreError> {
         let outcome = self.store.cancel(id).await?;
@@ -269,7 +279,7 @@ impl Dispatcher {
             }
             self.hub
                 .publish(id, job_event::Event::Cancelled(job_event::Cancelled {}));
-            ledger::settle_logged(&self.ledger, id).await;
+            self.settle(id).await;
             self.wake();
         }
         Ok(outcome)
@@ -327,6 +337,7 @@ impl Dispatcher {
                 held,
                 reason,
             } = p;
+            Metrics::observe_since_ms(&self.metrics.placement_seconds, job.updated_at_ms, now_ms());
             let token = self.shutdown.child_token();
             lock(&self.running).insert(job.id, token.clone());
             self.hub.publish(
@@ -536,11 +547,11 @@ impl Dispatcher {
             debug!("result arrived after the attempt ended; ignored");
             return Ok(());
         }
-        Metrics::inc(&self.metrics.jobs_completed);
+        self.metrics.jobs_completed.inc();
         info!("completed with a verified result");
         self.maybe_audit(job, node_hex, &completion.result).await;
         // Pays now unless the audit window holds the pay (then the sweep does).
-        ledger::settle_logged(&self.ledger, job.id).await;
+        self.settle(job.id).await;
         let tokens = completion
             .result
             .claim
@@ -576,7 +587,7 @@ impl Dispatcher {
         let end = self.store.end_attempt_streamed(&end, segment).await?;
         match end {
             Some(AttemptEnd::Requeued { attempt }) => {
-                Metrics::inc(&self.metrics.jobs_requeued);
+                self.metrics.jobs_requeued.inc();
                 info!(reason, next_attempt = attempt, "attempt failed; requeued");
                 self.hub.publish(
                     job.id,
@@ -587,9 +598,9 @@ impl Dispatcher {
                 );
             }
             Some(AttemptEnd::Failed) => {
-                Metrics::inc(&self.metrics.jobs_failed);
+                self.metrics.jobs_failed.inc();
                 info!(reason, "job failed");
-                ledger::settle_logged(&self.ledger, job.id).await;
+                self.settle(job.id).await;
                 self.hub.publish(
                     job.id,
                     job_event::Event::Failed(job_event::Failed {
@@ -798,7 +809,7 @@ impl Dispatcher {
                     if segment.token_ids.len().saturating_add(t.token_ids.len()) > most_tokens
                         || segment.text.len().saturating_add(t.text.len()) > most_bytes
                     {
-                        Metrics::inc(&self.metrics.results_refused);
+                        self.metrics.results_refused.inc();
                         return Err(Outcome::Failed {
                             vanished: false,
                             reason: format!(
@@ -808,12 +819,18 @@ impl Dispatcher {
                             retryable: true,
                         });
                     }
+                    if next == 0 && job.attempt == 1 && !t.token_ids.is_empty() {
+                        Metrics::observe_since_ms(
+                            &self.metrics.first_token_seconds,
+                            job.created_at_ms,
+                            now_ms(),
+                        );
+                    }
                     segment.token_ids.extend_from_slice(&t.token_ids);
                     segment.text.push_str(&t.text);
-                    self.metrics.tokens_streamed.fetch_add(
-                        t.token_ids.len() as u64,
-                        std::sync::atomic::Ordering::Relaxed,
-                    );
+                    self.metrics
+                        .tokens_streamed
+                        .inc_by(t.token_ids.len() as u64);
                     self.hub.tokens(
                         job.id,
                         job_event::Tokens {
@@ -831,7 +848,7 @@ impl Dispatcher {
                     {
                         Ok(()) => Ok(signed),
                         Err(e) => {
-                            Metrics::inc(&self.metrics.results_refused);
+                            self.metrics.results_refused.inc();
                             warn!(error = %e, "result refused");
                             Err(Outcome::Failed {
                                 vanished: false,

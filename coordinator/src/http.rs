@@ -1,5 +1,5 @@
 //! Operational HTTP (axum): `/healthz` (the process answers), `/readyz` (the
-//! database answers), `/metrics` (Prometheus text); and the World page
+//! database answers), `/metrics` (OpenMetrics text); and the World page
 //! ([`crate::world::router`]), whose live streams it ends at shutdown; and
 //! the OpenAI-compatible API under `/v1` ([`crate::openai`]).
 //!
@@ -243,5 +243,5 @@ async fn metrics(State(d): State<Arc<HttpContext>>) -> impl IntoResponse {
         nodes_online: d.sessions.len() as u64,
         jobs_queued,
     });
-    ([("content-type", "text/plain; version=0.0.4")], body)
+    ([("content-type", crate::metrics::CONTENT_TYPE)], body)
 }

@@ -19,7 +19,7 @@
 //!   conformance suite every backend passes), every transition guarded by
 //!   current state.
 //! - [`catalogue`]: the models jobs may name, pinned by file digest.
-//! - [`http`]: `/healthz`, `/readyz`, `/metrics`; [`metrics`]: the counters.
+//! - [`http`]: `/healthz`, `/readyz`, `/metrics`; [`metrics`]: the counters, histograms and gauges (prometheus-client).
 //! - [`openai`]: the OpenAI-compatible HTTP API under `/v1` (on the HTTP
 //!   listener, through the client API's job pipeline).
 //! - [`world`]: the World page (map of every node), its JSON API and live stream.

@@ -146,13 +146,13 @@ async fn serve_connection(conn: quinn::Connection, d: &LinkContext) {
     let admitted = match admitted {
         Ok(Ok(a)) => a,
         Ok(Err((e, send))) => {
-            Metrics::inc(&d.metrics.handshakes_refused);
+            d.metrics.handshakes_refused.inc();
             warn!(error = %e, "node handshake refused");
             reject(&conn, send, &e.to_string()).await;
             return;
         }
         Err(_) => {
-            Metrics::inc(&d.metrics.handshakes_refused);
+            d.metrics.handshakes_refused.inc();
             warn!("node handshake timed out");
             conn.close(CLOSE_REJECTED.into(), b"handshake timed out");
             return;
@@ -176,7 +176,7 @@ async fn serve_connection(conn: quinn::Connection, d: &LinkContext) {
     {
         Ok(_) => {}
         Err(LedgerError::NoSuchAccount(a)) => {
-            Metrics::inc(&d.metrics.handshakes_refused);
+            d.metrics.handshakes_refused.inc();
             reject(
                 &conn,
                 Some(send),
@@ -201,7 +201,7 @@ async fn serve_connection(conn: quinn::Connection, d: &LinkContext) {
         old.connection
             .close(CLOSE_REPLACED.into(), b"replaced by a newer session");
     }
-    Metrics::inc(&d.metrics.handshakes_accepted);
+    d.metrics.handshakes_accepted.inc();
     if let Err(e) = d.world.upsert_node(registration.world.clone()) {
         warn!(error = %e, "world map: node not shown");
     }

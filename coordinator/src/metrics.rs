@@ -1,32 +1,58 @@
-//! Coordinator counters, exported as Prometheus text at `/metrics`.
+//! Coordinator metrics, exported at `/metrics` in the OpenMetrics text
+//! format through `prometheus-client` (the Prometheus project's Rust
+//! client): counters of the job and node-link subsystems, latency
+//! histograms of the steps a job goes through, and gauges.
 //!
-//! Counters only ever increase; gauges (nodes online, jobs queued) are read
-//! from their source when rendered, so they cannot drift.
+//! Counters only ever increase; gauges (nodes online, jobs queued) are set
+//! from their source when rendered, so they cannot drift. Histograms are in
+//! seconds, with buckets from 1 ms to about 65 s.
+//!
+//! Failure: none; a metric is never on a request's error path.
 
-use std::{
-    fmt::Write,
-    sync::atomic::{AtomicU64, Ordering},
+use std::time::Duration;
+
+use prometheus_client::{
+    encoding::text::encode,
+    metrics::{
+        counter::Counter,
+        gauge::Gauge,
+        histogram::{exponential_buckets, Histogram},
+    },
+    registry::Registry,
 };
 
-/// Counters of the job and node-link subsystems.
-#[derive(Debug, Default)]
+/// The coordinator's metrics and the registry that renders them.
+#[derive(Debug)]
 pub struct Metrics {
+    registry: Registry,
     /// Jobs accepted by Submit.
-    pub jobs_submitted: AtomicU64,
+    pub jobs_submitted: Counter,
     /// Jobs completed with a verified result.
-    pub jobs_completed: AtomicU64,
+    pub jobs_completed: Counter,
     /// Jobs that failed for good.
-    pub jobs_failed: AtomicU64,
+    pub jobs_failed: Counter,
     /// Attempts that ended in a requeue.
-    pub jobs_requeued: AtomicU64,
+    pub jobs_requeued: Counter,
     /// Results refused (bad signature, wrong node, job, attempt, model or input).
-    pub results_refused: AtomicU64,
+    pub results_refused: Counter,
     /// Node handshakes accepted.
-    pub handshakes_accepted: AtomicU64,
+    pub handshakes_accepted: Counter,
     /// Node handshakes refused.
-    pub handshakes_refused: AtomicU64,
+    pub handshakes_refused: Counter,
     /// Model tokens streamed from nodes.
-    pub tokens_streamed: AtomicU64,
+    pub tokens_streamed: Counter,
+    /// A durable Submit: the job and its hold in one transaction.
+    pub submit_seconds: Histogram,
+    /// A job's wait in the queue (from its submit or requeue) until a node
+    /// was assigned.
+    pub placement_seconds: Histogram,
+    /// From Submit to the first token of the job's first attempt, as the
+    /// coordinator relays it (what a client waits for).
+    pub first_token_seconds: Histogram,
+    /// One settlement (pay, refund and fee of a job, in one transaction).
+    pub settlement_seconds: Histogram,
+    nodes_online: Gauge,
+    jobs_queued: Gauge,
 }
 
 /// Gauges read at render time.
@@ -36,81 +62,101 @@ pub struct Gauges {
     pub jobs_queued: u64,
 }
 
+impl Default for Metrics {
+    fn default() -> Self {
+        let mut registry = Registry::with_prefix("mlxnet");
+        let mut counter = |name: &str, help: &str| {
+            let c = Counter::default();
+            registry.register(name, help, c.clone());
+            c
+        };
+        let jobs_submitted = counter("jobs_submitted", "Jobs accepted by Submit.");
+        let jobs_completed = counter("jobs_completed", "Jobs completed with a verified result.");
+        let jobs_failed = counter("jobs_failed", "Jobs that failed for good.");
+        let jobs_requeued = counter("jobs_requeued", "Job attempts that ended in a requeue.");
+        let results_refused = counter("results_refused", "Node results refused by verification.");
+        let handshakes_accepted = counter("node_handshakes_accepted", "Node handshakes accepted.");
+        let handshakes_refused = counter("node_handshakes_refused", "Node handshakes refused.");
+        let tokens_streamed = counter("tokens_streamed", "Model tokens streamed from nodes.");
+        let mut histogram = |name: &str, help: &str| {
+            // 1 ms, 2 ms, ... 2^16 ms (about 65 s).
+            let h = Histogram::new(exponential_buckets(0.001, 2.0, 17));
+            registry.register(name, help, h.clone());
+            h
+        };
+        let submit_seconds = histogram(
+            "submit_seconds",
+            "A durable Submit: the job and its hold in one transaction.",
+        );
+        let placement_seconds = histogram(
+            "placement_seconds",
+            "A job's wait in the queue, from its submit or requeue, until a node was assigned.",
+        );
+        let first_token_seconds = histogram(
+            "first_token_seconds",
+            "From Submit to the first token of a job's first attempt.",
+        );
+        let settlement_seconds = histogram(
+            "settlement_seconds",
+            "One settlement: a job's pay, refund and fee in one transaction.",
+        );
+        let nodes_online = Gauge::default();
+        registry.register(
+            "nodes_online",
+            "Nodes with a live session.",
+            nodes_online.clone(),
+        );
+        let jobs_queued = Gauge::default();
+        registry.register(
+            "jobs_queued",
+            "Jobs waiting for a node.",
+            jobs_queued.clone(),
+        );
+        Self {
+            registry,
+            jobs_submitted,
+            jobs_completed,
+            jobs_failed,
+            jobs_requeued,
+            results_refused,
+            handshakes_accepted,
+            handshakes_refused,
+            tokens_streamed,
+            submit_seconds,
+            placement_seconds,
+            first_token_seconds,
+            settlement_seconds,
+            nodes_online,
+            jobs_queued,
+        }
+    }
+}
+
+/// The content type of [`Metrics::render`]'s text.
+pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
+
 impl Metrics {
-    pub fn inc(counter: &AtomicU64) {
-        counter.fetch_add(1, Ordering::Relaxed);
+    /// Records `elapsed` in `histogram`.
+    pub fn observe(histogram: &Histogram, elapsed: Duration) {
+        histogram.observe(elapsed.as_secs_f64());
     }
 
-    /// Prometheus text exposition format.
+    /// Records the time since `since_ms` (a wall-clock time in ms) in
+    /// `histogram`; a time in the future (a clock step) counts as zero.
+    pub fn observe_since_ms(histogram: &Histogram, since_ms: i64, now_ms: i64) {
+        let ms = now_ms.saturating_sub(since_ms).max(0);
+        histogram.observe(ms as f64 / 1000.0);
+    }
+
+    /// The OpenMetrics text exposition ([`CONTENT_TYPE`]).
     pub fn render(&self, gauges: Gauges) -> String {
-        let counters: [(&str, &str, &AtomicU64); 8] = [
-            (
-                "mlxnet_jobs_submitted_total",
-                "Jobs accepted by Submit.",
-                &self.jobs_submitted,
-            ),
-            (
-                "mlxnet_jobs_completed_total",
-                "Jobs completed with a verified result.",
-                &self.jobs_completed,
-            ),
-            (
-                "mlxnet_jobs_failed_total",
-                "Jobs that failed for good.",
-                &self.jobs_failed,
-            ),
-            (
-                "mlxnet_jobs_requeued_total",
-                "Job attempts that ended in a requeue.",
-                &self.jobs_requeued,
-            ),
-            (
-                "mlxnet_results_refused_total",
-                "Node results refused by verification.",
-                &self.results_refused,
-            ),
-            (
-                "mlxnet_node_handshakes_accepted_total",
-                "Node handshakes accepted.",
-                &self.handshakes_accepted,
-            ),
-            (
-                "mlxnet_node_handshakes_refused_total",
-                "Node handshakes refused.",
-                &self.handshakes_refused,
-            ),
-            (
-                "mlxnet_tokens_streamed_total",
-                "Model tokens streamed from nodes.",
-                &self.tokens_streamed,
-            ),
-        ];
+        self.nodes_online
+            .set(i64::try_from(gauges.nodes_online).unwrap_or(i64::MAX));
+        self.jobs_queued
+            .set(i64::try_from(gauges.jobs_queued).unwrap_or(i64::MAX));
         let mut out = String::new();
-        for (name, help, value) in counters {
-            let _ = writeln!(
-                out,
-                "# HELP {name} {help}\n# TYPE {name} counter\n{name} {}",
-                value.load(Ordering::Relaxed)
-            );
-        }
-        let gauges = [
-            (
-                "mlxnet_nodes_online",
-                "Nodes with a live session.",
-                gauges.nodes_online,
-            ),
-            (
-                "mlxnet_jobs_queued",
-                "Jobs waiting for a node.",
-                gauges.jobs_queued,
-            ),
-        ];
-        for (name, help, value) in gauges {
-            let _ = writeln!(
-                out,
-                "# HELP {name} {help}\n# TYPE {name} gauge\n{name} {value}"
-            );
-        }
+        // Writing into a String cannot fail.
+        let _ = encode(&mut out, &self.registry);
         out
     }
 }
@@ -120,10 +166,14 @@ mod tests {
     use super::*;
 
     #[test]
-    fn renders_counters_and_gauges_as_prometheus_text() {
+    fn renders_counters_histograms_and_gauges_as_openmetrics_text() {
         let m = Metrics::default();
-        Metrics::inc(&m.jobs_submitted);
-        Metrics::inc(&m.jobs_submitted);
+        m.jobs_submitted.inc();
+        m.jobs_submitted.inc();
+        Metrics::observe(&m.submit_seconds, Duration::from_micros(1500));
+        Metrics::observe_since_ms(&m.first_token_seconds, 1_000, 3_500);
+        // A clock step back counts as zero, not as a negative wait.
+        Metrics::observe_since_ms(&m.placement_seconds, 5_000, 4_000);
         let text = m.render(Gauges {
             nodes_online: 3,
             jobs_queued: 1,
@@ -133,5 +183,23 @@ mod tests {
             text.contains("# TYPE mlxnet_nodes_online gauge\nmlxnet_nodes_online 3\n"),
             "{text}"
         );
+        // 1.5 ms: not in the 1 ms bucket, in the 2 ms one.
+        assert!(
+            text.contains("mlxnet_submit_seconds_bucket{le=\"0.001\"} 0\n"),
+            "{text}"
+        );
+        assert!(
+            text.contains("mlxnet_submit_seconds_bucket{le=\"0.002\"} 1\n"),
+            "{text}"
+        );
+        assert!(
+            text.contains("mlxnet_first_token_seconds_sum 2.5\n"),
+            "{text}"
+        );
+        assert!(
+            text.contains("mlxnet_placement_seconds_sum 0.0\n"),
+            "{text}"
+        );
+        assert!(text.ends_with("# EOF\n"), "{text}");
     }
 }

@@ -57,6 +57,19 @@ pub fn prompt_job(prompt: &str, max_tokens: u32) -> mlxnet_proto::v1::SubmitJobR
 /// Starting balance of the test client: 1,000 MLX.
 pub const CLIENT_GRANT: i64 = 1_000_000_000;
 
+/// One plain HTTP/1.1 GET of `path` from `addr`: the whole response,
+/// status line and headers included.
+pub async fn http_get(addr: SocketAddr, path: &str) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+    s.write_all(format!("GET {path} HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n").as_bytes())
+        .await
+        .unwrap();
+    let mut out = String::new();
+    s.read_to_string(&mut out).await.unwrap();
+    out
+}
+
 pub struct TestApp {
     /// The running coordinator's ledger (same database).
     pub ledger: crate::ledger::Ledger,

@@ -321,6 +321,23 @@ async fn a_job_streams_tokens_and_completes_only_with_a_verified_result() {
         "{first:?}"
     );
     assert!(late.message().await.unwrap().is_none());
+
+    // /metrics timed each step: two placements (one per attempt), the
+    // refused result, the first token of the first attempt only (attempt
+    // 2's tokens are not a first token for the client), one settlement.
+    let metrics = crate::test_utils::http_get(app.http_addr, "/metrics").await;
+    for line in [
+        "mlxnet_placement_seconds_count 2",
+        "mlxnet_results_refused_total 1",
+        "mlxnet_first_token_seconds_count 1",
+        "mlxnet_settlement_seconds_count 1",
+        "mlxnet_jobs_completed_total 1",
+    ] {
+        assert!(
+            metrics.contains(&format!("\n{line}\n")),
+            "{line}: {metrics}"
+        );
+    }
     app.stop().await;
 }
 
