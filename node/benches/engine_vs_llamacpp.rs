@@ -19,7 +19,8 @@
 //! - llama.cpp through llama-cpp-python (`scripts/bench-vs-llama-cpp.py`):
 //!   same file, prompt, threads, prefill in one batch, greedy tokens;
 //!
-//! then prints a table with the medians and the ratios ours / llama.cpp.
+//! then prints every round's figures and a table with the medians and the
+//! ratios ours / llama.cpp.
 //! Without llama-cpp-python it says how to install it and prints our numbers.
 //!
 //! `-- --prepare` only writes the random models and exits.
@@ -316,6 +317,22 @@ fn main() -> anyhow::Result<()> {
                     None
                 }
             };
+            // Every measured round, not only the medians of the table.
+            let rounds = |v: &Value, key: &str| {
+                numbers(v, key)
+                    .iter()
+                    .map(|x| format!("{x:.1}"))
+                    .collect::<Vec<_>>()
+                    .join(" ")
+            };
+            println!(
+                "{} at {t} threads, tokens/s per round: prefill ours [{}] llama.cpp [{}]; decode ours [{}] llama.cpp [{}]",
+                row.name,
+                rounds(&o, "prefill_tok_s"),
+                l.as_ref().map(|l| rounds(l, "prefill_tok_s")).unwrap_or_default(),
+                rounds(&o, "decode_tok_s"),
+                l.as_ref().map(|l| rounds(l, "decode_tok_s")).unwrap_or_default(),
+            );
             let (op, od) = (
                 median(numbers(&o, "prefill_tok_s")),
                 median(numbers(&o, "decode_tok_s")),
