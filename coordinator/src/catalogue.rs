@@ -35,6 +35,10 @@ pub struct CatalogueModel {
     pub sha256: String,
     #[serde(default = "default_context_length")]
     pub context_length: u32,
+    /// Tokens in the model's vocabulary (0 = unknown): a job's `logit_bias`
+    /// ids are checked against it at submission (the node checks them too).
+    #[serde(default)]
+    pub vocab_size: u32,
     /// KV-cache bytes per token of context, for the placement memory
     /// estimate when the architecture fields below are not given.
     #[serde(default = "default_kv_bytes_per_token")]
@@ -81,6 +85,7 @@ pub fn smollm2_135m_instruct() -> CatalogueModel {
         size_bytes: 98_362_432,
         sha256: "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53".into(),
         context_length: 8192,
+        vocab_size: 49_152,
         kv_bytes_per_token: default_kv_bytes_per_token(),
         price_input_per_mtok: None,
         price_output_per_mtok: None,

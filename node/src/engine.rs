@@ -239,10 +239,22 @@ pub struct Sampling {
     /// `k` (at most [`MAX_LOGPROBS`]) most probable alternatives
     /// ([`TokenChunk::logprobs`]).
     pub logprobs: Option<usize>,
+    /// OpenAI's presence penalty (-2 to 2, 0 off): subtracted once from the
+    /// logit of every token generated so far in this job.
+    pub presence_penalty: f32,
+    /// OpenAI's frequency penalty (-2 to 2, 0 off): subtracted from a
+    /// token's logit once per time it was generated so far in this job.
+    pub frequency_penalty: f32,
+    /// (token id, bias) added to the logits before the penalties: -100 to
+    /// 100 each, at most [`MAX_LOGIT_BIAS`], each id once, ids in the
+    /// vocabulary.
+    pub logit_bias: Vec<(u32, f32)>,
 }
 
 /// Most alternatives a token's log-probabilities may list (OpenAI's bound).
 pub const MAX_LOGPROBS: usize = 20;
+/// Most entries a logit bias may have (OpenAI's bound).
+pub const MAX_LOGIT_BIAS: usize = 300;
 
 impl Default for Sampling {
     fn default() -> Self {
@@ -256,6 +268,9 @@ impl Default for Sampling {
             max_tokens: 128,
             stop: Vec::new(),
             logprobs: None,
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
+            logit_bias: Vec::new(),
         }
     }
 }
@@ -679,7 +694,8 @@ impl TextSide {
         ctx: usize,
         vocab: usize,
     ) -> Result<Result<audit::AuditPass, audit::Verdict>, EngineError> {
-        sampler::validate(&req.sampling)?;
+        // As `begin` validates it: the job would have been refused the same way.
+        sampler::validate(&req.sampling, self.tokenizer.vocab_len())?;
         let prompt = self.prompt_tokens(&req.input)?;
         let output = &req.output_token_ids;
         if let Some((i, &t)) = output

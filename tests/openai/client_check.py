@@ -153,6 +153,25 @@ tparts = list(
 st = [t for p in tparts if p.choices[0].logprobs for t in p.choices[0].logprobs.token_logprobs]
 check(st == l.token_logprobs, f"streamed token_logprobs {st} vs {l.token_logprobs}")
 
+# logit_bias: -100 on the greedy first token (its id from the test, which ran
+# the same request through gRPC) bans it: the output changes, and its first
+# token is another one.
+first = int(os.environ["MLXNET_GREEDY_FIRST_TOKEN"])
+biased = client.chat.completions.create(
+    model=MODEL, messages=QUESTION, max_tokens=12, temperature=0, seed=7,
+    logit_bias={str(first): -100}, logprobs=True, top_logprobs=1,
+)
+bc = biased.choices[0]
+check(bc.message.content != c0.message.content, f"logit_bias on {first} left {bc.message.content!r}")
+check(bc.logprobs.content[0].token != content[0].token, f"first token still {content[0].token!r}")
+# A bias of 0 changes nothing.
+zero = client.chat.completions.create(
+    model=MODEL, messages=QUESTION, max_tokens=12, temperature=0, seed=7,
+    logit_bias={str(first): 0}, presence_penalty=0, frequency_penalty=0,
+)
+check(zero.choices[0].message.content == c0.message.content, f"bias 0 changed {zero.choices[0].message.content!r}")
+summary["bias_id"] = biased.id
+
 # Seed reproducibility at temperature 1: the same seed, the same text.
 def sampled(seed):
     r = client.chat.completions.create(
@@ -183,6 +202,14 @@ check(cut.object == "text_completion", f"object {cut.object}")
 check(cut.choices[0].text == text[: text.index(stop)], f"stop {stop!r}: {cut.choices[0].text!r} vs {text!r}")
 check(cut.choices[0].finish_reason == "stop", f"finish {cut.choices[0].finish_reason}")
 check(full.choices[0].finish_reason == "length", f"finish {full.choices[0].finish_reason}")
+
+# Frequency and presence penalties (over generated tokens): a counting
+# continuation repeats its commas, so penalising repeats changes it.
+pen = client.completions.create(
+    model=MODEL, prompt="One, two, three, four, five,", max_tokens=12, temperature=0,
+    frequency_penalty=2.0, presence_penalty=2.0,
+)
+check(pen.choices[0].text != text, f"penalties left {text!r}")
 
 # Completions: echo, and streamed (with usage).
 echo = client.completions.create(
@@ -233,8 +260,12 @@ e = refused(openai.BadRequestError, 400, chat_with(n=2))
 check(e["param"] == "n", f"param {e}")
 e = refused(openai.BadRequestError, 400, chat_with(messages=[{"role": "wizard", "content": "hi"}]))
 check(e["param"] == "messages", f"param {e}")
-e = refused(openai.BadRequestError, 400, chat_with(frequency_penalty=1.0))
-check(e["code"] == "unsupported_parameter", f"code {e}")
+e = refused(openai.BadRequestError, 400, chat_with(frequency_penalty=2.5))
+check(e["param"] == "frequency_penalty", f"param {e}")
+e = refused(openai.BadRequestError, 400, chat_with(logit_bias={"1": 101}))
+check(e["param"] == "logit_bias", f"param {e}")
+e = refused(openai.BadRequestError, 400, chat_with(logit_bias={"49152": 1}))
+check("vocabulary" in e["message"], f"vocabulary {e}")
 e = refused(openai.BadRequestError, 400, chat_with(logprobs=True, top_logprobs=21))
 check(e["param"] == "top_logprobs", f"param {e}")
 e = refused(openai.BadRequestError, 400, chat_with(logprobs=True, top_logprobs=-1))

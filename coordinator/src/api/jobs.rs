@@ -9,7 +9,8 @@ use mlxnet_proto::{
     ids::JobId,
     v1::{
         job_event, job_input, jobs_server::Jobs, CancelJobRequest, GetJobRequest, Job, JobEvent,
-        ListJobsRequest, ListJobsResponse, SamplingParams, SubmitJobRequest, WatchJobRequest,
+        ListJobsRequest, ListJobsResponse, LogitBias, SamplingParams, SubmitJobRequest,
+        WatchJobRequest,
     },
 };
 use tokio::sync::{broadcast::error::RecvError, mpsc};
@@ -21,7 +22,7 @@ use crate::{
     api::error::ApiError,
     catalogue::Catalogue,
     domain::{
-        job::{is_terminal_event, terminal_event, to_proto},
+        job::{is_terminal_event, terminal_event, to_proto, MAX_BIAS, MAX_LOGIT_BIAS, MAX_PENALTY},
         Caller, CancelOutcome, JobRecord, JobState, JobTerms, NewJob, Scope,
     },
     ledger::settle,
@@ -146,6 +147,19 @@ pub fn validate_submit(
             crate::domain::job::MAX_LOGPROBS
         )));
     }
+    in_range(
+        "presence_penalty",
+        s.presence_penalty,
+        -MAX_PENALTY,
+        MAX_PENALTY,
+    )?;
+    in_range(
+        "frequency_penalty",
+        s.frequency_penalty,
+        -MAX_PENALTY,
+        MAX_PENALTY,
+    )?;
+    check_logit_bias(&s.logit_bias, model.info.vocab_size)?;
     if s.stop.len() > limits.max_stop_strings {
         return Err(invalid(format!(
             "{} stop strings; the limit is {}",
@@ -183,6 +197,41 @@ pub fn validate_submit(
         sampling: s,
         priority,
     })
+}
+
+/// `logit_bias`: at most [`MAX_LOGIT_BIAS`] entries, each id once and in
+/// the model's vocabulary of `vocab` tokens (0 = unknown: the node checks),
+/// each bias within `-MAX_BIAS..=MAX_BIAS`.
+fn check_logit_bias(bias: &[LogitBias], vocab: u32) -> Result<(), ApiError> {
+    let invalid = ApiError::InvalidArgument;
+    if bias.len() > MAX_LOGIT_BIAS {
+        return Err(invalid(format!(
+            "logit_bias has {} entries; the limit is {MAX_LOGIT_BIAS}",
+            bias.len()
+        )));
+    }
+    let mut seen = std::collections::HashSet::with_capacity(bias.len());
+    for b in bias {
+        if !(b.bias.is_finite() && b.bias.abs() <= MAX_BIAS) {
+            return Err(invalid(format!(
+                "logit_bias of token {} must be between -{MAX_BIAS} and {MAX_BIAS}, got {}",
+                b.token_id, b.bias
+            )));
+        }
+        if vocab > 0 && b.token_id >= vocab {
+            return Err(invalid(format!(
+                "logit_bias names token {}, outside the model's vocabulary of {vocab} tokens",
+                b.token_id
+            )));
+        }
+        if !seen.insert(b.token_id) {
+            return Err(invalid(format!(
+                "logit_bias names token {} twice",
+                b.token_id
+            )));
+        }
+    }
+    Ok(())
 }
 
 /// Who pays for `job` and how much it may cost; refuses a job above the

@@ -146,6 +146,9 @@ impl CatalogueModel {
             size_bytes: file.size_bytes,
             sha256: file.sha256.clone(),
             context_length: entry.context_length,
+            // The file format does not carry the vocabulary size yet: 0 is
+            // "unknown", so `logit_bias` ids are checked by the node alone.
+            vocab_size: 0,
             kv_bytes_per_token: entry
                 .kv_bytes_per_token()
                 .unwrap_or_else(super::default_kv_bytes_per_token),

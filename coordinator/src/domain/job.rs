@@ -15,6 +15,12 @@ use mlxnet_proto::{
 /// The most alternatives a token's log-probabilities may list (OpenAI's
 /// `top_logprobs` bound), for `SamplingParams.logprobs`.
 pub const MAX_LOGPROBS: u32 = 20;
+/// The largest presence or frequency penalty, either sign (OpenAI's bound).
+pub const MAX_PENALTY: f32 = 2.0;
+/// The most entries a `logit_bias` may have (OpenAI's bound).
+pub const MAX_LOGIT_BIAS: usize = 300;
+/// The largest bias of one token, either sign (OpenAI's bound).
+pub const MAX_BIAS: f32 = 100.0;
 
 /// Where a job is in its life.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]

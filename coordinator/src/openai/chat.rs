@@ -5,10 +5,10 @@
 //! `stream_options.include_usage`, `max_tokens` / `max_completion_tokens`,
 //! `temperature` (0-2), `top_p` (0-1), `seed`, `stop` (string or list), `n`
 //! (1), `user`, `parallel_tool_calls`, `presence_penalty` /
-//! `frequency_penalty` (0 only), `logit_bias` (empty only),
-//! `response_format` (`text` only), `tools` (empty only), `tool_choice`
-//! (`none` or `auto` only), `logprobs` and `top_logprobs` (0-20, only with
-//! `logprobs: true`). Anything else, or a value this network cannot honour,
+//! `frequency_penalty` (-2 to 2), `logit_bias` (token id -> -100 to 100, at
+//! most 300, ids in the model's vocabulary), `response_format` (`text`
+//! only), `tools` (empty only), `tool_choice` (`none` or `auto` only),
+//! `logprobs` and `top_logprobs` (0-20, only with `logprobs: true`). Anything else, or a value this network cannot honour,
 //! is a 400 naming the parameter.
 
 use std::sync::Arc;
@@ -151,9 +151,7 @@ pub fn parse(map: serde_json::Map<String, Value>) -> Result<ChatRequest, OpenAiE
     p.only_one("n")?;
     p.string("user")?;
     p.bool("parallel_tool_calls")?;
-    p.zero_only("presence_penalty", -2.0, 2.0)?;
-    p.zero_only("frequency_penalty", -2.0, 2.0)?;
-    p.no_logit_bias()?;
+    let penalties = p.penalties()?;
     if let Some(rf) = p.take("response_format") {
         match rf.get("type").and_then(Value::as_str) {
             Some("text") => {}
@@ -201,6 +199,7 @@ pub fn parse(map: serde_json::Map<String, Value>) -> Result<ChatRequest, OpenAiE
     }
     p.finish()?;
     let mut sampling = sampling(temperature, top_p, seed, stop, max_tokens);
+    penalties.apply(&mut sampling);
     sampling.logprobs = logprobs.then(|| top.unwrap_or(0) as u32);
     Ok(ChatRequest {
         submit: job(

@@ -3,10 +3,10 @@
 //! Read: `model`, `prompt` (a string, or a list of one string), `stream`,
 //! `stream_options.include_usage`, `max_tokens` (default 16, as OpenAI's),
 //! `temperature`, `top_p`, `seed`, `stop`, `echo`, `n` and `best_of` (1),
-//! `user`, `presence_penalty` / `frequency_penalty` (0 only), `logit_bias`
-//! (empty only), `logprobs` (0-20 alternatives; not with `echo`: the
-//! prompt's are not computed), `suffix` (refused: no catalogue model does
-//! fill-in-the-middle).
+//! `user`, `presence_penalty` / `frequency_penalty` (-2 to 2), `logit_bias`
+//! (token id -> -100 to 100, at most 300), `logprobs` (0-20 alternatives;
+//! not with `echo`: the prompt's are not computed), `suffix` (refused: no
+//! catalogue model does fill-in-the-middle).
 
 use std::sync::Arc;
 
@@ -74,9 +74,7 @@ pub fn parse(map: serde_json::Map<String, Value>) -> Result<CompletionRequest, O
     p.only_one("n")?;
     p.only_one("best_of")?;
     p.string("user")?;
-    p.zero_only("presence_penalty", -2.0, 2.0)?;
-    p.zero_only("frequency_penalty", -2.0, 2.0)?;
-    p.no_logit_bias()?;
+    let penalties = p.penalties()?;
     let logprobs = p.integer("logprobs", 0, i64::from(MAX_LOGPROBS))?;
     if logprobs.is_some() && echo {
         return Err(OpenAiError::unsupported(
@@ -103,6 +101,7 @@ pub fn parse(map: serde_json::Map<String, Value>) -> Result<CompletionRequest, O
         },
     );
     sampling.logprobs = logprobs.map(|k| k as u32);
+    penalties.apply(&mut sampling);
     Ok(CompletionRequest {
         echo: echo.then(|| text.clone()),
         submit: job(model, job_input::Kind::Prompt(text), sampling),

@@ -3,9 +3,28 @@
 //! left at the end ([`Params::finish`]) are the fields nobody knows, refused
 //! by name.
 
+use mlxnet_proto::v1::{LogitBias, SamplingParams};
 use serde_json::{Map, Value};
 
 use super::OpenAiError;
+use crate::domain::job::{MAX_BIAS, MAX_LOGIT_BIAS, MAX_PENALTY};
+
+/// OpenAI's penalties and logit bias as read from a request.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Penalties {
+    pub presence: f32,
+    pub frequency: f32,
+    pub bias: Vec<LogitBias>,
+}
+
+impl Penalties {
+    /// Puts them in a job's sampling.
+    pub fn apply(self, s: &mut SamplingParams) {
+        s.presence_penalty = self.presence;
+        s.frequency_penalty = self.frequency;
+        s.logit_bias = self.bias;
+    }
+}
 
 /// A request body being read.
 pub struct Params {
@@ -122,29 +141,68 @@ impl Params {
         }
     }
 
-    /// A penalty this network's sampler does not have: refused unless 0.
-    pub fn zero_only(&mut self, name: &str, lo: f64, hi: f64) -> R<()> {
-        match self.number(name, lo, hi)? {
-            None => Ok(()),
-            Some(0.0) => Ok(()),
-            Some(_) => Err(OpenAiError::unsupported(
-                name,
-                "not supported by this network's sampler; use 0 or leave it out",
-            )),
-        }
+    /// `presence_penalty`, `frequency_penalty` and `logit_bias`.
+    pub fn penalties(&mut self) -> R<Penalties> {
+        Ok(Penalties {
+            presence: self.penalty("presence_penalty")?,
+            frequency: self.penalty("frequency_penalty")?,
+            bias: self.logit_bias()?,
+        })
     }
 
-    /// `logit_bias`: refused unless empty.
-    pub fn no_logit_bias(&mut self) -> R<()> {
-        match self.take("logit_bias") {
-            None => Ok(()),
-            Some(Value::Object(m)) if m.is_empty() => Ok(()),
-            Some(Value::Object(_)) => Err(OpenAiError::unsupported(
-                "logit_bias",
-                "not supported by this network's sampler",
-            )),
-            Some(_) => Err(wrong("logit_bias", "an object")),
+    /// `presence_penalty` / `frequency_penalty`: -2 to 2, 0 when absent.
+    fn penalty(&mut self, name: &str) -> R<f32> {
+        let max = f64::from(MAX_PENALTY);
+        Ok(self.number(name, -max, max)?.unwrap_or(0.0) as f32)
+    }
+
+    /// `logit_bias`: an object from token ids (decimal strings) to biases
+    /// from -100 to 100, at most 300 entries (the ids are checked against
+    /// the model's vocabulary at submission).
+    fn logit_bias(&mut self) -> R<Vec<LogitBias>> {
+        const NAME: &str = "logit_bias";
+        let m = match self.take(NAME) {
+            None => return Ok(Vec::new()),
+            Some(Value::Object(m)) => m,
+            Some(_) => return Err(wrong(NAME, "an object from token ids to biases")),
+        };
+        if m.len() > MAX_LOGIT_BIAS {
+            return Err(OpenAiError::invalid(
+                format!(
+                    "logit_bias has {} entries; at most {MAX_LOGIT_BIAS}",
+                    m.len()
+                ),
+                Some(NAME),
+            ));
         }
+        let max = f64::from(MAX_BIAS);
+        m.into_iter()
+            .map(|(k, v)| {
+                let token_id = k
+                    .parse::<u32>()
+                    .ok()
+                    .filter(|_| k.bytes().all(|b| b.is_ascii_digit()))
+                    .ok_or_else(|| {
+                        OpenAiError::invalid(
+                            format!(
+                                "logit_bias keys must be token ids, got {:?}",
+                                k.chars().take(32).collect::<String>()
+                            ),
+                            Some(NAME),
+                        )
+                    })?;
+                match v.as_f64() {
+                    Some(b) if (-max..=max).contains(&b) => Ok(LogitBias {
+                        token_id,
+                        bias: b as f32,
+                    }),
+                    _ => Err(wrong(
+                        NAME,
+                        &format!("an object of biases from -{max} to {max}"),
+                    )),
+                }
+            })
+            .collect()
     }
 
     /// `stream_options.include_usage` (only with `stream`).

@@ -85,8 +85,20 @@ fn what_cannot_be_honoured_is_refused_by_name() {
         ("temperature", json!(2.5)),
         ("top_p", json!(-0.1)),
         ("n", json!(2)),
-        ("presence_penalty", json!(0.5)),
-        ("logit_bias", json!({"50256": -100})),
+        ("presence_penalty", json!(2.5)),
+        ("frequency_penalty", json!(-2.01)),
+        ("frequency_penalty", json!("1")),
+        ("logit_bias", json!({"50256": -101})),
+        ("logit_bias", json!({"50256": "1"})),
+        ("logit_bias", json!({"abc": 1})),
+        ("logit_bias", json!({"-1": 1})),
+        ("logit_bias", json!({"+7": 1})),
+        ("logit_bias", json!({"4294967296": 1})),
+        ("logit_bias", json!([1, 2])),
+        (
+            "logit_bias",
+            Value::Object((0..301).map(|i| (i.to_string(), json!(1))).collect()),
+        ),
         ("response_format", json!({"type": "json_object"})),
         (
             "tools",
@@ -122,6 +134,54 @@ fn what_cannot_be_honoured_is_refused_by_name() {
     let many =
         completions::parse(obj(json!({"model": "m", "prompt": ["a", "b"]}))).expect_err("refused");
     assert_eq!(many.param.as_deref(), Some("prompt"));
+}
+
+#[test]
+fn penalties_and_logit_bias_reach_the_job() {
+    let c = chat::parse(obj(json!({
+        "model": "m",
+        "messages": [{"role": "user", "content": "x"}],
+        "presence_penalty": -2,
+        "frequency_penalty": 1.5,
+        "logit_bias": {"7": -100, "300": 100, "0012": 0.5},
+    })))
+    .expect("valid");
+    let s = c.submit.sampling.expect("sampling");
+    assert_eq!((s.presence_penalty, s.frequency_penalty), (-2.0, 1.5));
+    let mut bias: Vec<(u32, f32)> = s.logit_bias.iter().map(|b| (b.token_id, b.bias)).collect();
+    bias.sort_by_key(|b| b.0);
+    assert_eq!(bias, vec![(7, -100.0), (12, 0.5), (300, 100.0)]);
+    let t = completions::parse(obj(json!({
+        "model": "m",
+        "prompt": "a",
+        "frequency_penalty": -0.5,
+        "logit_bias": Value::Object((0..300).map(|i| (i.to_string(), json!(-1))).collect()),
+    })))
+    .expect("300 entries are allowed");
+    let s = t.submit.sampling.expect("sampling");
+    assert_eq!((s.presence_penalty, s.frequency_penalty), (0.0, -0.5));
+    assert_eq!(s.logit_bias.len(), 300);
+    // Absent or null: off.
+    let d = chat::parse(obj(json!({
+        "model": "m",
+        "messages": [{"role": "user", "content": "x"}],
+        "logit_bias": null,
+    })))
+    .expect("valid");
+    let s = d.submit.sampling.expect("sampling");
+    assert!(s.logit_bias.is_empty() && s.presence_penalty == 0.0 && s.frequency_penalty == 0.0);
+    for bad in [
+        json!({"presence_penalty": 3}),
+        json!({"logit_bias": {"x": 1}}),
+    ] {
+        let mut b = json!({"model": "m", "prompt": "a"});
+        for (k, v) in bad.as_object().expect("object") {
+            b[k] = v.clone();
+        }
+        let e = completions::parse(obj(b)).expect_err("refused");
+        assert_eq!(e.status, StatusCode::BAD_REQUEST, "{bad}");
+        assert!(e.param.is_some(), "{e:?}");
+    }
 }
 
 #[test]

@@ -8,6 +8,12 @@
 //! decision rule over a whole claim ([`judge`]).
 //!
 //! # The rule
+//! Every position is scored on the logits after the job's logit bias and
+//! repetition, presence and frequency penalties, through the sampler's own
+//! `apply_penalties` (the presence and frequency penalties count the claimed
+//! tokens before the position): an honest node that applied them is judged
+//! on the distribution it drew from, and one that ignored them is judged on
+//! the one it should have drawn from.
 //! - **Greedy** (temperature 0): every claimed token must be the argmax, or
 //!   within [`GREEDY_MARGIN`] logits of it (honest near ties: batch vs
 //!   token-by-token passes, thread counts, kernels and backends round
@@ -58,7 +64,7 @@
 //! Pure functions; nothing fails. A claim the engine cannot even score (a
 //! token id outside the vocabulary) is judged by [`judge_unscorable`].
 
-use super::sampler::{apply_repetition_penalty, candidates};
+use super::sampler::{apply_penalties, candidates};
 use super::Sampling;
 
 /// Largest logit gap to the argmax that still counts as the model's own
@@ -194,16 +200,17 @@ impl Verdict {
 }
 
 /// Scores the claimed `token` against one position's `logits` (modified:
-/// the repetition penalty is applied, as the sampler does). `history` is
-/// every token before it (prompt and output).
+/// the logit bias and the penalties are applied, as the sampler does).
+/// `history` is every token before it (prompt and output), of which
+/// `history[output_from..]` were claimed as generated.
 pub fn score_position(
     logits: &mut [f32],
     token: u32,
     params: &Sampling,
-    history: &[u32],
+    (history, output_from): (&[u32], usize),
     scratch: &mut Vec<(u32, f32)>,
 ) -> PositionScore {
-    apply_repetition_penalty(logits, history, params.repetition_penalty);
+    apply_penalties(logits, history, output_from, params);
     let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
     let own = logits
         .get(token as usize)
@@ -247,7 +254,7 @@ pub fn score_end(
     logits: &mut [f32],
     eog: &[u32],
     params: &Sampling,
-    history: &[u32],
+    history: (&[u32], usize),
     scratch: &mut Vec<(u32, f32)>,
 ) -> PositionScore {
     let original = logits.to_vec();
@@ -445,12 +452,13 @@ impl AuditPass {
             };
             let s = &self.sampling;
             if i < output_len {
-                let history = &self.full[..self.prompt_len + i];
+                let history = (&self.full[..self.prompt_len + i], self.prompt_len);
                 let token = self.full[self.prompt_len + i];
                 self.tokens
                     .push(score_position(row, token, s, history, &mut self.scratch));
             } else if i == output_len {
-                self.end = Some(score_end(row, &self.eog, s, &self.full, &mut self.scratch));
+                let history = (&self.full[..], self.prompt_len);
+                self.end = Some(score_end(row, &self.eog, s, history, &mut self.scratch));
             }
         }
     }
@@ -672,40 +680,128 @@ mod tests {
         ));
     }
 
+    /// The verdict of a whole pass over `prompt` + `output` where every
+    /// position's logits are `row` (vocabulary 3, end-of-generation token
+    /// 2), claimed as `length` with `max_tokens` = the output's length.
+    fn audit_rows(prompt: &[u32], output: &[u32], sampling: &Sampling, row: [f32; 3]) -> Verdict {
+        let s = Sampling {
+            max_tokens: output.len(),
+            ..sampling.clone()
+        };
+        let f = ClaimFacts {
+            prompt_tokens: prompt.len() as u32,
+            ..facts("length", output.len() as u32)
+        };
+        let mut pass = AuditPass::new(AuditInput {
+            prompt: prompt.to_vec(),
+            output,
+            sampling: &s,
+            facts: &f,
+            eog: vec![2],
+            decoded_text: "abcd".into(),
+            context_length: 100,
+        });
+        let first = pass.first_row();
+        let rows = pass.tokens().len() - first;
+        let mut logits: Vec<f32> = row.iter().copied().cycle().take(3 * rows).collect();
+        pass.score(first, &mut logits, 3);
+        pass.verdict()
+    }
+
+    #[test]
+    fn the_audit_applies_the_bias_and_penalties_an_honest_node_applied() {
+        // Every position: token 0 leads token 1 by 0.5 logits.
+        let row = [2.0, 1.5, 0.0];
+        // Frequency 1.0: after one 0 its logit is 1.0, so the honest greedy
+        // output is [0, 1]; a node that ignored the penalty says [0, 0] (0.5
+        // logits below the argmax: more than the margin). The prompt's 0 is
+        // not penalised (OpenAI's penalties count generated tokens only): an
+        // audit that counted it would accuse the honest first token.
+        let freq = Sampling {
+            frequency_penalty: 1.0,
+            ..greedy()
+        };
+        let v = audit_rows(&[0], &[0, 1], &freq, row);
+        assert!(v.passed(), "{v:?}");
+        let v = audit_rows(&[0], &[0, 0], &freq, row);
+        assert_eq!(
+            v.findings,
+            vec![Finding::NotGreedy {
+                position: 1,
+                gap: 0.5
+            }]
+        );
+        // Presence 1.0: the same, whatever the count.
+        let presence = Sampling {
+            presence_penalty: 1.0,
+            ..greedy()
+        };
+        assert!(audit_rows(&[0], &[0, 1], &presence, row).passed());
+        assert!(!audit_rows(&[0], &[0, 0], &presence, row).passed());
+        // Without the penalty, the penalised output is the one accused.
+        assert!(!audit_rows(&[0], &[0, 1], &greedy(), row).passed());
+        // A bias of -100 on token 0: honest [1, 1]; ignored [0, 0] is 99.5
+        // logits below the argmax.
+        let banned = Sampling {
+            logit_bias: vec![(0, -100.0)],
+            ..greedy()
+        };
+        assert!(audit_rows(&[0], &[1, 1], &banned, row).passed());
+        assert_eq!(
+            audit_rows(&[0], &[0, 0], &banned, row).findings,
+            vec![Finding::NotGreedy {
+                position: 0,
+                gap: 99.5
+            }]
+        );
+        // Sampled: a banned token drawn twice is jointly impossible (its
+        // probability is about e^-100 at each position).
+        let hot = Sampling {
+            temperature: 1.0,
+            ..banned
+        };
+        assert!(audit_rows(&[0], &[1, 1], &hot, row).passed());
+        let v = audit_rows(&[0], &[0, 0], &hot, row);
+        assert!(
+            matches!(v.findings[..], [Finding::Unlikely { .. }]),
+            "{v:?}"
+        );
+    }
+
     #[test]
     fn scoring_a_position_follows_the_sampler() {
         let mut scratch = Vec::new();
         // logits: token 0 best, 1 close, 2 far.
         let logits = [2.0f32, 1.9, -5.0];
         let g = greedy();
-        let s = score_position(&mut logits.clone(), 1, &g, &[], &mut scratch);
+        let s = score_position(&mut logits.clone(), 1, &g, (&[], 0), &mut scratch);
         assert!((s.gap - 0.1).abs() < 1e-6 && !s.outside);
         let t = sampled(1.0);
-        let best = score_position(&mut logits.clone(), 0, &t, &[], &mut scratch);
+        let best = score_position(&mut logits.clone(), 0, &t, (&[], 0), &mut scratch);
         assert!((best.u - 1.0).abs() < 1e-6, "{best:?}");
-        let second = score_position(&mut logits.clone(), 1, &t, &[], &mut scratch);
+        let second = score_position(&mut logits.clone(), 1, &t, (&[], 0), &mut scratch);
         assert!(second.u > 0.4 && second.u < 0.5, "{second:?}");
         // top-k 2 cuts token 2 far beyond the margin: impossible.
         let k2 = Sampling {
             top_k: 2,
             ..t.clone()
         };
-        assert!(score_position(&mut logits.clone(), 2, &k2, &[], &mut scratch).outside);
+        assert!(score_position(&mut logits.clone(), 2, &k2, (&[], 0), &mut scratch).outside);
         // top-k 1 cuts token 1, but only 0.1 logits past the cut: tolerated.
         let k1 = Sampling {
             top_k: 1,
             ..t.clone()
         };
-        assert!(!score_position(&mut logits.clone(), 1, &k1, &[], &mut scratch).outside);
+        assert!(!score_position(&mut logits.clone(), 1, &k1, (&[], 0), &mut scratch).outside);
         // The repetition penalty applies as in the sampler: token 0 seen
         // before drops from 2.0 to 1.0, so token 1 becomes the argmax.
         let rp = Sampling {
             repetition_penalty: 2.0,
             ..g
         };
-        let s = score_position(&mut logits.clone(), 1, &rp, &[0], &mut scratch);
+        let s = score_position(&mut logits.clone(), 1, &rp, (&[0], 1), &mut scratch);
         assert_eq!(s.gap, 0.0);
-        let end = score_end(&mut logits.clone(), &[2, 1], &t, &[], &mut scratch);
+        let end = score_end(&mut logits.clone(), &[2, 1], &t, (&[], 0), &mut scratch);
         assert!((end.gap - 0.1).abs() < 1e-6);
     }
 }

@@ -62,6 +62,12 @@ pub struct GenerateArgs {
     /// Repetition penalty; 1 means off.
     #[arg(long, default_value_t = 1.0)]
     pub repetition_penalty: f32,
+    /// OpenAI's presence penalty over generated tokens (-2 to 2); 0 means off.
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
+    pub presence_penalty: f32,
+    /// OpenAI's frequency penalty over generated tokens (-2 to 2); 0 means off.
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
+    pub frequency_penalty: f32,
     /// Seed of the sampler.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
@@ -171,6 +177,9 @@ pub fn generate(args: GenerateArgs) -> anyhow::Result<()> {
             max_tokens: args.max_tokens,
             stop: args.stop.clone(),
             logprobs: None,
+            presence_penalty: args.presence_penalty,
+            frequency_penalty: args.frequency_penalty,
+            logit_bias: Vec::new(),
         },
         resume: Resume::default(),
     };

@@ -1,11 +1,14 @@
 //! Choosing the next token from the logits, and spotting stop strings.
 //!
-//! Sampling order (as in llama.cpp's default chain): repetition penalty, then
-//! greedy (temperature 0) or top-k, temperature, softmax, top-p, min-p and a
-//! draw from a ChaCha generator seeded with the request's seed.
+//! Sampling order: the logit bias, the repetition penalty (over prompt and
+//! output, as llama.cpp's), the presence and frequency penalties (over the
+//! tokens generated in this job, as OpenAI's and vLLM's), together
+//! [`apply_penalties`]; then greedy (temperature 0) or top-k, temperature,
+//! softmax, top-p, min-p and a draw from a ChaCha generator seeded with the
+//! request's seed.
 //!
 //! Log-probabilities ([`logprobs`]) are those of the model's distribution at
-//! the position: the log-softmax of the logits after the repetition penalty,
+//! the position: the log-softmax of the logits after [`apply_penalties`],
 //! before temperature, top-k, top-p and min-p (what OpenAI and vLLM report by
 //! default). So they do not depend on the temperature, a greedy step reports
 //! real alternatives (not a point mass), and the chosen token of a greedy
@@ -14,20 +17,30 @@
 //! # Invariants
 //! - Same logits, same history, same seed: same token. The generator is the
 //!   only source of randomness and is created per generation.
+//! - The audit (`super::audit`) re-scores a claim through the same
+//!   [`apply_penalties`] and [`candidates`], so it judges the distribution
+//!   the sampler drew from.
 //! - [`StopBuffer`] never emits text that could still turn out to be the
 //!   start of a stop string, and never emits any part of a stop string.
 
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
-use super::{EngineError, Sampling, MAX_LOGPROBS};
+use std::collections::HashMap;
+
+use super::{EngineError, Sampling, MAX_LOGIT_BIAS, MAX_LOGPROBS};
 
 /// The floor of a reported log-probability (OpenAI's): a token the model
 /// gives no weight at all still gets a finite, JSON-representable value.
 pub const LOGPROB_FLOOR: f32 = -9999.0;
 
-/// Checks the parameters a client sent.
-pub fn validate(s: &Sampling) -> Result<(), EngineError> {
+/// Largest presence or frequency penalty, either sign (OpenAI's bound).
+pub const MAX_PENALTY: f32 = 2.0;
+/// Largest logit bias, either sign (OpenAI's bound).
+pub const MAX_BIAS: f32 = 100.0;
+
+/// Checks the parameters a client sent, for a model of `vocab` tokens.
+pub fn validate(s: &Sampling, vocab: usize) -> Result<(), EngineError> {
     let bad = |m: String| Err(EngineError::InvalidSampling(m));
     if !(s.temperature.is_finite() && s.temperature >= 0.0) {
         return bad(format!(
@@ -52,6 +65,38 @@ pub fn validate(s: &Sampling) -> Result<(), EngineError> {
     }
     if let Some(k) = s.logprobs.filter(|&k| k > MAX_LOGPROBS) {
         return bad(format!("logprobs {k} must be at most {MAX_LOGPROBS}"));
+    }
+    for (name, v) in [
+        ("presence_penalty", s.presence_penalty),
+        ("frequency_penalty", s.frequency_penalty),
+    ] {
+        if !(v.is_finite() && v.abs() <= MAX_PENALTY) {
+            return bad(format!(
+                "{name} {v} must be between -{MAX_PENALTY} and {MAX_PENALTY}"
+            ));
+        }
+    }
+    if s.logit_bias.len() > MAX_LOGIT_BIAS {
+        return bad(format!(
+            "logit_bias has {} entries; at most {MAX_LOGIT_BIAS}",
+            s.logit_bias.len()
+        ));
+    }
+    let mut seen = std::collections::HashSet::with_capacity(s.logit_bias.len());
+    for &(id, b) in &s.logit_bias {
+        if !(b.is_finite() && b.abs() <= MAX_BIAS) {
+            return bad(format!(
+                "logit_bias {b} for token {id} must be between -{MAX_BIAS} and {MAX_BIAS}"
+            ));
+        }
+        if id as usize >= vocab {
+            return bad(format!(
+                "logit_bias names token {id}, outside the vocabulary of {vocab}"
+            ));
+        }
+        if !seen.insert(id) {
+            return bad(format!("logit_bias names token {id} twice"));
+        }
     }
     Ok(())
 }
@@ -85,10 +130,12 @@ impl Sampler {
     }
 
     /// The next token. `history` is every token so far (prompt and output),
-    /// used by the repetition penalty. `logits` is modified.
-    pub fn sample(&mut self, logits: &mut [f32], history: &[u32]) -> u32 {
+    /// of which `history[output_from..]` were generated in this job
+    /// ([`apply_penalties`]). `logits` is modified: on return it holds the
+    /// logits after the bias and penalties.
+    pub fn sample(&mut self, logits: &mut [f32], history: &[u32], output_from: usize) -> u32 {
         let p = &self.params;
-        apply_repetition_penalty(logits, history, p.repetition_penalty);
+        apply_penalties(logits, history, output_from, p);
         if p.temperature <= 0.0 {
             return argmax(logits);
         }
@@ -106,9 +153,38 @@ impl Sampler {
     }
 }
 
+/// What changes the model's logits before a token is chosen, in order:
+/// `logit_bias` added; the repetition penalty over `history` (prompt and
+/// output); the presence and frequency penalties over
+/// `history[output_from..]` (the tokens generated in this job, resumed ones
+/// included): `l -= frequency_penalty * count + presence_penalty` for each
+/// token generated `count > 0` times. A bias for an id past the logits is
+/// skipped (validation refuses it first).
+pub fn apply_penalties(logits: &mut [f32], history: &[u32], output_from: usize, p: &Sampling) {
+    for &(id, bias) in &p.logit_bias {
+        if let Some(l) = logits.get_mut(id as usize) {
+            *l += bias;
+        }
+    }
+    apply_repetition_penalty(logits, history, p.repetition_penalty);
+    if p.presence_penalty == 0.0 && p.frequency_penalty == 0.0 {
+        return;
+    }
+    let generated = history.get(output_from..).unwrap_or_default();
+    let mut counts: HashMap<u32, u32> = HashMap::with_capacity(generated.len());
+    for &t in generated {
+        *counts.entry(t).or_default() += 1;
+    }
+    for (t, n) in counts {
+        if let Some(l) = logits.get_mut(t as usize) {
+            *l -= p.frequency_penalty * n as f32 + p.presence_penalty;
+        }
+    }
+}
+
 /// Divides positive (multiplies negative) logits of every token in
 /// `history` by `penalty`, once per distinct token; 0 or 1 is off.
-pub fn apply_repetition_penalty(logits: &mut [f32], history: &[u32], penalty: f32) {
+fn apply_repetition_penalty(logits: &mut [f32], history: &[u32], penalty: f32) {
     if penalty <= 0.0 || penalty == 1.0 {
         return;
     }
@@ -345,7 +421,7 @@ mod tests {
         };
         let mut s = Sampler::new(&sampling);
         let mut logits = vec![1.0, 2.0, 0.0];
-        let token = s.sample(&mut logits, &[1]);
+        let token = s.sample(&mut logits, &[1], 1);
         assert_eq!(token, 0);
         let (chosen, top) = logprobs(&logits, token, 3);
         // e^1 + e^0.5 + e^0 = 2.718282 + 1.648721 + 1 = 5.367003, ln = 1.680270.
@@ -355,15 +431,110 @@ mod tests {
     }
 
     #[test]
+    fn bias_and_penalties_follow_openai_arithmetic() {
+        // Prompt [3, 0], then generated [2, 2, 1] (output_from 2).
+        let history = [3, 0, 2, 2, 1];
+        let p = Sampling {
+            presence_penalty: 0.5,
+            frequency_penalty: 1.0,
+            logit_bias: vec![(3, 10.0), (0, -1.0)],
+            ..Sampling::default()
+        };
+        let mut l = vec![1.0, 2.0, 3.0, 0.5];
+        apply_penalties(&mut l, &history, 2, &p);
+        // Bias: 0 -> 0.0, 3 -> 10.5. Token 2 generated twice: 3 - (2 * 1.0
+        // + 0.5) = 0.5; token 1 once: 2 - (1.0 + 0.5) = 0.5. Tokens 3 and 0
+        // are only in the prompt: no presence or frequency penalty.
+        assert_eq!(l, vec![0.0, 0.5, 0.5, 10.5]);
+        // With the repetition penalty 2 (over prompt and output), after the
+        // bias, before the OpenAI penalties: 3: (0.5 + 1.5) / 2 = 1.0;
+        // 0: 1 / 2 = 0.5; 2: 3 / 2 - 2.5 = -1.0; 1: 2 / 2 - 1.5 = -0.5.
+        let p2 = Sampling {
+            repetition_penalty: 2.0,
+            logit_bias: vec![(3, 1.5)],
+            ..p.clone()
+        };
+        let mut l = vec![1.0, 2.0, 3.0, 0.5];
+        apply_penalties(&mut l, &history, 2, &p2);
+        assert_eq!(l, vec![0.5, -0.5, -1.0, 1.0]);
+        // Negative penalties encourage what was generated: 2 -> 3 + 2 * 2 + 2.
+        let eager = Sampling {
+            presence_penalty: -2.0,
+            frequency_penalty: -2.0,
+            ..Sampling::default()
+        };
+        let mut l = vec![1.0, 2.0, 3.0, 0.5];
+        apply_penalties(&mut l, &history, 2, &eager);
+        assert_eq!(l, vec![1.0, 6.0, 9.0, 0.5]);
+        // The sampler chooses from the same logits, greedy and sampled.
+        let mut s = Sampler::new(&p);
+        let mut l = vec![1.0, 2.0, 3.0, 0.5];
+        assert_eq!(s.sample(&mut l, &history, 2), 3);
+        assert_eq!(l, vec![0.0, 0.5, 0.5, 10.5]);
+        let banned = Sampling {
+            logit_bias: vec![(2, -100.0)],
+            ..Sampling::default()
+        };
+        assert_eq!(
+            Sampler::new(&banned).sample(&mut [1.0, 2.0, 3.0, 0.5], &[], 0),
+            1
+        );
+        let hot = Sampling {
+            temperature: 1.0,
+            seed: 9,
+            ..banned
+        };
+        let mut s = Sampler::new(&hot);
+        for _ in 0..200 {
+            assert_ne!(s.sample(&mut [1.0, 2.0, 3.0, 0.5], &[], 0), 2);
+        }
+        // Nothing generated yet: only the bias applies.
+        let mut l = vec![1.0, 2.0, 3.0, 0.5];
+        apply_penalties(&mut l, &history, history.len(), &p);
+        assert_eq!(l, vec![0.0, 2.0, 3.0, 10.5]);
+    }
+
+    #[test]
+    fn penalties_and_biases_out_of_range_are_refused() {
+        let ok = |s: &Sampling| validate(s, 1000).is_ok();
+        let pen = |presence_penalty, frequency_penalty| Sampling {
+            presence_penalty,
+            frequency_penalty,
+            ..Sampling::default()
+        };
+        assert!(ok(&pen(2.0, -2.0)) && ok(&pen(-2.0, 2.0)));
+        for (p, f) in [
+            (2.01, 0.0),
+            (0.0, -2.5),
+            (f32::NAN, 0.0),
+            (0.0, f32::INFINITY),
+        ] {
+            assert!(!ok(&pen(p, f)), "{p} {f}");
+        }
+        let bias = |logit_bias: Vec<(u32, f32)>| Sampling {
+            logit_bias,
+            ..Sampling::default()
+        };
+        assert!(ok(&bias(vec![(0, -100.0), (999, 100.0)])));
+        assert!(ok(&bias((0..300).map(|i| (i, 1.0)).collect())));
+        assert!(!ok(&bias((0..301).map(|i| (i, 1.0)).collect())));
+        assert!(!ok(&bias(vec![(1000, 1.0)])), "past the vocabulary");
+        assert!(!ok(&bias(vec![(5, 1.0), (5, 2.0)])), "an id twice");
+        for b in [100.5, -101.0, f32::NAN, f32::NEG_INFINITY] {
+            assert!(!ok(&bias(vec![(1, b)])), "{b}");
+        }
+    }
+
+    #[test]
     fn more_than_twenty_alternatives_are_refused() {
         let k = |k| Sampling {
             logprobs: Some(k),
             ..Sampling::default()
         };
-        assert!(validate(&k(20)).is_ok());
-        assert!(validate(&k(0)).is_ok());
+        assert!(validate(&k(20), 10).is_ok());
+        assert!(validate(&k(0), 10).is_ok());
         assert!(matches!(
-            validate(&k(21)),
+            validate(&k(21), 10),
             Err(EngineError::InvalidSampling(_))
         ));
     }

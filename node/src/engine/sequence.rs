@@ -70,11 +70,11 @@ impl TextSide {
         start: Instant,
     ) -> Result<Begin, EngineError> {
         let s = &request.sampling;
-        sampler::validate(s)?;
+        let vocab = self.tokenizer.vocab_len();
+        sampler::validate(s, vocab)?;
         let resume = &request.resume;
         // Resumed ids come from another node through the coordinator: one
         // outside the vocabulary is refused here, not fed to the model.
-        let vocab = self.tokenizer.vocab_len();
         if let Some(&id) = resume.token_ids.iter().find(|&&t| t as usize >= vocab) {
             return Err(EngineError::ResumeToken { id, vocab });
         }
@@ -162,8 +162,11 @@ impl Sequence {
         if self.done {
             return ControlFlow::Break(());
         }
-        let token = self.sampler.sample(logits, &self.history);
-        // From the logits the sampler chose from (penalised in place).
+        // Resumed tokens were generated in this job too: the presence and
+        // frequency penalties count them.
+        let output_from = self.prompt_len - self.resumed;
+        let token = self.sampler.sample(logits, &self.history, output_from);
+        // From the logits the sampler chose from (biased and penalised in place).
         let logprobs = self.logprobs.map(|k| {
             let (chosen, top) = sampler::logprobs(logits, token, k);
             let entry = |token_id: u32, logprob: f32| Logprob {

@@ -670,7 +670,7 @@ fn sampler_is_seeded_and_filters() {
     let draw = |s: &Sampling| {
         let mut sampler = sampler::Sampler::new(s);
         (0..30)
-            .map(|_| sampler.sample(&mut logits.clone(), &[]))
+            .map(|_| sampler.sample(&mut logits.clone(), &[], 0))
             .collect::<Vec<_>>()
     };
     let hot = Sampling {
@@ -705,7 +705,7 @@ fn sampler_is_seeded_and_filters() {
         repetition_penalty: 100.0,
         ..Sampling::default()
     });
-    assert_ne!(s.sample(&mut l, &[best]), best);
+    assert_ne!(s.sample(&mut l, &[best], 1), best);
 }
 
 #[test]
@@ -1398,5 +1398,103 @@ fn streamed_tokens_carry_their_logprobs_and_asking_for_them_changes_no_token() {
                 assert_eq!(l.top[0].logprob, l.chosen.logprob);
             }
         }
+    }
+}
+
+/// The audit of a claim that `req` produced `tokens`, with `g`'s finish
+/// reason and prompt count (what a node would sign).
+pub(super) fn claim_of(
+    engine: &Engine,
+    req: &GenerateRequest,
+    g: &Generation,
+    tokens: Vec<u32>,
+) -> AuditRequest {
+    AuditRequest {
+        input: req.input.clone(),
+        sampling: req.sampling.clone(),
+        facts: audit::ClaimFacts {
+            finish_reason: g.finish.as_str().into(),
+            prompt_tokens: g.prompt_tokens as u32,
+            completion_tokens: tokens.len() as u32,
+            output_token_ids_len: tokens.len(),
+            output_text: engine.detokenize(&tokens),
+        },
+        output_token_ids: tokens,
+    }
+}
+
+/// The verdict on a claim that `req` produced `g`.
+fn audit_of(engine: &mut Engine, req: &GenerateRequest, g: &Generation) -> audit::Verdict {
+    let claim = claim_of(engine, req, g, g.output_token_ids.clone());
+    engine.audit(&claim).unwrap()
+}
+
+#[test]
+fn penalties_and_logit_bias_steer_generation_and_the_audit_holds_nodes_to_them() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut engine = tiny_engine(dir.path());
+    for temperature in [0.0, 1.0] {
+        let plain = Sampling {
+            temperature,
+            seed: 11,
+            ..greedy(24)
+        };
+        let (unsteered, _) = run(&mut engine, &text("hello", plain.clone()));
+        // The plain run's first token, banned; and the penalties on.
+        let first = unsteered.output_token_ids[0];
+        let steered = Sampling {
+            presence_penalty: 1.5,
+            frequency_penalty: 0.75,
+            logit_bias: vec![(first, -100.0)],
+            ..plain.clone()
+        };
+        let req = text("hello", steered.clone());
+        let (g, chunks) = run(&mut engine, &req);
+        assert!(
+            !g.output_token_ids.contains(&first),
+            "t={temperature}: banned {first} in {:?}",
+            g.output_token_ids
+        );
+        // An honest node that applied them passes its audit.
+        let v = audit_of(&mut engine, &req, &g);
+        assert!(v.passed(), "t={temperature}: honest {v:?}");
+        // A node that ignored them (claims the plain run for the steered
+        // job) is caught.
+        let v = audit_of(&mut engine, &req, &unsteered);
+        assert!(!v.passed(), "t={temperature}: ignored {v:?}");
+        // A resumed generation counts the resumed tokens as generated: it
+        // continues the uninterrupted stream.
+        let cut = 5;
+        let resumed = GenerateRequest {
+            resume: Resume {
+                token_ids: g.output_token_ids[..cut].to_vec(),
+                text: chunks[..cut].iter().map(|c| c.text.as_str()).collect(),
+            },
+            ..req.clone()
+        };
+        let (rest, _) = run(&mut engine, &resumed);
+        let mut ids = resumed.resume.token_ids.clone();
+        ids.extend(&rest.output_token_ids);
+        assert_eq!(ids, g.output_token_ids, "t={temperature}: resumed at {cut}");
+    }
+    // Out of range, or an id outside the vocabulary: a client error.
+    let vocab = engine.text.tokenizer.vocab_len() as u32;
+    for bad in [
+        Sampling {
+            frequency_penalty: 2.5,
+            ..greedy(4)
+        },
+        Sampling {
+            logit_bias: vec![(vocab, 1.0)],
+            ..greedy(4)
+        },
+    ] {
+        let e = engine
+            .generate(&text("hello", bad), &mut |_| ControlFlow::Continue(()))
+            .unwrap_err();
+        assert!(
+            matches!(e, EngineError::InvalidSampling(_)) && e.is_client_error(),
+            "{e}"
+        );
     }
 }

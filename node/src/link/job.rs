@@ -847,6 +847,9 @@ fn sampling(p: Option<&SamplingParams>) -> Sampling {
         },
         stop: p.stop.clone(),
         logprobs: p.logprobs.map(|k| k as usize),
+        presence_penalty: p.presence_penalty,
+        frequency_penalty: p.frequency_penalty,
+        logit_bias: p.logit_bias.iter().map(|b| (b.token_id, b.bias)).collect(),
     }
 }
 
@@ -975,11 +978,25 @@ mod tests {
             seed: None,
             max_tokens: 0,
             stop: vec!["\n\n".into()],
+            presence_penalty: -0.5,
+            frequency_penalty: 1.5,
+            logit_bias: vec![
+                mlxnet_proto::v1::LogitBias {
+                    token_id: 7,
+                    bias: -100.0,
+                },
+                mlxnet_proto::v1::LogitBias {
+                    token_id: 3,
+                    bias: 2.5,
+                },
+            ],
             ..Default::default()
         }));
         assert_eq!(s.max_tokens, Sampling::default().max_tokens);
         assert_eq!((s.seed, s.top_k, s.temperature), (0, 40, 0.7));
         assert_eq!(s.stop, vec!["\n\n".to_string()]);
+        assert_eq!((s.presence_penalty, s.frequency_penalty), (-0.5, 1.5));
+        assert_eq!(s.logit_bias, vec![(7, -100.0), (3, 2.5)]);
         assert_eq!(sampling(None), Sampling::default());
         let chat = JobInput {
             kind: Some(job_input::Kind::Chat(mlxnet_proto::v1::ChatMessages {

@@ -18,7 +18,7 @@ use mlxnet_proto::{
     claim,
     v1::{
         job_input, BalanceRequest, ChatMessage, ChatMessages, GetJobRequest, JobInput,
-        ListJobsRequest, SamplingParams, SubmitJobRequest,
+        ListJobsRequest, LogitBias, SamplingParams, SubmitJobRequest,
     },
 };
 use mlxnet_tests::{
@@ -177,26 +177,52 @@ async fn openai_clients_use_the_network() -> anyhow::Result<()> {
     // 400: not JSON; 404: unknown model and route; 413: over the body limit.
     let r = curl(post(&chat_url, Some(&key), "{not json")).await?;
     assert_eq!(r.error(400)["type"], "invalid_request_error");
-    // 400: logprobs out of range (more than 20 alternatives, negative).
+    // 400: logprobs out of range (more than 20 alternatives, negative);
+    // penalties and biases out of range, a token past the vocabulary (found
+    // at submission, against the catalogue: no parameter named).
+    let with = |extra: &str| chat_body(4).replace("\"seed\"", &format!("{extra},\"seed\""));
+    let completions_url = format!("{base}/completions");
     for (url, body, param) in [
         (
             &chat_url,
-            chat_body(4).replace("\"seed\"", "\"logprobs\":true,\"top_logprobs\":21,\"seed\""),
-            "top_logprobs",
+            with("\"logprobs\":true,\"top_logprobs\":21"),
+            Value::from("top_logprobs"),
         ),
         (
             &chat_url,
-            chat_body(4).replace("\"seed\"", "\"logprobs\":true,\"top_logprobs\":-1,\"seed\""),
-            "top_logprobs",
+            with("\"logprobs\":true,\"top_logprobs\":-1"),
+            Value::from("top_logprobs"),
         ),
         (
-            &format!("{base}/completions"),
+            &completions_url,
             format!("{{\"model\":\"{TEST_MODEL_ID}\",\"prompt\":\"a\",\"logprobs\":21}}"),
-            "logprobs",
+            Value::from("logprobs"),
+        ),
+        (
+            &chat_url,
+            with("\"presence_penalty\":2.5"),
+            Value::from("presence_penalty"),
+        ),
+        (
+            &completions_url,
+            format!(
+                "{{\"model\":\"{TEST_MODEL_ID}\",\"prompt\":\"a\",\"logit_bias\":{{\"5\":-101}}}}"
+            ),
+            Value::from("logit_bias"),
+        ),
+        (
+            &chat_url,
+            with("\"logit_bias\":{\"49152\":-100}"),
+            Value::Null,
         ),
     ] {
         let r = curl(post(url, Some(&key), &body)).await?;
-        assert_eq!(r.error(400)["param"], param, "{body}");
+        let e = r.error(400);
+        assert_eq!(e["param"], param, "{body}");
+        if param.is_null() {
+            let m = e["message"].as_str().unwrap_or_default();
+            assert!(m.contains("vocabulary of 49152"), "{m}");
+        }
     }
     let unknown = chat_body(4).replace(TEST_MODEL_ID, "no-such-model");
     let r = curl(post(&chat_url, Some(&key), &unknown)).await?;
@@ -355,6 +381,36 @@ async fn openai_clients_use_the_network() -> anyhow::Result<()> {
         r.body
     );
 
+    // The same request through gRPC (compared below with the client's: the
+    // same tokens, the same price); its first token is the one the client's
+    // logit_bias bans.
+    let same = SubmitJobRequest {
+        model: TEST_MODEL_ID.into(),
+        input: Some(JobInput {
+            kind: Some(job_input::Kind::Chat(ChatMessages {
+                messages: vec![ChatMessage {
+                    role: "user".into(),
+                    content: "What is the capital of France?".into(),
+                }],
+            })),
+        }),
+        sampling: Some(SamplingParams {
+            temperature: 0.0,
+            top_p: 1.0,
+            seed: Some(7),
+            max_tokens: 12,
+            ..SamplingParams::default()
+        }),
+        max_price_micro_mlx: 0,
+        priority: 0,
+    };
+    let run = grpc.run_job(same.clone()).await?;
+    let (grpc_claim, model) = grpc.claim_and_model(&run.job).await?;
+    let greedy_first = *grpc_claim
+        .output_token_ids
+        .first()
+        .context("a greedy token")?;
+
     // The official client.
     let out = tokio::task::spawn_blocking({
         let base = base.clone();
@@ -366,6 +422,7 @@ async fn openai_clients_use_the_network() -> anyhow::Result<()> {
                 .env("MLXNET_API_KEY", key)
                 .env("MLXNET_MODEL", TEST_MODEL_ID)
                 .env("MLXNET_MODEL_SHA256", MODEL_SHA256)
+                .env("MLXNET_GREEDY_FIRST_TOKEN", greedy_first.to_string())
                 .output()
         }
     })
@@ -424,30 +481,41 @@ async fn openai_clients_use_the_network() -> anyhow::Result<()> {
         Some(5),
         "the job records what it asked"
     );
+    // The logit_bias job: recorded as asked (what an audit re-scores
+    // against), its claim verifies, its first token is not the banned one.
+    let bias_job = grpc
+        .jobs
+        .get(GetJobRequest {
+            job_id: summary["bias_id"].as_str().context("bias id")?.to_owned(),
+        })
+        .await?
+        .into_inner();
+    let s = bias_job.sampling.clone().context("sampling")?;
+    assert_eq!(
+        s.logit_bias
+            .iter()
+            .map(|b| (b.token_id, b.bias))
+            .collect::<Vec<_>>(),
+        vec![(greedy_first, -100.0)]
+    );
+    let bias_signed = bias_job.result.context("the bias job's claim")?;
+    claim::verify(&bias_signed).map_err(|e| anyhow::anyhow!("claim: {e:?}"))?;
+    let bias_ids = bias_signed.claim.context("claim")?.output_token_ids;
+    assert_ne!(bias_ids.first(), Some(&greedy_first), "{bias_ids:?}");
+    assert!(!bias_ids.contains(&greedy_first), "{bias_ids:?}");
+    // The same biased request through gRPC Submit: the same tokens.
+    let mut biased = same.clone();
+    if let Some(s) = biased.sampling.as_mut() {
+        s.logit_bias = vec![LogitBias {
+            token_id: greedy_first,
+            bias: -100.0,
+        }];
+    }
+    let run = grpc.run_job(biased).await?;
+    let (grpc_bias, _) = grpc.claim_and_model(&run.job).await?;
+    assert_eq!(grpc_bias.output_token_ids, bias_ids);
 
     // The same request through gRPC: the same tokens, the same price.
-    let same = SubmitJobRequest {
-        model: TEST_MODEL_ID.into(),
-        input: Some(JobInput {
-            kind: Some(job_input::Kind::Chat(ChatMessages {
-                messages: vec![ChatMessage {
-                    role: "user".into(),
-                    content: "What is the capital of France?".into(),
-                }],
-            })),
-        }),
-        sampling: Some(SamplingParams {
-            temperature: 0.0,
-            top_p: 1.0,
-            seed: Some(7),
-            max_tokens: 12,
-            ..SamplingParams::default()
-        }),
-        max_price_micro_mlx: 0,
-        priority: 0,
-    };
-    let run = grpc.run_job(same).await?;
-    let (grpc_claim, model) = grpc.claim_and_model(&run.job).await?;
     assert_eq!(grpc_claim.output_token_ids, http_claim.output_token_ids);
     assert_eq!(grpc_claim.prompt_sha256, http_claim.prompt_sha256);
     assert_eq!(price_of(&grpc_claim, &model), price_of(&http_claim, &model));

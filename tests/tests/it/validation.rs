@@ -1,6 +1,6 @@
 //! Bad client input gets a clear gRPC status and creates no job.
 
-use mlxnet_proto::v1::{job_input, JobInput, ListJobsRequest, SamplingParams};
+use mlxnet_proto::v1::{job_input, JobInput, ListJobsRequest, LogitBias, SamplingParams};
 use mlxnet_tests::{chat_job, coordinator_config, prompt_job, spawn_coordinator};
 use tonic::Code;
 
@@ -29,6 +29,28 @@ async fn bad_requests_are_refused_and_create_nothing() -> anyhow::Result<()> {
         max_tokens: 8,
         ..Default::default()
     });
+    let mut bad_penalty = chat_job("hi", 8);
+    bad_penalty.sampling = Some(SamplingParams {
+        presence_penalty: 2.5,
+        max_tokens: 8,
+        ..Default::default()
+    });
+    let bias = |token_id, bias| {
+        let mut job = chat_job("hi", 8);
+        job.sampling = Some(SamplingParams {
+            max_tokens: 8,
+            logit_bias: vec![LogitBias { token_id, bias }],
+            ..Default::default()
+        });
+        job
+    };
+    let mut twice = bias(3, 1.0);
+    if let Some(s) = twice.sampling.as_mut() {
+        s.logit_bias.push(LogitBias {
+            token_id: 3,
+            bias: 2.0,
+        });
+    }
     let huge = prompt_job(&"a".repeat(8 << 20), 8);
     // The gRPC layer refuses a request larger than the configured limit
     // before decoding it, and says which limit.
@@ -55,6 +77,25 @@ async fn bad_requests_are_refused_and_create_nothing() -> anyhow::Result<()> {
             Code::InvalidArgument,
             "temperature",
         ),
+        (
+            "presence_penalty",
+            bad_penalty,
+            Code::InvalidArgument,
+            "presence_penalty",
+        ),
+        (
+            "bias past the vocabulary",
+            bias(49_152, -100.0),
+            Code::InvalidArgument,
+            "vocabulary of 49152",
+        ),
+        (
+            "bias out of range",
+            bias(5, 100.5),
+            Code::InvalidArgument,
+            "between -100 and 100",
+        ),
+        ("bias twice", twice, Code::InvalidArgument, "twice"),
         ("oversized request", huge, Code::OutOfRange, limit.as_str()),
     ];
     for (what, request, code, mentions) in cases {

@@ -12,8 +12,7 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
 use super::*;
-use crate::engine::audit::ClaimFacts;
-use crate::engine::tests::run;
+use crate::engine::tests::{claim_of, run};
 use crate::engine::{ChatTurn, FinishReason, PromptInput, Resume, Sampling};
 
 const MODEL: &str = concat!(
@@ -457,18 +456,7 @@ fn audits_in_a_batch_give_the_verdicts_of_an_audit_alone() {
         },
     );
     let (g, _) = run(&mut engine, &job);
-    let audit = |tokens: Vec<u32>| AuditRequest {
-        input: job.input.clone(),
-        sampling: job.sampling.clone(),
-        facts: ClaimFacts {
-            finish_reason: g.finish.as_str().into(),
-            prompt_tokens: g.prompt_tokens as u32,
-            completion_tokens: tokens.len() as u32,
-            output_token_ids_len: tokens.len(),
-            output_text: engine.detokenize(&tokens),
-        },
-        output_token_ids: tokens,
-    };
+    let audit = |tokens: Vec<u32>| claim_of(&engine, &job, &g, tokens);
     let honest = audit(g.output_token_ids.clone());
     let mut forged = g.output_token_ids.clone();
     forged[3] = (forged[3] + 1000) % 49_152;
