@@ -590,6 +590,9 @@ async fn submit(
     sent: &JobInput,
 ) -> anyhow::Result<()> {
     let job = client.submit(request).await?.into_inner();
+    // The id first (stderr, beside the answer): what `mlxnet job` and
+    // `mlxnet verify` take, should the stream be cut.
+    eprintln!("submitted job {}", job.id);
     let mut events = client
         .watch(WatchJobRequest {
             job_id: job.id.clone(),

@@ -74,7 +74,7 @@ pub struct AuditConfig {
 impl Default for AuditConfig {
     fn default() -> Self {
         // Cost at the floor: an audit cost 59% of the job it audits
-        // (`cargo bench -p mlx-node --bench audit`, 16-token jobs), so 3%
+        // (`cargo bench -p mlxnet-tests --bench audit`, 16-token jobs), so 3%
         // of jobs cost under 2% of served compute; a new node pays 50% x 60% = 30% until
         // 5 x log2(0.5 / 0.03) ~ 20 clean audits bring it to the floor.
         Self {

@@ -7,20 +7,22 @@
 //! that runs out (`job_lease_ms` without progress) fails the attempt like a
 //! lost stream, so the job is requeued and its watchers see why.
 //!
-//! Hand-off: an attempt that ends without finishing (node vanished, lease
-//! lost, node drained) leaves the tokens it streamed as a segment
-//! (`store::segments`); the next attempt is assigned the job's input plus
-//! every segment's tokens (`Assignment.resume`) and streams on from there,
-//! so the watcher sees one stream with no gap and no repeat. A drained
+//! Hand-off: an attempt whose node drained leaves the tokens it streamed as
+//! a segment (`store::segments`) under its signed partial claim; the next
+//! attempt is assigned the job's input plus every segment's tokens
+//! (`Assignment.resume`) and streams on from there, so the watcher sees one
+//! stream with no gap and no repeat. A drained
 //! node's partial claim (`finish_reason` "handoff") must cover exactly the
 //! tokens it streamed; it is kept with its segment and pays that node (see
 //! `ledger::settle`). A hand-off claim from a node that never sent `Drain`
-//! is refused. Unsigned tokens are kept only from a node whose connection
-//! was lost (it could not hand off); a node still connected that fails, is
-//! refused or stalls leaves nothing, and the stream rewinds to the last
-//! kept segment. An attempt that streams more than its `max_tokens` allow
-//! is refused as it streams. Requeued jobs go ahead of new ones (queue level 1),
-//! so an interrupted stream resumes first.
+//! is refused. Unsigned tokens are never kept: an attempt that fails, is
+//! refused or stalls, or whose node vanished (a lost connection: killed,
+//! power lost; it signed nothing) leaves nothing, and the stream rewinds to
+//! the last kept segment, so every kept token is covered by a signed claim
+//! and a client verifies the result against its own input. An attempt that
+//! streams more than its `max_tokens` allow is refused as it streams.
+//! Requeued jobs go ahead of new ones (queue level 1), so an interrupted
+//! stream resumes first.
 //!
 //! # Invariants
 //! - Every state change goes through the store's guarded transitions first;
@@ -184,9 +186,6 @@ enum Outcome {
     Failed {
         reason: String,
         retryable: bool,
-        /// The node's connection was gone when the attempt failed: it could
-        /// not hand off, so its streamed tokens are resumed after.
-        vanished: bool,
     },
     /// The node drained and handed the job back with this verified partial
     /// claim of the tokens it streamed.
@@ -471,23 +470,20 @@ impl Dispatcher {
         loop {
             let result = match outcome.clone() {
                 Outcome::Completed(signed) => self.record_completion(&job, &node_hex, signed).await,
-                Outcome::Failed {
-                    reason,
-                    retryable,
-                    vanished,
-                } => {
+                Outcome::Failed { reason, retryable } => {
                     // A pod leader's failure takes its pod out of placement
                     // until its next heartbeat says it is whole again.
                     if retryable && session.pod.as_ref().is_some_and(|p| p.rank == 0) {
                         session.report_pod_degraded(&reason);
                     }
-                    // Tokens are resumed after only when the node vanished
-                    // (a lost connection: it cannot hand off). A node that is
-                    // still there and failed, stalled or was refused keeps no
-                    // unsigned tokens in the job: the next attempt starts
+                    // No unsigned tokens are kept in the job, whether the
+                    // node is still there (it failed, stalled or was
+                    // refused) or gone (a lost connection: it signed
+                    // nothing, and nothing tells a power loss from a node
+                    // that streamed junk and left): the next attempt starts
                     // after the last kept segment, and the live stream
                     // rewinds to it.
-                    if !vanished && !segment.token_ids.is_empty() {
+                    if !segment.token_ids.is_empty() {
                         segment.token_ids.clear();
                         segment.text.clear();
                         self.hub.rewind(job.id, segment.first_index);
@@ -635,7 +631,6 @@ impl Dispatcher {
             Err(e) => {
                 let reason = format!("reading the job's streamed tokens: {}", error_chain(&e));
                 let failed = Outcome::Failed {
-                    vanished: false,
                     reason,
                     retryable: true,
                 };
@@ -691,7 +686,6 @@ impl Dispatcher {
             Ok(s) => s,
             Err(e) => {
                 return Outcome::Failed {
-                    vanished: session.connection.close_reason().is_some(),
                     reason: format!("could not reach the node: {e}"),
                     retryable: true,
                 }
@@ -710,7 +704,6 @@ impl Dispatcher {
             Some(Err(_elapsed)) => {
                 stream.reset(CODE_TIMEOUT);
                 Outcome::Failed {
-                    vanished: session.connection.close_reason().is_some(),
                     reason: format!("the node did not finish within {deadline:?}"),
                     retryable: true,
                 }
@@ -765,7 +758,6 @@ impl Dispatcher {
                 Ok(next) => next,
                 Err(_) => {
                     return Err(Outcome::Failed {
-                        vanished: session.connection.close_reason().is_some(),
                         reason: format!("lease expired: no progress from the node for {lease:?}"),
                         retryable: true,
                     })
@@ -775,14 +767,12 @@ impl Dispatcher {
                 Ok(u) => u,
                 Err(FrameError::Closed) => {
                     return Err(Outcome::Failed {
-                        vanished: false,
                         reason: "the node ended the job stream without a result".into(),
                         retryable: true,
                     })
                 }
                 Err(e) => {
                     return Err(Outcome::Failed {
-                        vanished: session.connection.close_reason().is_some(),
                         reason: format!("lost the node's job stream: {e}"),
                         retryable: true,
                     })
@@ -802,7 +792,6 @@ impl Dispatcher {
                     let next = segment.first_index as usize + segment.token_ids.len();
                     if t.index as usize != next {
                         return Err(Outcome::Failed {
-                            vanished: false,
                             reason: format!(
                                 "the node sent token {} where token {next} was due",
                                 t.index
@@ -815,7 +804,6 @@ impl Dispatcher {
                     {
                         self.metrics.results_refused.inc();
                         return Err(Outcome::Failed {
-                            vanished: false,
                             reason: format!(
                                 "the node streamed more than the {most_tokens} tokens (or \
                                  {most_bytes} bytes of text) this attempt may"
@@ -826,7 +814,6 @@ impl Dispatcher {
                     if let Err(e) = crate::link::job::check_logprobs(&t, job.sampling.logprobs) {
                         self.metrics.results_refused.inc();
                         return Err(Outcome::Failed {
-                            vanished: false,
                             reason: format!("the node's token chunk was refused: {e}"),
                             retryable: true,
                         });
@@ -864,7 +851,6 @@ impl Dispatcher {
                             self.metrics.results_refused.inc();
                             warn!(error = %e, "result refused");
                             Err(Outcome::Failed {
-                                vanished: false,
                                 reason: format!("result refused: {e}"),
                                 retryable: true,
                             })
@@ -873,7 +859,6 @@ impl Dispatcher {
                 }
                 Some(job_update::Msg::Failure(f)) => {
                     return Err(Outcome::Failed {
-                        vanished: false,
                         reason: format!(
                             "node failed the job: {}",
                             clip(&f.reason, MAX_REASON_CHARS)
@@ -883,7 +868,6 @@ impl Dispatcher {
                 }
                 Some(job_update::Msg::Verdict(_)) | None => {
                     return Err(Outcome::Failed {
-                        vanished: false,
                         reason: "the node sent an empty or unexpected job update".into(),
                         retryable: true,
                     })

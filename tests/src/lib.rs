@@ -167,30 +167,45 @@ pub fn test_model() -> PathBuf {
 /// `mlx-node` library this test binary was linked with, it is an error that
 /// says how to build it, never a stale binary silently run.
 pub fn mlx_node_binary() -> anyhow::Result<PathBuf> {
+    built_binary("mlx-node", "libmlx_node-", "cargo build -p mlx-node")
+}
+
+/// The `mlxnet` client binary built with this test binary: Cargo builds it
+/// whenever it builds the client's own tests (`client/tests/`), as
+/// `scripts/test.sh` does. Missing or older than the `mlxnet-proto`
+/// library this test binary was linked with, it is an error that says how
+/// to build it.
+pub fn mlxnet_binary() -> anyhow::Result<PathBuf> {
+    built_binary("mlxnet", "libmlxnet_proto-", "cargo build -p mlxnet-client")
+}
+
+/// The binary `name` in this test binary's target directory and profile,
+/// checked to be no older than the newest `<lib_prefix>*.rlib` there.
+fn built_binary(name: &str, lib_prefix: &str, build: &str) -> anyhow::Result<PathBuf> {
     let exe = std::env::current_exe().context("the test binary's path")?;
     // <target>/<profile>/deps/<test binary>
     let profile_dir = exe
         .parent()
         .and_then(Path::parent)
         .context("the test binary is not in a Cargo target directory")?;
-    let bin = profile_dir.join(format!("mlx-node{}", std::env::consts::EXE_SUFFIX));
-    let fix = "build it with the workspace's tests (scripts/test.sh) or `cargo build -p mlx-node`";
+    let bin = profile_dir.join(format!("{name}{}", std::env::consts::EXE_SUFFIX));
+    let fix = format!("build it with the workspace's tests (scripts/test.sh) or `{build}`");
     let built = std::fs::metadata(&bin)
         .and_then(|m| m.modified())
         .with_context(|| format!("{} is missing: {fix}", bin.display()))?;
     let newest_lib = std::fs::read_dir(profile_dir.join("deps"))?
         .filter_map(Result::ok)
         .filter(|e| {
-            let name = e.file_name();
-            let name = name.to_string_lossy();
-            name.starts_with("libmlx_node-") && name.ends_with(".rlib")
+            let file = e.file_name();
+            let file = file.to_string_lossy();
+            file.starts_with(lib_prefix) && file.ends_with(".rlib")
         })
         .filter_map(|e| e.metadata().and_then(|m| m.modified()).ok())
         .max();
     if let Some(lib) = newest_lib {
         ensure!(
             built >= lib,
-            "{} is older than the mlx-node library: {fix}",
+            "{} is older than the {lib_prefix}* library: {fix}",
             bin.display()
         );
     }
@@ -462,6 +477,10 @@ pub struct JobRun {
     pub streamed_ids: Vec<u32>,
     /// Node ids of the assigned events, in order.
     pub assigned_to: Vec<String>,
+    /// Where the stream rewound (an attempt's unsigned tokens dropped), in order.
+    pub rewound_to: Vec<usize>,
+    /// Each token event's first index and text, to rewind the text.
+    chunks: Vec<(usize, String)>,
     /// The job as the terminal event carried it (or as `Get` returned it).
     pub job: Job,
 }
@@ -524,21 +543,33 @@ impl Client {
             streamed_text: String::new(),
             streamed_ids: Vec::new(),
             assigned_to: Vec::new(),
+            rewound_to: Vec::new(),
+            chunks: Vec::new(),
             job: Job::default(),
         };
         let end = within("the job's end", async {
             while let Some(event) = stream.message().await? {
                 match event.event {
                     Some(job_event::Event::Tokens(t)) => {
-                        if t.index as usize != run.streamed_ids.len() {
+                        let at = t.index as usize;
+                        if at < run.streamed_ids.len() {
+                            // The stream rewinds: an attempt's unsigned
+                            // tokens were dropped, and what follows replaces
+                            // them.
+                            run.rewound_to.push(at);
+                            run.streamed_ids.truncate(at);
+                            run.chunks.retain(|(i, _)| *i < at);
+                            run.streamed_text =
+                                run.chunks.iter().map(|(_, t)| t.as_str()).collect();
+                        } else if at > run.streamed_ids.len() {
                             bail!(
-                                "token event at index {} after {} tokens",
-                                t.index,
+                                "token event at index {at} after {} tokens",
                                 run.streamed_ids.len()
                             );
                         }
                         run.streamed_text.push_str(&t.text);
                         run.streamed_ids.extend(t.token_ids);
+                        run.chunks.push((at, t.text));
                     }
                     Some(job_event::Event::Assigned(a)) => run.assigned_to.push(a.node_id),
                     Some(job_event::Event::Completed(c)) => {

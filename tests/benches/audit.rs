@@ -1,7 +1,9 @@
 //! Audit benchmark: how often audits catch cheating nodes, how often they
-//! accuse honest ones, and what auditing costs (issue 7, must-show 2 and 3).
+//! accuse honest ones, and what auditing costs (issue 7, must-show 2 and 3),
+//! first for one auditor's verdict, then through the coordinator's auditor
+//! selection and confirmation (issue 16).
 //!
-//! `cargo bench -p mlx-node --bench audit --profile dev --locked`
+//! `cargo bench -p mlxnet-tests --bench audit --profile dev --locked`
 //!
 //! Every job is a chat question to SmolLM2-135M-Instruct (Q4_1), at most
 //! [`MAX_TOKENS`] generated tokens; greedy jobs and sampled jobs
@@ -17,11 +19,24 @@
 //! - (c) an honest output cut short and claimed as finished (`eos`);
 //! - (d) a greedy job answered by sampling at temperature 1.0.
 //!
+//! Then each claim's audit as the coordinator runs it, in fleets of eight
+//! auditors (each its own operator): auditors drawn one after another by
+//! the coordinator's own [`audit::draw`] (a `StdRng` seeded per audit, as
+//! `dispatch::audit` seeds it) and their verdicts settled by its own
+//! [`audit::decide`] (a first pass settles; a failure needs a second
+//! failing verdict; a split goes to a third). An honest auditor's verdict
+//! is this engine's verdict on the claim; a liar fails every claim (to
+//! void honest pay and ban honest nodes); a colluder passes every claim (to
+//! cover a cheater). Fleets: 8 honest; 7 honest and 1 liar; 6 honest and 2
+//! liars; 7 honest and 1 colluder. A liar's or colluder's record is never
+//! banned here (every audit starts from the same fleet), so the adversarial
+//! columns are per audit, before the minority counts ban them.
+//!
 //! Then the cost: audit time / generation time per job (the same work a
-//! node is paid for), and that times the coordinator's audit rates
-//! (`coordinator/src/audit.rs`: new nodes, and the floor an established
-//! clean node decays to), which is the share of served compute spent on
-//! audits.
+//! node is paid for), times the honest audit runs each audit took in each
+//! fleet, times the coordinator's audit rates (`coordinator/src/audit.rs`:
+//! new nodes, and the floor an established clean node decays to): the
+//! share of served compute spent on audits.
 //!
 //! Settings (environment, optional): `MLXNET_BENCH_MODEL` (GGUF path,
 //! default `models/SmolLM2-135M-Instruct.Q4_1.gguf` in the workspace),
@@ -41,22 +56,20 @@ use std::time::Instant;
 use anyhow::{bail, Context};
 use candle_core::quantized::{gguf_file, GgmlDType, QTensor};
 use candle_core::{Device, Tensor};
+use ed25519_dalek::SigningKey;
 use mlx_node::engine::{
     audit::{ClaimFacts, Verdict},
     AuditRequest, ChatTurn, Engine, GenerateRequest, Generation, PromptInput, Sampling,
 };
-use rand::{Rng, SeedableRng};
+use mlx_node::test_utils::{setting, workspace};
+use mlxnet_coordinator::audit::{self, Candidate, Decision};
+use mlxnet_proto::ids::NodeId;
+use rand::{rngs::StdRng, Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use serde_json::{json, Value};
 
 /// Generated tokens per job: short, so the whole bench runs in minutes.
-use mlx_node::test_utils::{setting, workspace};
-
 const MAX_TOKENS: usize = 16;
-/// Audit rate of a node with no record (`coordinator/src/audit.rs`).
-const RATE_NEW: f64 = 0.5;
-/// Audit rate an established clean node decays to (`coordinator/src/audit.rs`).
-const RATE_FLOOR: f64 = 0.03;
 /// Jobs generated then audited back to back for the cost figure.
 const COST_JOBS: usize = 40;
 
@@ -237,6 +250,8 @@ struct Row {
     worst_ratio: f64,
     audit_s: f64,
     example: Option<String>,
+    /// This engine's verdict on each claim (`true`: passed).
+    verdicts: Vec<bool>,
 }
 
 fn row(name: &str, honest: bool, engine: &mut Engine, claims: &[Claim]) -> Row {
@@ -249,10 +264,12 @@ fn row(name: &str, honest: bool, engine: &mut Engine, claims: &[Claim]) -> Row {
         worst_ratio: 0.0,
         audit_s: 0.0,
         example: None,
+        verdicts: Vec::with_capacity(claims.len()),
     };
     for c in claims {
         let (v, secs) = audit(engine, c);
         r.audit_s += secs;
+        r.verdicts.push(v.passed());
         if !v.passed() {
             r.failed += 1;
             if r.example.is_none() || honest {
@@ -350,6 +367,154 @@ fn write_random_model(model: &Path, out: &Path) -> anyhow::Result<()> {
     gguf_file::write(&mut w, &meta, &refs)?;
     w.flush()?;
     Ok(())
+}
+
+/// How an auditor in a fleet answers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Auditor {
+    /// Runs the audit: its verdict is this engine's.
+    Honest,
+    /// Fails every claim (to void honest pay and ban honest nodes).
+    Liar,
+    /// Passes every claim (to cover a cheater).
+    Colluder,
+}
+
+/// A fleet of auditors as the coordinator sees them: each an able
+/// [`Candidate`] with an operator of its own.
+struct Fleet {
+    name: &'static str,
+    candidates: Vec<Candidate>,
+    kinds: Vec<(NodeId, Auditor)>,
+}
+
+/// A node id from a fixed seed (a valid ed25519 key).
+fn node_id(seed: u8) -> NodeId {
+    NodeId::from_key(&SigningKey::from_bytes(&[seed; 32]).verifying_key())
+}
+
+/// The node whose claims are audited, and its operator.
+const AUDITED: u8 = 0;
+const AUDITED_OPERATOR: &str = "operator-audited";
+
+fn fleet(name: &'static str, honest: usize, liars: usize, colluders: usize) -> Fleet {
+    let kinds: Vec<(NodeId, Auditor)> = std::iter::repeat_n(Auditor::Honest, honest)
+        .chain(std::iter::repeat_n(Auditor::Liar, liars))
+        .chain(std::iter::repeat_n(Auditor::Colluder, colluders))
+        .enumerate()
+        .map(|(i, kind)| (node_id(i as u8 + 1), kind))
+        .collect();
+    let candidates = kinds
+        .iter()
+        .enumerate()
+        .map(|(i, (node, _))| Candidate {
+            node: *node,
+            operator: format!("operator-{i}"),
+            able: true,
+        })
+        .collect();
+    Fleet {
+        name,
+        candidates,
+        kinds,
+    }
+}
+
+fn fleets() -> Vec<Fleet> {
+    vec![
+        fleet("8 honest", 8, 0, 0),
+        fleet("7 honest + 1 liar", 7, 1, 0),
+        fleet("6 honest + 2 liars", 6, 2, 0),
+        fleet("7 honest + 1 colluder", 7, 0, 1),
+    ]
+}
+
+/// How one audit of one claim ended in a fleet.
+#[derive(Default)]
+struct FleetAudit {
+    /// `None`: no auditor was left before it was decided (missed: paid).
+    passed: Option<bool>,
+    /// Verdicts given by honest auditors (each one audit's compute).
+    honest_runs: usize,
+    /// Auditors in the minority (counted against): honest ones, and the others.
+    against_honest: usize,
+    against_adversaries: usize,
+}
+
+/// Audits a claim that this engine judges `engine_passed` as the
+/// coordinator does: draws distinct auditors with [`audit::draw`] (a
+/// `StdRng` from `seed`) until [`audit::decide`] settles it.
+fn audit_in(fleet: &Fleet, engine_passed: bool, seed: u64) -> FleetAudit {
+    let mut rng = StdRng::seed_from_u64(seed);
+    let audited = node_id(AUDITED);
+    let (mut asked, mut verdicts, mut kinds) = (Vec::new(), Vec::new(), Vec::new());
+    let mut out = FleetAudit::default();
+    while let Some(auditor) = audit::draw(
+        &fleet.candidates,
+        &audited,
+        AUDITED_OPERATOR,
+        &asked,
+        &mut rng,
+    ) {
+        let kind = fleet
+            .kinds
+            .iter()
+            .find(|(n, _)| *n == auditor)
+            .map(|(_, k)| *k)
+            .expect("drawn from the fleet");
+        let passed = match kind {
+            Auditor::Honest => {
+                out.honest_runs += 1;
+                engine_passed
+            }
+            Auditor::Liar => false,
+            Auditor::Colluder => true,
+        };
+        asked.push(auditor);
+        verdicts.push(passed);
+        kinds.push(kind);
+        if let Decision::Decided { passed, against } = audit::decide(&verdicts) {
+            out.passed = Some(passed);
+            for i in against {
+                match kinds[i] {
+                    Auditor::Honest => out.against_honest += 1,
+                    _ => out.against_adversaries += 1,
+                }
+            }
+            return out;
+        }
+    }
+    out
+}
+
+/// One claim row's audits in one fleet, summed.
+#[derive(Default)]
+struct FleetRow {
+    audits: usize,
+    failed: usize,
+    missed: usize,
+    honest_runs: usize,
+    against_honest: usize,
+    against_adversaries: usize,
+}
+
+fn fleet_row(fleet: &Fleet, fleet_index: usize, row_index: usize, verdicts: &[bool]) -> FleetRow {
+    let mut r = FleetRow::default();
+    for (job, &engine_passed) in verdicts.iter().enumerate() {
+        // One seed per audit, as the dispatcher draws one per audit.
+        let seed = ((fleet_index as u64) << 40) | ((row_index as u64) << 20) | job as u64;
+        let a = audit_in(fleet, engine_passed, seed);
+        r.audits += 1;
+        match a.passed {
+            Some(false) => r.failed += 1,
+            Some(true) => {}
+            None => r.missed += 1,
+        }
+        r.honest_runs += a.honest_runs;
+        r.against_honest += a.against_honest;
+        r.against_adversaries += a.against_adversaries;
+    }
+    r
 }
 
 /// Job `i`'s parameters in a row that alternates greedy and sampled jobs.
@@ -524,6 +689,88 @@ fn main() -> anyhow::Result<()> {
         );
     }
 
+    // Each claim's audit through the coordinator's selection and
+    // confirmation, in each fleet.
+    let fleets = fleets();
+    let by_fleet: Vec<Vec<FleetRow>> = fleets
+        .iter()
+        .enumerate()
+        .map(|(f, fleet)| {
+            rows.iter()
+                .enumerate()
+                .map(|(r, row)| fleet_row(fleet, f, r, &row.verdicts))
+                .collect()
+        })
+        .collect();
+    println!();
+    println!(
+        "The same claims audited as the coordinator audits them (audit::draw among 8 \
+         auditors of 8 operators, audit::decide: a failure needs a second; a split a third)"
+    );
+    println!();
+    let header: Vec<&str> = fleets.iter().map(|f| f.name).collect();
+    println!("| claims | goal | one auditor | {} |", header.join(" | "));
+    println!("|---|---|--:|{}", "--:|".repeat(fleets.len()));
+    for (r, row) in rows.iter().enumerate() {
+        let (what, goal) = if row.honest {
+            ("accused", "<= 1%")
+        } else {
+            ("caught", ">= 99%")
+        };
+        let pct = |n: usize, of: usize| 100.0 * n as f64 / of.max(1) as f64;
+        let cells: Vec<String> = by_fleet
+            .iter()
+            .map(|f| {
+                let c = &f[r];
+                let missed = if c.missed > 0 {
+                    format!(", {} missed", c.missed)
+                } else {
+                    String::new()
+                };
+                format!(
+                    "{:.1}% ({}/{}){missed}",
+                    pct(c.failed, c.audits),
+                    c.failed,
+                    c.audits
+                )
+            })
+            .collect();
+        println!(
+            "| {} | {goal} | {:.1}% {what} | {} |",
+            row.name,
+            pct(row.failed, row.jobs),
+            cells.join(" | ")
+        );
+    }
+    println!();
+    println!("| fleet | honest audit runs per audit (honest claims) | (cheating claims) | honest auditors counted against | liars/colluders counted against |");
+    println!("|---|--:|--:|--:|--:|");
+    // Honest audit runs per audit over the honest rows: what auditing
+    // honest work costs in each fleet.
+    let mut runs_per_audit = Vec::new();
+    for (fleet, f) in fleets.iter().zip(&by_fleet) {
+        let sum = |honest: bool, pick: fn(&FleetRow) -> usize| -> usize {
+            rows.iter()
+                .zip(f)
+                .filter(|(row, _)| row.honest == honest)
+                .map(|(_, c)| pick(c))
+                .sum()
+        };
+        let per = |honest: bool| {
+            sum(honest, |c| c.honest_runs) as f64 / sum(honest, |c| c.audits).max(1) as f64
+        };
+        let all = |pick: fn(&FleetRow) -> usize| sum(true, pick) + sum(false, pick);
+        runs_per_audit.push((fleet.name, per(true)));
+        println!(
+            "| {} | {:.3} | {:.3} | {} | {} |",
+            fleet.name,
+            per(true),
+            per(false),
+            all(|c| c.against_honest),
+            all(|c| c.against_adversaries)
+        );
+    }
+
     // Cost: each job generated and then audited back to back, so both see
     // the same machine load; greedy and sampled jobs alternate.
     let (mut served, mut audited) = (0.0, 0.0);
@@ -543,18 +790,23 @@ fn main() -> anyhow::Result<()> {
         COST_JOBS.min(jobs)
     );
     println!();
-    println!("| audit rate | audited / served compute | goal |");
-    println!("|---|--:|---|");
+    let rates = audit::AuditConfig::default();
     println!(
-        "| {:.0}% (floor: established clean node, the default) | {:.2}% | <= 5% |",
-        100.0 * RATE_FLOOR,
-        100.0 * RATE_FLOOR * per_job
+        "| fleet | audit rate | honest audit runs per audit | audited / served compute | goal |"
     );
-    println!(
-        "| {:.0}% (new node) | {:.2}% | |",
-        100.0 * RATE_NEW,
-        100.0 * RATE_NEW * per_job
-    );
+    println!("|---|---|--:|--:|---|");
+    for (name, runs) in &runs_per_audit {
+        println!(
+            "| {name} | {:.0}% (floor: established clean node, the default) | {runs:.3} | {:.2}% | <= 5% |",
+            100.0 * rates.rate_floor,
+            100.0 * rates.rate_floor * runs * per_job
+        );
+        println!(
+            "| {name} | {:.0}% (new node) | {runs:.3} | {:.2}% | |",
+            100.0 * rates.rate_new,
+            100.0 * rates.rate_new * runs * per_job
+        );
+    }
     println!();
     println!("total bench time {:.0} s", started.elapsed().as_secs_f64());
     Ok(())
