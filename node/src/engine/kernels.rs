@@ -19,7 +19,8 @@
 //!   sum_j m_j * bsum_j)` with the 6-bit (or, `Q6_K`, 8-bit) sub-block scales
 //!   applied to exact integer dots, as ggml computes it;
 //! - the integer dots run on the best instruction set of the CPU, chosen at run
-//!   time ([`Isa::detect`]): AVX-512 VNNI (`vpdpbusd` on 256-bit registers), AVX2
+//!   time ([`Isa::detect`]): AVX-512 VNNI (`vpdpbusd` on 256-bit registers,
+//!   on 512-bit ones for repacked K-quants: two 8-row groups at once), AVX2
 //!   (`vpmaddubsw`), NEON (widening multiplies), or portable scalar code;
 //! - on x86-64, weights whose row count is a multiple of 8 are repacked at load
 //!   time with 8 rows interleaved ([`packed`]), so one integer dot instruction
@@ -217,7 +218,8 @@ pub enum Isa {
     Scalar,
     /// x86-64 AVX2 + FMA + F16C.
     Avx2,
-    /// x86-64 AVX-512 VNNI (with VL, used on 256-bit registers) + AVX2 + FMA + F16C.
+    /// x86-64 AVX-512 VNNI with F, VL and BW (on 256-bit registers, and on
+    /// 512-bit ones for the K-quants) + AVX2 + FMA + F16C.
     Avx512Vnni,
     /// aarch64 Advanced SIMD (always present on aarch64).
     Neon,
@@ -238,6 +240,7 @@ impl Isa {
                     isas.push(Isa::Avx2);
                     if std::arch::is_x86_feature_detected!("avx512f")
                         && std::arch::is_x86_feature_detected!("avx512vl")
+                        && std::arch::is_x86_feature_detected!("avx512bw")
                         && std::arch::is_x86_feature_detected!("avx512vnni")
                     {
                         isas.push(Isa::Avx512Vnni);
@@ -667,15 +670,10 @@ fn matmul_packed(
     let (m, n) = (out.len() / w.n, w.n);
     let groups = n / GROUP;
     let parts = (pool_threads() * 8).min(groups).clamp(1, MAX_PARTS);
-    let per_part = groups.div_ceil(parts);
-    let run = |part: usize, chunk: &mut [f32]| {
-        let g0 = part * per_part;
-        match isa {
-            Isa::Avx2 => packed::groups_avx2(w, &acts, m, g0, chunk),
-            Isa::Avx512Vnni => packed::groups_vnni(w, &acts, m, g0, chunk),
-            _ => packed::groups_scalar(w, &acts, m, g0, chunk),
-        }
-    };
+    // An even number of groups per part: the 512-bit K-quant kernel runs
+    // groups in pairs (a part's odd last group runs alone, same bits).
+    let per_part = groups.div_ceil(parts).next_multiple_of(2);
+    let run = |part: usize, chunk: &mut [f32]| run_groups(isa, w, &acts, m, part * per_part, chunk);
     if m == 1 {
         par_chunks_mut(out, per_part * GROUP, run);
     } else {
@@ -689,6 +687,17 @@ fn matmul_packed(
         }
     }
     Ok(())
+}
+
+/// Groups `[g0, g0 + out.len() / (8 * m))` of a repacked matrix against all
+/// `m` activation rows on `isa`: `out` is `[group][activation row][8]`.
+#[cfg(target_arch = "x86_64")]
+fn run_groups(isa: Isa, w: &packed::Packed, acts: &Acts<'_>, m: usize, g0: usize, out: &mut [f32]) {
+    match isa {
+        Isa::Avx2 => packed::groups_avx2(w, acts, m, g0, out),
+        Isa::Avx512Vnni => packed::groups_vnni(w, acts, m, g0, out),
+        _ => packed::groups_scalar(w, acts, m, g0, out),
+    }
 }
 
 /// Where a [`QuantLinear`]'s bytes live.

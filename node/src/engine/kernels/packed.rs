@@ -20,8 +20,8 @@
 //!   row's 16 packed bytes (low nibbles: values `4j..`, high nibbles: values
 //!   `16 + 4j..`); `Q8_0`: 8 vectors, vector `j` = values `4j..4j + 4` of each row.
 //! - `Q4_K`/`Q5_K`: the 8 rows' f16 `d` and `dmin` (32 bytes); the 6-bit
-//!   sub-block scales and minimums unpacked to bytes, `[sub-block j][row]`
-//!   (64 + 64 bytes); `Q5_K`: 8 vectors of high-bit bytes, vector `j` = bytes
+//!   sub-block scales unpacked to bytes, `[sub-block j][row]` (64 bytes), and
+//!   the minimums, `[pair of sub-blocks][row][2]` (64 bytes, see [`k_min_at`]); `Q5_K`: 8 vectors of high-bit bytes, vector `j` = bytes
 //!   `4j..4j + 4` of each row's 32 `qh` bytes; then 4 chunks of 64 values, each
 //!   8 vectors, vector `j` = bytes `4j..4j + 4` of each row's 32 quant bytes of
 //!   the chunk (low nibbles: sub-block `2c`, high nibbles: sub-block `2c + 1`).
@@ -42,6 +42,8 @@
 //!   rounding (tests compare them).
 
 use super::{scalar, Acts, KernelError, QuantFormat, QuantMatrix, BLOCK, SUPER};
+
+mod zmm;
 
 /// Rows per interleaved group.
 pub const GROUP: usize = 8;
@@ -84,6 +86,23 @@ const K_MINS: usize = 96;
 const K5_QH: usize = 160;
 const K6_SCALES: usize = 16;
 
+/// Where row `r`'s minimum of sub-block `j` sits in a `Q4_K`/`Q5_K` record:
+/// `[pair of sub-blocks][row][2]`, so that 16 bytes widen to one vector of
+/// 8 rows x 2 i16 minimums for `vpmaddwd` / `vpdpwssd` against pairs of
+/// activation sums.
+const fn k_min_at(j: usize, r: usize) -> usize {
+    K_MINS + 16 * (j / 2) + 2 * r + j % 2
+}
+
+/// Sub-blocks `2i` and `2i + 1`'s activation sums (32 quants each, so they
+/// fit in i16) packed as two i16 lanes, the partner of a [`k_min_at`] pair
+/// in `vpmaddwd` / `vpdpwssd`; `bs` is one 256-block's 16 sums of 16.
+pub(crate) fn bsum_pair(bs: &[i32], i: usize) -> i32 {
+    let lo = bs[4 * i] + bs[4 * i + 1];
+    let hi = bs[4 * i + 2] + bs[4 * i + 3];
+    (u32::from(lo as u16) | (u32::from(hi as u16) << 16)) as i32
+}
+
 /// Writes row `r`'s GGUF block `blk` into `out`, the record of its group.
 fn pack_k(format: QuantFormat, blk: &[u8], r: usize, out: &mut [u8]) {
     let qa = quants_at(format);
@@ -94,7 +113,7 @@ fn pack_k(format: QuantFormat, blk: &[u8], r: usize, out: &mut [u8]) {
             for j in 0..8 {
                 let (sc, m) = scalar::scale_min_k4(j, &blk[4..16]);
                 out[K_SCALES + 8 * j + r] = sc;
-                out[K_MINS + 8 * j + r] = m;
+                out[k_min_at(j, r)] = m;
             }
             let qs = if format == QuantFormat::Q5K {
                 for (j, four) in blk[16..48].chunks_exact(4).enumerate() {
@@ -334,8 +353,7 @@ fn groups_scalar_k(p: &Packed, acts: &Acts<'_>, rows: usize, g0: usize, out: &mu
                         let (mut sumi, mut summ) = (0i32, 0i32);
                         for j in 0..8 {
                             sumi += i32::from(record[K_SCALES + 8 * j + r]) * dot(32 * j, 32);
-                            summ +=
-                                i32::from(record[K_MINS + 8 * j + r]) * (bs[2 * j] + bs[2 * j + 1]);
+                            summ += i32::from(record[k_min_at(j, r)]) * (bs[2 * j] + bs[2 * j + 1]);
                         }
                         let dmin = scalar::f16_at(record, K_DMIN + 2 * r);
                         acc += d * dx * sumi as f32;
@@ -381,6 +399,9 @@ mod x86 {
         g0: usize,
         out: &mut [f32],
     ) {
+        if p.format.is_k() {
+            return super::zmm::groups_k(p, acts, rows, g0, out);
+        }
         // SAFETY: reached only for `Isa::Avx512Vnni`, admitted by `Isa::check`
         // only after avx2, fma, f16c, avx512f, avx512vl and avx512vnni were detected.
         unsafe { vnni::groups(p, acts, rows, g0, out) }
@@ -437,6 +458,15 @@ mod x86 {
                     let b = &b[..8];
                     // SAFETY: `b` is 8 readable bytes; the load is unaligned.
                     _mm256_cvtepu8_epi32(unsafe { _mm_loadl_epi64(b.as_ptr().cast()) })
+                }
+
+                /// Sixteen bytes at `b[..16]` widened (unsigned) to sixteen i16 lanes.
+                #[inline]
+                #[target_feature(enable = $features)]
+                fn words(b: &[u8]) -> __m256i {
+                    let b = &b[..16];
+                    // SAFETY: `b` is 16 readable bytes; the load is unaligned.
+                    _mm256_cvtepu8_epi16(unsafe { _mm_loadu_si128(b.as_ptr().cast()) })
                 }
 
                 /// Eight bytes at `b[..8]` widened (signed) to eight i32 lanes.
@@ -563,12 +593,13 @@ mod x86 {
                                 }
                             }
                             let dmin = halves(&record[K_DMIN..]);
+                            let mins: [__m256i; 4] =
+                                std::array::from_fn(|i| words(&record[K_MINS + 16 * i..]));
                             for c in 0..C {
                                 let mut summ = _mm256_setzero_si256();
-                                for j in 0..8 {
-                                    let m = bytes_u32(&record[K_MINS + 8 * j..]);
-                                    let s = _mm256_set1_epi32(bs[c][2 * j] + bs[c][2 * j + 1]);
-                                    summ = _mm256_add_epi32(summ, _mm256_mullo_epi32(m, s));
+                                for (i, m) in mins.iter().enumerate() {
+                                    let s = _mm256_set1_epi32(super::super::bsum_pair(bs[c], i));
+                                    summ = _mm256_add_epi32(summ, _mm256_madd_epi16(*m, s));
                                 }
                                 let dx = _mm256_set1_ps(acts.d[(a0 + c) * kb + b]);
                                 accm[c] = _mm256_fmadd_ps(

@@ -155,7 +155,7 @@ fn cpu_reported_isas() -> Vec<Isa> {
         let mut isas = Vec::new();
         if has("avx2") && has("fma") && has("f16c") {
             isas.push(Isa::Avx2);
-            if has("avx512f") && has("avx512vl") && has("avx512_vnni") {
+            if has("avx512f") && has("avx512vl") && has("avx512bw") && has("avx512_vnni") {
                 isas.push(Isa::Avx512Vnni);
             }
         }
@@ -194,7 +194,7 @@ fn cpu_flags() -> Vec<String> {
         };
     }
     probe!("avx2" => "avx2", "fma" => "fma", "f16c" => "f16c", "avx512f" => "avx512f",
-        "avx512vl" => "avx512vl", "avx512vnni" => "avx512_vnni");
+        "avx512vl" => "avx512vl", "avx512bw" => "avx512bw", "avx512vnni" => "avx512_vnni");
     flags
 }
 
@@ -643,6 +643,54 @@ fn each_row_gets_the_same_bits_alone_and_in_any_batch() {
                                 .map(|v| v.to_bits())
                                 .collect::<Vec<_>>(),
                             "{format:?} {isa:?} n={n} k={k}: row {a} of {m}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// The 512-bit K-quant kernel runs 8-row groups in pairs: a group's outputs
+/// are bit-identical whether it runs paired (on either side) or alone, on
+/// every path, so the split of the groups between parts (which follows the
+/// thread count) cannot change a result.
+#[cfg(target_arch = "x86_64")]
+#[test]
+fn a_group_gets_the_same_bits_paired_or_alone() {
+    let mut rng = StdRng::seed_from_u64(31);
+    let (groups, k) = (5usize, 512usize);
+    let n = groups * 8;
+    for format in [QuantFormat::Q4K, QuantFormat::Q5K, QuantFormat::Q6K] {
+        let bytes = random_weights(&mut rng, format, n, k);
+        let w = QuantMatrix::new(format, n, k, &bytes).expect("valid matrix");
+        let p = packed::Packed::new(&w)
+            .expect("packs")
+            .expect("n is a multiple of 8");
+        for &isa in Isa::available() {
+            for &m in &[1usize, 6] {
+                let x = random_acts(&mut rng, m * k);
+                let mut scratch = Scratch::new();
+                scratch.quantize_for(format, &x, m, k).expect("quantize");
+                let shape = vec![0f32; m * n];
+                let (acts, _) = prepare(format, n, k, &mut scratch, &shape, isa)
+                    .expect("prepares")
+                    .expect("work to do");
+                let per = 8 * m;
+                let mut all = vec![f32::NAN; groups * per];
+                run_groups(isa, &p, &acts, m, 0, &mut all);
+                for start in 0..groups {
+                    for len in 1..=groups - start {
+                        let mut part = vec![f32::NAN; len * per];
+                        run_groups(isa, &p, &acts, m, start, &mut part);
+                        assert_eq!(
+                            part.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                            all[start * per..(start + len) * per]
+                                .iter()
+                                .map(|v| v.to_bits())
+                                .collect::<Vec<_>>(),
+                            "{format:?} {isa:?} m={m}: groups {start}..{}",
+                            start + len
                         );
                     }
                 }
