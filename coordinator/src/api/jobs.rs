@@ -310,6 +310,12 @@ pub async fn watch_events(
                 attempt: job.attempt,
             }),
         };
+        // The first event says the state the store had at the read; an
+        // Assigned or Queued published between the subscription and that
+        // read is already in it, and sending it again would tell the client
+        // of an assignment that never happened (seen as one node assigned
+        // twice for one attempt).
+        let seen = state_step(&first);
         if tx.send(event(first)).await.is_err() {
             return;
         }
@@ -333,6 +339,7 @@ pub async fn watch_events(
                 n = rx.recv() => n,
             };
             match next {
+                Ok(e) if is_stale(&e, seen) => {}
                 Ok(e) => {
                     let end = is_terminal_event(&e);
                     if tx.send(Ok(e)).await.is_err() || end {
@@ -366,6 +373,26 @@ pub async fn watch_events(
         }
     });
     Ok(rx)
+}
+
+/// Where a queue/assignment event stands in a job's life: Queued for
+/// attempt n, then Assigned for attempt n, then Queued for attempt n + 1.
+/// `None` for every other event.
+fn state_step(e: &job_event::Event) -> Option<u64> {
+    match e {
+        job_event::Event::Queued(q) => Some(2 * u64::from(q.attempt)),
+        job_event::Event::Assigned(a) => Some(2 * u64::from(a.attempt) + 1),
+        _ => None,
+    }
+}
+
+/// Whether live event `e` is a queue/assignment step the watch's first
+/// event (at `seen`) already reported.
+fn is_stale(e: &JobEvent, seen: Option<u64>) -> bool {
+    match (e.event.as_ref().and_then(state_step), seen) {
+        (Some(step), Some(seen)) => step <= seen,
+        _ => false,
+    }
 }
 
 /// Whether an online node that takes jobs holds `model`'s file.
@@ -553,5 +580,53 @@ impl Jobs for JobsApi {
         Ok(Response::new(ListJobsResponse {
             jobs: jobs.iter().map(to_proto).collect(),
         }))
+    }
+}
+
+#[cfg(test)]
+mod watch_tests {
+    use mlxnet_proto::v1::{job_event, JobEvent};
+
+    use super::{is_stale, state_step};
+
+    fn queued(attempt: u32) -> job_event::Event {
+        job_event::Event::Queued(job_event::Queued {
+            attempt,
+            reason: String::new(),
+        })
+    }
+
+    fn assigned(attempt: u32) -> job_event::Event {
+        job_event::Event::Assigned(job_event::Assigned {
+            node_id: "n".into(),
+            attempt,
+        })
+    }
+
+    fn live(e: job_event::Event) -> JobEvent {
+        JobEvent {
+            job_id: "j".into(),
+            event: Some(e),
+        }
+    }
+
+    #[test]
+    fn a_step_the_first_event_reported_is_not_sent_again() {
+        // The read saw attempt 1 assigned: its Assigned (published before
+        // the read) and its Queued are stale; the requeue and attempt 2 are not.
+        let seen = state_step(&assigned(1));
+        assert!(is_stale(&live(assigned(1)), seen));
+        assert!(is_stale(&live(queued(1)), seen));
+        assert!(!is_stale(&live(queued(2)), seen));
+        assert!(!is_stale(&live(assigned(2)), seen));
+        // The read saw attempt 2 queued: its assignment is news.
+        let seen = state_step(&queued(2));
+        assert!(is_stale(&live(queued(2)), seen));
+        assert!(is_stale(&live(assigned(1)), seen));
+        assert!(!is_stale(&live(assigned(2)), seen));
+        // Tokens and the end are never stale.
+        let tokens = job_event::Event::Tokens(job_event::Tokens::default());
+        assert!(!is_stale(&live(tokens), seen));
+        assert!(!is_stale(&live(assigned(1)), None));
     }
 }
