@@ -749,6 +749,8 @@ pub struct FileFacts {
     pub kv_heads: usize,
     pub head_dim: usize,
     pub hidden_size: usize,
+    /// Entries of `tokenizer.ggml.tokens` (0 when the file has none).
+    pub vocab_size: usize,
 }
 
 /// llama.cpp's `llama_ftype` names.
@@ -814,6 +816,10 @@ pub fn describe_gguf(path: &Path) -> Result<FileFacts, EngineError> {
             .or_else(|| hidden_size.checked_div(heads))
             .unwrap_or(0),
         hidden_size,
+        vocab_size: file
+            .get("tokenizer.ggml.tokens")
+            .and_then(gguf::MetaValue::as_array)
+            .map_or(0, <[gguf::MetaValue]>::len),
         architecture: arch,
     })
 }

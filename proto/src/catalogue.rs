@@ -128,6 +128,10 @@ pub struct CatalogueEntry {
     /// Bytes per KV-cache element on a node (the engine keeps f32: 4).
     #[serde(default)]
     pub kv_element_bytes: u32,
+    /// Tokens in the vocabulary (from the file's tokenizer; 0 = unknown):
+    /// the coordinator checks a job's `logit_bias` ids against it.
+    #[serde(default, skip_serializing_if = "is_zero_u32")]
+    pub vocab_size: u32,
     /// The model's files: one GGUF, or safetensors shards with `config.json`,
     /// `tokenizer.json` and the chat template beside them.
     pub files: Vec<ModelFile>,
@@ -154,6 +158,10 @@ pub struct ModelFile {
 }
 
 fn is_zero(v: &u64) -> bool {
+    *v == 0
+}
+
+fn is_zero_u32(v: &u32) -> bool {
     *v == 0
 }
 
@@ -419,6 +427,7 @@ impl CatalogueEntry {
             head_dim: self.head_dim,
             hidden_size: self.hidden_size,
             kv_element_bytes: self.kv_element_bytes,
+            vocab_size: self.vocab_size,
         }
     }
 
@@ -466,6 +475,7 @@ impl CatalogueEntry {
             head_dim: w.head_dim,
             hidden_size: w.hidden_size,
             kv_element_bytes: w.kv_element_bytes,
+            vocab_size: w.vocab_size,
             files,
         };
         entry.validate()?;
@@ -521,12 +531,15 @@ mod tests {
         assert_eq!(smol.size_bytes(), 98_362_432);
         // 30 layers x 3 kv heads x 64 dims x 4 bytes x (K and V).
         assert_eq!(smol.kv_bytes_per_token(), Some(46_080));
+        // `tokenizer.ggml.tokens` of each file.
+        assert_eq!(smol.vocab_size, 49_152);
         let gemma = c.get("gemma3-270m").expect("gemma3");
         assert_eq!(
             gemma.primary_file().sha256,
             "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
         );
         assert_eq!(gemma.license, "gemma");
+        assert_eq!(gemma.vocab_size, 262_144);
         // Round trip through the TOML writer.
         assert_eq!(Catalogue::parse(&c.to_toml()).expect("round trip"), c);
         assert!(c.summary().contains("gemma3-270m"));

@@ -163,25 +163,35 @@ pub fn test_model() -> PathBuf {
 
 /// The `mlx-node` binary built with this test binary (same target dir and
 /// profile): Cargo builds it whenever it builds `mlx-node`'s own tests
-/// (`node/tests/`), as `scripts/test.sh` does. Missing or older than the
-/// `mlx-node` library this test binary was linked with, it is an error that
-/// says how to build it, never a stale binary silently run.
+/// (`node/tests/`), as `scripts/test.sh` does. Missing or older than any
+/// source file of the crates it is built from, it is an error that says how
+/// to build it, never a stale binary silently run.
 pub fn mlx_node_binary() -> anyhow::Result<PathBuf> {
-    built_binary("mlx-node", "libmlx_node-", "cargo build -p mlx-node")
+    built_binary(
+        "mlx-node",
+        &["node/src", "node/Cargo.toml", "proto"],
+        "cargo build -p mlx-node",
+    )
 }
 
 /// The `mlxnet` client binary built with this test binary: Cargo builds it
 /// whenever it builds the client's own tests (`client/tests/`), as
-/// `scripts/test.sh` does. Missing or older than the `mlxnet-proto`
-/// library this test binary was linked with, it is an error that says how
-/// to build it.
+/// `scripts/test.sh` does. Missing or older than any source file of the
+/// crates it is built from, it is an error that says how to build it.
 pub fn mlxnet_binary() -> anyhow::Result<PathBuf> {
-    built_binary("mlxnet", "libmlxnet_proto-", "cargo build -p mlxnet-client")
+    built_binary(
+        "mlxnet",
+        &["client/src", "client/Cargo.toml", "proto"],
+        "cargo build -p mlxnet-client",
+    )
 }
 
 /// The binary `name` in this test binary's target directory and profile,
-/// checked to be no older than the newest `<lib_prefix>*.rlib` there.
-fn built_binary(name: &str, lib_prefix: &str, build: &str) -> anyhow::Result<PathBuf> {
+/// checked to be no older than any file under `sources` (paths in the
+/// workspace). Comparing with the sources, not with the libraries in
+/// `deps/`, keeps a library built for another feature set (a `-p` run) from
+/// making a fresh binary look stale.
+fn built_binary(name: &str, sources: &[&str], build: &str) -> anyhow::Result<PathBuf> {
     let exe = std::env::current_exe().context("the test binary's path")?;
     // <target>/<profile>/deps/<test binary>
     let profile_dir = exe
@@ -193,23 +203,66 @@ fn built_binary(name: &str, lib_prefix: &str, build: &str) -> anyhow::Result<Pat
     let built = std::fs::metadata(&bin)
         .and_then(|m| m.modified())
         .with_context(|| format!("{} is missing: {fix}", bin.display()))?;
-    let newest_lib = std::fs::read_dir(profile_dir.join("deps"))?
-        .filter_map(Result::ok)
-        .filter(|e| {
-            let file = e.file_name();
-            let file = file.to_string_lossy();
-            file.starts_with(lib_prefix) && file.ends_with(".rlib")
-        })
-        .filter_map(|e| e.metadata().and_then(|m| m.modified()).ok())
-        .max();
-    if let Some(lib) = newest_lib {
-        ensure!(
-            built >= lib,
-            "{} is older than the {lib_prefix}* library: {fix}",
-            bin.display()
-        );
+    let root = mlx_node::test_utils::workspace();
+    for source in sources {
+        if let Some((path, changed)) = newest_file(&root.join(source))? {
+            ensure!(
+                changed <= built,
+                "{} is older than its source {}: {fix}",
+                bin.display(),
+                path.display()
+            );
+        }
     }
     Ok(bin)
+}
+
+/// The most recently modified file under `path` (itself, if a file), with
+/// its time; `None` for an empty or missing folder.
+fn newest_file(path: &Path) -> anyhow::Result<Option<(PathBuf, std::time::SystemTime)>> {
+    let meta = match std::fs::metadata(path) {
+        Ok(meta) => meta,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(e).with_context(|| format!("reading {}", path.display())),
+    };
+    if !meta.is_dir() {
+        return Ok(Some((path.to_path_buf(), meta.modified()?)));
+    }
+    let mut newest: Option<(PathBuf, std::time::SystemTime)> = None;
+    for entry in std::fs::read_dir(path).with_context(|| format!("listing {}", path.display()))? {
+        if let Some(found) = newest_file(&entry?.path())? {
+            if newest.as_ref().is_none_or(|(_, t)| found.1 > *t) {
+                newest = Some(found);
+            }
+        }
+    }
+    Ok(newest)
+}
+
+#[cfg(test)]
+mod built_binary_tests {
+    use super::*;
+
+    #[test]
+    fn the_newest_file_of_a_tree_is_found() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        assert!(newest_file(&dir.path().join("absent"))
+            .expect("missing is fine")
+            .is_none());
+        std::fs::create_dir_all(dir.path().join("a/b")).expect("mkdir");
+        let old = dir.path().join("a/old.rs");
+        let new = dir.path().join("a/b/new.rs");
+        std::fs::write(&old, "old").expect("write");
+        std::fs::write(&new, "new").expect("write");
+        let earlier = std::time::SystemTime::now() - Duration::from_secs(60);
+        std::fs::File::options()
+            .write(true)
+            .open(&old)
+            .and_then(|f| f.set_modified(earlier))
+            .expect("set time");
+        let (path, _) = newest_file(dir.path()).expect("walk").expect("a file");
+        assert_eq!(path, new);
+    }
 }
 
 /// Starts tracing output when `TEST_LOG` is set (e.g. `TEST_LOG=debug`).

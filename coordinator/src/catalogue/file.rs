@@ -146,9 +146,9 @@ impl CatalogueModel {
             size_bytes: file.size_bytes,
             sha256: file.sha256.clone(),
             context_length: entry.context_length,
-            // The file format does not carry the vocabulary size yet: 0 is
-            // "unknown", so `logit_bias` ids are checked by the node alone.
-            vocab_size: 0,
+            // 0 ("unknown", an entry written before the field existed):
+            // `logit_bias` ids are then checked by the node alone.
+            vocab_size: entry.vocab_size,
             kv_bytes_per_token: entry
                 .kv_bytes_per_token()
                 .unwrap_or_else(super::default_kv_bytes_per_token),
@@ -185,6 +185,14 @@ mod tests {
             .get(id)
             .cloned()
             .expect("built-in entry")
+    }
+
+    #[test]
+    fn a_file_entry_gives_the_coordinator_its_vocabulary_size() {
+        let smol = CatalogueModel::from_entry(&builtin_entry("smollm2-135m-instruct"));
+        assert_eq!(smol.vocab_size, 49_152);
+        let gemma = CatalogueModel::from_entry(&builtin_entry("gemma3-270m"));
+        assert_eq!(gemma.vocab_size, 262_144);
     }
 
     #[test]

@@ -235,6 +235,7 @@ pub fn describe(
         head_dim: facts.head_dim as u32,
         hidden_size: facts.hidden_size as u32,
         kv_element_bytes: 4,
+        vocab_size: u32::try_from(facts.vocab_size).unwrap_or(0),
         files: vec![ModelFile {
             name,
             size_bytes,
@@ -280,4 +281,32 @@ pub fn piece_digests(path: &Path, piece_bytes: u64) -> anyhow::Result<Vec<String
         }
     }
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `models describe` of the shipped test model reproduces the built-in
+    /// catalogue's entry: digests, pieces and every figure read from the
+    /// file's own metadata (the vocabulary size among them).
+    #[test]
+    fn describing_the_test_model_gives_the_builtin_entry() {
+        let path = crate::test_utils::test_model_path();
+        let builtin = Catalogue::builtin()
+            .get("smollm2-135m-instruct")
+            .cloned()
+            .expect("built-in entry");
+        let file = &builtin.files[0];
+        let described = describe(
+            &path,
+            &builtin.id,
+            Some(builtin.license.clone()),
+            file.mirrors.clone(),
+            file.piece_bytes,
+        )
+        .expect("describe the test model");
+        assert_eq!(described, builtin);
+        assert_eq!(described.vocab_size, 49_152);
+    }
 }

@@ -245,6 +245,7 @@ fn entry_of(id: &str, file: ModelFile) -> CatalogueEntry {
         head_dim: 0,
         hidden_size: 0,
         kv_element_bytes: 0,
+        vocab_size: 0,
         files: vec![file],
     }
 }
