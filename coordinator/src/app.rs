@@ -172,12 +172,13 @@ impl Application {
         let wake = Arc::new(Notify::new());
         let tasks = Arc::new(Tasks::default());
         let shutdown = CancellationToken::new();
+        let audits = Arc::new(audits);
         let dispatcher = Dispatcher::new(dispatch::Parts {
             config: config.dispatch(),
             store: store.clone(),
             ledger: ledger.clone(),
             catalogue: Arc::clone(&catalogue),
-            audits: Arc::new(audits),
+            audits: Arc::clone(&audits),
             hub: hub.clone(),
             sessions: sessions.clone(),
             metrics: Arc::clone(&metrics),
@@ -190,6 +191,7 @@ impl Application {
             config: config.link(),
             store: store.clone(),
             ledger: ledger.clone(),
+            audits,
             catalogue: Arc::clone(&catalogue),
             sessions: sessions.clone(),
             metrics: Arc::clone(&metrics),

@@ -13,13 +13,42 @@
 //!
 //! Audits cannot be captured by one node: each auditor is drawn at random
 //! ([`draw`], with a seed the coordinator draws per audit) among the
-//! connected nodes able to run the job, never the audited node nor another
+//! connected established nodes able to run the job, weighted by
+//! reputation, never the audited node nor another
 //! node of its operator, never a node that never placed itself (it
 //! reports no memory for the job). A failing verdict counts only once a
 //! second, distinct auditor confirms it; when the two disagree a third
 //! decides, and the auditor in the minority is counted against
 //! ([`decide`]). So one lying auditor can neither void an honest node's
 //! pay nor ban it: it bans itself.
+//!
+//! # Reputation and probation
+//! Each node's record ([`NodeRecord`]) is built from verified work only:
+//! jobs completed under a claim the coordinator verified, audits passed
+//! and failed (as the audited node), verdicts on the losing side of a
+//! decision (as an auditor), failed attempts. A node is *established*
+//! ([`AuditConfig::established`]) once it completed `probation_jobs`
+//! jobs and passed `probation_audits` audits (audits are decided only by
+//! established auditors, so that is verified by a node that had itself
+//! earned it), with no failed audit and no wrong verdict, and is not
+//! banned; the operator's `trusted` node ids are established from the
+//! start (the bootstrap of a young network: someone has to audit the
+//! first strangers). With audits off (`rate_new` and `rate_floor` 0),
+//! jobs alone end probation. Every other node is *on probation*:
+//! - it is audited at the new-node rate ([`audit_rate`] starts there and
+//!   decays only with clean audits);
+//! - it is never drawn as an auditor: auditors are drawn among
+//!   established nodes only, weighted by reputation ([`draw`],
+//!   [`AuditConfig::reputation`]);
+//! - it earns no availability reward (`link::control_loop`);
+//! - it is placed only while it runs fewer than `probation_running` jobs,
+//!   unless no established node can take the job now
+//!   (`Dispatcher::place_queued`): a network of new nodes still runs.
+//!
+//! A failed audit or a wrong verdict puts an established node back on
+//! probation (and, at `ban_after` of them together, bans it). With no
+//! established auditor online, an audit waits until its window closes
+//! and is then `missed` (the job is paid: nothing confirmed it wrong).
 //!
 //! Every completed job's pay is held until its audit window
 //! (`window_ms` after completion) closes; the ledger's settlement reads the
@@ -45,9 +74,13 @@
 //! is `missed` when the window closes undecided (the job is then paid:
 //! nothing confirmed it wrong; nobody is counted against).
 
-use std::{collections::HashSet, sync::Mutex};
+use std::{
+    collections::{HashMap, HashSet},
+    sync::Mutex,
+};
 
 pub use crate::domain::AuditRecord as NodeRecord;
+use crate::domain::RecordDelta;
 use crate::util::lock;
 use mlxnet_proto::{ids::NodeId, v1::SignedVerdict};
 use prost::Message;
@@ -67,8 +100,22 @@ pub struct AuditConfig {
     pub halve_every: u32,
     /// Pay is held this long after a job completes; an audit must end by then.
     pub window_ms: i64,
-    /// Failed audits after which a node is never placed again.
+    /// Failed audits (as the audited node) and wrong verdicts (as an
+    /// auditor), together, after which a node is never placed again.
     pub ban_after: u32,
+    /// Jobs completed under a verified claim that end probation.
+    pub probation_jobs: u32,
+    /// Clean audits (decided by established auditors) that end probation
+    /// (with audits off, none are needed).
+    pub probation_audits: u32,
+    /// Jobs a node on probation may run at once while an established node
+    /// could take the job instead.
+    pub probation_running: u32,
+    /// Clean audits past which an auditor's draw weight stops growing.
+    pub reputation_cap: u32,
+    /// Node ids (lowercase hex) established from the start: the
+    /// operator's own nodes that audit a young network's first strangers.
+    pub trusted: Vec<String>,
 }
 
 impl Default for AuditConfig {
@@ -83,6 +130,11 @@ impl Default for AuditConfig {
             halve_every: 5,
             window_ms: 10 * 60 * 1000,
             ban_after: 2,
+            probation_jobs: 3,
+            probation_audits: 1,
+            probation_running: 1,
+            reputation_cap: 20,
+            trusted: Vec::new(),
         }
     }
 }
@@ -96,6 +148,42 @@ impl AuditConfig {
             window_ms: 0,
             ..Self::default()
         }
+    }
+}
+
+impl AuditConfig {
+    /// Whether audits run at all.
+    pub fn audits_on(&self) -> bool {
+        self.rate_new > 0.0 || self.rate_floor > 0.0
+    }
+
+    /// Whether `node` (hex) with `record` is established, i.e. off
+    /// probation (see the module header).
+    pub fn established(&self, node: &str, record: &NodeRecord) -> bool {
+        if record.banned {
+            return false;
+        }
+        if self.trusted.iter().any(|t| t.eq_ignore_ascii_case(node)) {
+            return true;
+        }
+        let audits_needed = if self.audits_on() {
+            self.probation_audits
+        } else {
+            0
+        };
+        record.failed == 0
+            && record.wrong_verdicts == 0
+            && record.jobs >= self.probation_jobs
+            && record.clean >= audits_needed
+    }
+
+    /// `node`'s weight in the auditors' draw: 0 (never drawn) on
+    /// probation, else 1 + its clean audits up to `reputation_cap`.
+    pub fn reputation(&self, node: &str, record: &NodeRecord) -> u32 {
+        if !self.established(node, record) {
+            return 0;
+        }
+        1 + record.clean.min(self.reputation_cap)
     }
 }
 
@@ -196,12 +284,17 @@ pub struct Candidate {
     /// the job needs (a node that never placed itself does not), has a
     /// free slot, and is not banned, draining or a pod member.
     pub able: bool,
+    /// Its draw weight ([`AuditConfig::reputation`]; 0: on probation,
+    /// never drawn).
+    pub reputation: u32,
 }
 
 /// Draws the next auditor of a claim by `audited` (whose operator is
-/// `audited_operator`, empty if unknown) with `rng`: uniformly among the
-/// able `candidates` that are neither the audited node nor another node of
-/// its operator, nor one that already gave a verdict (`asked`).
+/// `audited_operator`, empty if unknown) with `rng`: among the able
+/// `candidates` with a reputation (never one on probation) that are
+/// neither the audited node nor another node of its operator, nor one that
+/// already gave a verdict (`asked`), each with a chance proportional to its
+/// reputation.
 ///
 /// The candidates are taken in node-id order, so the draw depends only on
 /// the set and the rng, never on the order the nodes connected in or on
@@ -213,27 +306,42 @@ pub fn draw(
     asked: &[NodeId],
     rng: &mut impl rand::Rng,
 ) -> Option<NodeId> {
-    let mut pool: Vec<NodeId> = candidates
+    let mut pool: Vec<(String, NodeId, u64)> = candidates
         .iter()
         .filter(|c| {
             let same_operator = !audited_operator.is_empty() && c.operator == audited_operator;
-            c.able && c.node != *audited && !same_operator && !asked.contains(&c.node)
+            c.able
+                && c.reputation > 0
+                && c.node != *audited
+                && !same_operator
+                && !asked.contains(&c.node)
         })
-        .map(|c| c.node)
+        .map(|c| (c.node.to_string(), c.node, u64::from(c.reputation)))
         .collect();
-    pool.sort_unstable_by_key(|n| n.to_string());
-    pool.dedup();
-    if pool.is_empty() {
+    pool.sort_unstable_by(|a, b| a.0.cmp(&b.0));
+    pool.dedup_by(|a, b| a.0 == b.0);
+    let total: u64 = pool.iter().map(|c| c.2).sum();
+    if total == 0 {
         return None;
     }
-    Some(pool[rng.gen_range(0..pool.len())])
+    let mut at = rng.gen_range(0..total);
+    for (_, node, weight) in pool {
+        if at < weight {
+            return Some(node);
+        }
+        at -= weight;
+    }
+    None
 }
 
-/// Audit records in the coordinator's store, and the banned nodes.
+/// Audit records in the coordinator's store, the banned nodes, and every
+/// node's record as this coordinator last wrote or loaded it (placement
+/// and the auditors' draw read it without I/O).
 pub struct Audits {
     store: AnyStore,
     pub config: AuditConfig,
     banned: Mutex<HashSet<NodeId>>,
+    records: Mutex<HashMap<String, NodeRecord>>,
 }
 
 impl Audits {
@@ -241,10 +349,12 @@ impl Audits {
     pub async fn load(store: AnyStore, config: AuditConfig) -> Result<Self, AuditError> {
         let ids = store.banned_nodes().await?;
         let banned = ids.iter().filter_map(|id| id.parse().ok()).collect();
+        let records = store.node_records().await?.into_iter().collect();
         Ok(Self {
             store,
             config,
             banned: Mutex::new(banned),
+            records: Mutex::new(records),
         })
     }
 
@@ -256,6 +366,29 @@ impl Audits {
     /// Whether `node` may no longer be placed.
     pub fn is_banned(&self, node: &NodeId) -> bool {
         lock(&self.banned).contains(node)
+    }
+
+    /// Whether `node` is on probation (see the module header), by its
+    /// record as last known here.
+    pub fn on_probation(&self, node: &NodeId) -> bool {
+        let hex = node.to_string();
+        let record = lock(&self.records).get(&hex).copied().unwrap_or_default();
+        !self.config.established(&hex, &record)
+    }
+
+    /// `node`'s weight in the auditors' draw ([`AuditConfig::reputation`]).
+    pub fn reputation(&self, node: &NodeId) -> u32 {
+        let hex = node.to_string();
+        let record = lock(&self.records).get(&hex).copied().unwrap_or_default();
+        self.config.reputation(&hex, &record)
+    }
+
+    /// Adds `delta` (jobs done, failed attempts) to `node`'s record.
+    pub async fn count_work(&self, node: &str, delta: &RecordDelta) -> Result<(), AuditError> {
+        self.store.count_record(node, delta).await?;
+        let record = self.store.audit_record(node).await?;
+        lock(&self.records).insert(node.to_owned(), record);
+        Ok(())
     }
 
     /// `node`'s record (zero for a node never audited).
@@ -300,14 +433,36 @@ impl Audits {
         let Some(node) = ended else {
             return Ok(Ended::AlreadyEnded);
         };
-        let record = self.count(&mut tx, &node, passed, now_ms).await?;
+        let outcome = if passed {
+            RecordDelta {
+                clean: 1,
+                ..RecordDelta::default()
+            }
+        } else {
+            RecordDelta {
+                failed: 1,
+                ..RecordDelta::default()
+            }
+        };
+        let record = self.count(&mut tx, &node, &outcome, now_ms).await?;
+        let wrong = RecordDelta {
+            wrong_verdicts: 1,
+            ..RecordDelta::default()
+        };
         let mut counted_against = Vec::with_capacity(against.len());
         for i in against {
             let auditor = &verdicts[i].auditor;
-            let r = self.count(&mut tx, auditor, false, now_ms).await?;
+            let r = self.count(&mut tx, auditor, &wrong, now_ms).await?;
             counted_against.push((auditor.clone(), r));
         }
         tx.commit().await?;
+        {
+            let mut records = lock(&self.records);
+            records.insert(node.clone(), record);
+            for (a, r) in &counted_against {
+                records.insert(a.clone(), *r);
+            }
+        }
         let newly_banned = std::iter::once((&node, &record))
             .chain(counted_against.iter().map(|(a, r)| (a, r)))
             .filter(|(_, r)| r.banned)
@@ -320,18 +475,20 @@ impl Audits {
         })
     }
 
-    /// Counts one clean or failed audit in `node`'s record, banning it at
-    /// `ban_after` failures; returns the record.
+    /// Adds `delta` (an audit's outcome, a wrong verdict) to `node`'s
+    /// record, banning it at `ban_after` failed audits and wrong verdicts
+    /// together; returns the record.
     async fn count(
         &self,
         tx: &mut crate::store::AnyTx,
         node: &str,
-        passed: bool,
+        delta: &RecordDelta,
         now_ms: i64,
     ) -> Result<NodeRecord, AuditError> {
-        tx.count_audit(node, passed).await?;
+        tx.count_record(node, delta).await?;
         let mut record = tx.audit_record(node).await?;
-        if !record.banned && record.failed >= self.config.ban_after.max(1) {
+        let strikes = record.failed.saturating_add(record.wrong_verdicts);
+        if !record.banned && strikes >= self.config.ban_after.max(1) {
             tx.ban_node(node, now_ms).await?;
             record.banned = true;
         }
@@ -362,7 +519,7 @@ mod tests {
                 &NodeRecord {
                     clean,
                     failed,
-                    banned: false,
+                    ..NodeRecord::default()
                 },
             )
         };
@@ -406,6 +563,7 @@ mod tests {
             node: node(seed),
             operator: operator.into(),
             able,
+            reputation: 1,
         }
     }
 
@@ -456,6 +614,66 @@ mod tests {
         assert_eq!(draw(&nobody, &audited, "op_a", &[], &mut rng), None);
         // An unknown operator excludes only the audited node itself.
         assert_eq!(draw(&nobody, &audited, "", &[], &mut rng), Some(node(2)));
+    }
+
+    #[test]
+    fn probation_ends_with_verified_work_and_trusted_nodes_start_established() {
+        let c = AuditConfig {
+            trusted: vec!["AB".into()],
+            ..AuditConfig::default()
+        };
+        let rec = |jobs, clean, failed, wrong_verdicts| NodeRecord {
+            jobs,
+            clean,
+            failed,
+            wrong_verdicts,
+            ..NodeRecord::default()
+        };
+        assert!(!c.established("n", &NodeRecord::default()), "new keys");
+        assert!(!c.established("n", &rec(2, 1, 0, 0)), "too few jobs");
+        assert!(!c.established("n", &rec(3, 0, 0, 0)), "no audit passed");
+        assert!(c.established("n", &rec(3, 1, 0, 0)));
+        assert!(!c.established("n", &rec(9, 9, 1, 0)), "a failed audit");
+        assert!(!c.established("n", &rec(9, 9, 0, 1)), "a wrong verdict");
+        assert!(c.established("ab", &NodeRecord::default()), "trusted");
+        let banned = NodeRecord {
+            banned: true,
+            ..NodeRecord::default()
+        };
+        assert!(!c.established("ab", &banned), "a ban outranks trust");
+        // With audits off, jobs alone end probation.
+        let off = AuditConfig::off();
+        assert!(off.established("n", &rec(3, 0, 0, 0)));
+        assert!(!off.established("n", &rec(2, 0, 0, 0)));
+        // Reputation: 0 on probation, then 1 + clean audits up to the cap.
+        assert_eq!(c.reputation("n", &rec(3, 0, 0, 0)), 0);
+        assert_eq!(c.reputation("n", &rec(3, 1, 0, 0)), 2);
+        assert_eq!(c.reputation("n", &rec(3, 500, 0, 0)), 1 + c.reputation_cap);
+        assert_eq!(c.reputation("ab", &NodeRecord::default()), 1);
+    }
+
+    #[test]
+    fn the_draw_skips_nodes_on_probation_and_follows_reputation() {
+        use rand::{rngs::StdRng, SeedableRng};
+        let audited = node(1);
+        let with = |seed, reputation| Candidate {
+            reputation,
+            ..candidate(seed, &format!("op_{seed}"), true)
+        };
+        let all = [with(2, 0), with(3, 1), with(4, 9)];
+        let mut counts = HashMap::new();
+        for seed in 0..2_000 {
+            let mut rng = StdRng::seed_from_u64(seed);
+            let pick = draw(&all, &audited, "", &[], &mut rng).unwrap();
+            *counts.entry(pick).or_insert(0u32) += 1;
+        }
+        assert_eq!(counts.get(&node(2)), None, "on probation: never drawn");
+        let (low, high) = (counts[&node(3)], counts[&node(4)]);
+        // Expected 200 and 1800 (weights 1 and 9); far from an even split.
+        assert!((100..=300).contains(&low), "{low} of 2000 at weight 1");
+        assert_eq!(low + high, 2_000);
+        let mut rng = StdRng::seed_from_u64(0);
+        assert_eq!(draw(&[with(2, 0)], &audited, "", &[], &mut rng), None);
     }
 
     fn verdict(auditor: &str, passed: bool) -> Verdict {
@@ -514,15 +732,13 @@ mod tests {
                 passed: true,
                 record: NodeRecord {
                     clean: 1,
-                    failed: 0,
-                    banned: false
+                    ..NodeRecord::default()
                 },
                 against: vec![(
                     liar.to_string(),
                     NodeRecord {
-                        clean: 0,
-                        failed: 1,
-                        banned: false
+                        wrong_verdicts: 1,
+                        ..NodeRecord::default()
                     }
                 )],
             }
@@ -542,6 +758,7 @@ mod tests {
                         clean: 1,
                         failed: i as u32 + 1,
                         banned: i == 1,
+                        ..NodeRecord::default()
                     },
                     against: vec![],
                 }

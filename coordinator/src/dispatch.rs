@@ -65,7 +65,7 @@ use crate::{
     catalogue::{Catalogue, Model},
     domain::{
         job::terminal_event, AttemptEnd, CancelOutcome, Completion, JobRecord, JobTerms, NewJob,
-        Segment, Streamed, StreamedEnd,
+        RecordDelta, Segment, Streamed, StreamedEnd,
     },
     jobs::EventHub,
     ledger::{self, Ledger, LedgerError},
@@ -97,9 +97,14 @@ const PLACEMENT_TICK: Duration = Duration::from_secs(2);
 /// Queued jobs considered per placement pass.
 const PLACEMENT_BATCH: u32 = 256;
 
+/// A claimed job and the account paying for it.
+type Claimed = (JobRecord, Option<String>);
+
 /// A job a placement pass picked, its node's memory reserved.
 struct Planned {
     job: JobRecord,
+    /// The account paying for it (the claim's, for a job planned again).
+    account: Option<String>,
     node: NodeId,
     model: Model,
     reservation: Reservation,
@@ -159,9 +164,18 @@ pub struct Dispatcher {
     audits: Arc<Audits>,
     wake: Arc<Notify>,
     running: Mutex<HashMap<JobId, CancellationToken>>,
+    /// The node whose attempt of a queued job just failed (hex): its next
+    /// placement avoids it while another node can take it. Kept in memory
+    /// (a hint, not a record), cleared when the job is placed or ends, and
+    /// bounded by [`FAILED_ON_MAX`].
+    failed_on: Mutex<HashMap<JobId, String>>,
     shutdown: CancellationToken,
     tasks: Arc<Tasks>,
 }
+
+/// The most jobs [`Dispatcher`] remembers a failed node for (a job
+/// cancelled while queued leaves its entry; past this, all are dropped).
+const FAILED_ON_MAX: usize = 100_000;
 
 /// The backoff step between tries of recording an attempt's end after a
 /// store error, and the most it grows to.
@@ -226,6 +240,7 @@ impl Dispatcher {
             audits,
             wake,
             running: Mutex::new(HashMap::new()),
+            failed_on: Mutex::new(HashMap::new()),
             shutdown,
             tasks,
         })
@@ -316,11 +331,49 @@ impl Dispatcher {
             .into_iter()
             .filter(|s| !self.audits.is_banned(&s.node_id))
             .collect();
+        // Probation's share of placement (see `audit`): a node on
+        // probation takes at most `probation_running` jobs at once beside
+        // the established nodes (pass 1); the jobs left go to established
+        // nodes (pass 2), then to anyone (pass 3: a network of new nodes
+        // still runs every job). A retried job is not handed straight back
+        // to the node whose attempt just failed while another node can
+        // take it (passes 1 and 2).
+        let cap = self.audits.config.probation_running;
+        let mut room: HashMap<NodeId, u32> = HashMap::new();
+        let mut first = Vec::new();
+        let mut established = Vec::new();
+        for s in &sessions {
+            if self.audits.on_probation(&s.node_id) {
+                let left = cap.saturating_sub(s.running_jobs());
+                if left > 0 {
+                    room.insert(s.node_id, left);
+                    first.push(Arc::clone(s));
+                }
+            } else {
+                established.push(Arc::clone(s));
+                first.push(Arc::clone(s));
+            }
+        }
         let mut plan = Vec::new();
         let assigned = self
             .store
             .claim_queued(PLACEMENT_BATCH, |claimed| {
-                plan = self.plan(&sessions, claimed);
+                let (placed, mut left) = self.plan_away(&first, claimed);
+                for p in placed {
+                    match room.get_mut(&p.node) {
+                        Some(0) => left.push((p.job.clone(), p.account.clone())),
+                        Some(n) => {
+                            *n -= 1;
+                            plan.push(p);
+                        }
+                        None => plan.push(p),
+                    }
+                }
+                let (placed, left) = self.plan_away(&established, left);
+                plan.extend(placed);
+                if !left.is_empty() {
+                    plan.extend(self.plan(&sessions, left));
+                }
                 plan.iter()
                     .map(|p| (p.job.id, p.job.attempt, p.node.to_string()))
                     .collect()
@@ -337,7 +390,9 @@ impl Dispatcher {
                 reservation,
                 held,
                 reason,
+                ..
             } = p;
+            lock(&self.failed_on).remove(&job.id);
             Metrics::observe_since_ms(&self.metrics.placement_seconds, job.updated_at_ms, now_ms());
             let token = self.shutdown.child_token();
             lock(&self.running).insert(job.id, token.clone());
@@ -360,6 +415,47 @@ impl Dispatcher {
         Ok(())
     }
 
+    /// [`Self::plan`], with each retried job kept off the node whose
+    /// attempt just failed it; returns the plan and the jobs not placed.
+    fn plan_away(
+        &self,
+        sessions: &[Arc<Session>],
+        claimed: Vec<Claimed>,
+    ) -> (Vec<Planned>, Vec<Claimed>) {
+        let mut groups: Vec<(Option<String>, Vec<Claimed>)> = Vec::new();
+        for (job, account) in claimed {
+            let avoid = lock(&self.failed_on)
+                .get(&job.id)
+                .cloned()
+                .filter(|_| job.attempt > 1);
+            match groups.iter_mut().find(|(a, _)| *a == avoid) {
+                Some((_, jobs)) => jobs.push((job, account)),
+                None => groups.push((avoid, vec![(job, account)])),
+            }
+        }
+        let mut plan = Vec::new();
+        let mut left = Vec::new();
+        for (avoid, jobs) in groups {
+            let away: Vec<_> = sessions
+                .iter()
+                .filter(|s| avoid.as_deref() != Some(s.node_id.to_string().as_str()))
+                .cloned()
+                .collect();
+            let ids: Vec<_> = jobs.iter().map(|(j, a)| (j.clone(), a.clone())).collect();
+            let placed = if away.is_empty() {
+                Vec::new()
+            } else {
+                self.plan(&away, jobs)
+            };
+            left.extend(
+                ids.into_iter()
+                    .filter(|(j, _)| !placed.iter().any(|p| p.job.id == j.id)),
+            );
+            plan.extend(placed);
+        }
+        (plan, left)
+    }
+
     /// Places `claimed` (each job with its paying account) onto `sessions`,
     /// reserving each pick's memory on its node (and on a pod's other
     /// members).
@@ -370,7 +466,9 @@ impl Dispatcher {
     ) -> Vec<Planned> {
         let mut fleet = Sessions::fleet(sessions);
         let mut queue = Queue::new(claimed.len());
+        let mut accounts: HashMap<JobId, Option<String>> = HashMap::new();
         for (job, account) in claimed {
+            accounts.insert(job.id, account.clone());
             // Fair share across the accounts that pay (the ledger's holds);
             // a job's priority orders only its own account's jobs.
             let account = account.unwrap_or_default();
@@ -415,6 +513,7 @@ impl Dispatcher {
             }
             plan.push(Planned {
                 reservation: session.reserve(placement.memory_per_member),
+                account: accounts.remove(&job.id).flatten(),
                 job,
                 node,
                 model,
@@ -466,6 +565,23 @@ impl Dispatcher {
         // nothing), so a store error (e.g. the database busy past its
         // timeout) is retried a few times before the job is left to the
         // restart's orphan requeue.
+        if matches!(outcome, Outcome::Failed { .. }) {
+            {
+                let mut failed_on = lock(&self.failed_on);
+                if failed_on.len() >= FAILED_ON_MAX {
+                    failed_on.clear();
+                }
+                failed_on.insert(job.id, node_hex.clone());
+            }
+            self.count_work(
+                &node_hex,
+                RecordDelta {
+                    failed_attempts: 1,
+                    ..RecordDelta::default()
+                },
+            )
+            .await;
+        }
         let mut tries = 0;
         loop {
             let result = match outcome.clone() {
@@ -546,6 +662,14 @@ impl Dispatcher {
             return Ok(());
         }
         self.metrics.jobs_completed.inc();
+        self.count_work(
+            node_hex,
+            RecordDelta {
+                jobs: 1,
+                ..RecordDelta::default()
+            },
+        )
+        .await;
         info!("completed with a verified result");
         self.maybe_audit(job, node_hex, &completion.result).await;
         // Pays now unless the audit window holds the pay (then the sweep does).
@@ -564,6 +688,15 @@ impl Dispatcher {
             }
         }
         Ok(())
+    }
+
+    /// Adds `delta` to `node_hex`'s record (its reputation); a store error
+    /// is logged (the record is evidence, not money: nothing else waits on
+    /// it).
+    async fn count_work(&self, node_hex: &str, delta: RecordDelta) {
+        if let Err(e) = self.audits.count_work(node_hex, &delta).await {
+            warn!(error = %error_chain(&e), "recording the node's work failed");
+        }
     }
 
     async fn record_failure(
@@ -596,6 +729,7 @@ impl Dispatcher {
                 );
             }
             Some(AttemptEnd::Failed) => {
+                lock(&self.failed_on).remove(&job.id);
                 self.metrics.jobs_failed.inc();
                 info!(reason, "job failed");
                 self.settle(job.id).await;

@@ -27,4 +27,4 @@ pub use money::{
     hold_id, Account, AccountKind, Applied, JobTerms, NewTransfer, NodeEarnings, Price, Totals,
     Transfer, TransferKind,
 };
-pub use node::{AuditRecord, Availability, NodeRecord};
+pub use node::{AuditRecord, Availability, NodeRecord, RecordDelta};

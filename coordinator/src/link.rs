@@ -39,6 +39,7 @@ use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
 use crate::{
+    audit::Audits,
     catalogue::Catalogue,
     ledger::{Ledger, LedgerError},
     metrics::Metrics,
@@ -91,6 +92,8 @@ pub struct LinkContext {
     pub store: AnyStore,
     /// Operator links and availability rewards.
     pub ledger: Ledger,
+    /// Node records: a node on probation earns no availability reward.
+    pub audits: Arc<Audits>,
     /// Which of a node's model files count.
     pub catalogue: Arc<Catalogue>,
     /// Where admitted nodes' sessions go (placement reads them).
@@ -301,10 +304,11 @@ async fn control_loop(
                 }
                 // A dedicated node earns availability rewards for the time
                 // since its last written heartbeat (at most the timeout: it
-                // answered).
+                // answered), once off probation (verified work first; a
+                // banned node is never off it).
                 let online = beat.duration_since(last_beat).min(silence);
                 last_beat = beat;
-                if dedicated {
+                if dedicated && !d.audits.on_probation(&session.node_id) {
                     if let Err(e) = d
                         .ledger
                         .record_online(

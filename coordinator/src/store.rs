@@ -45,8 +45,8 @@ use mlxnet_proto::ids::JobId;
 
 use crate::domain::{
     Account, AttemptEnd, AuditRecord, Availability, CancelOutcome, Completion, JobRecord, JobStats,
-    JobTerms, KeyInfo, KeyLimits, NewJob, NodeEarnings, NodeRecord, Segment, StoredKey,
-    StreamedEnd, Totals, Transfer,
+    JobTerms, KeyInfo, KeyLimits, NewJob, NodeEarnings, NodeRecord, RecordDelta, Segment,
+    StoredKey, StreamedEnd, Totals, Transfer,
 };
 
 pub use postgres::PgStore;
@@ -336,6 +336,10 @@ pub trait Store: Clone + Send + Sync + 'static {
     async fn banned_nodes(&self) -> Result<Vec<String>>;
     /// `node`'s audit record (zero for a node never audited).
     async fn audit_record(&self, node: &str) -> Result<AuditRecord>;
+    /// Every node's record, in node-id order.
+    async fn node_records(&self) -> Result<Vec<(String, AuditRecord)>>;
+    /// Adds `delta` to `node`'s record (one write).
+    async fn count_record(&self, node: &str, delta: &RecordDelta) -> Result<()>;
     /// Records that `job`, served by `node`, is audited. False if it already was.
     async fn begin_audit(&self, job: &str, node: &str, now_ms: i64) -> Result<bool>;
     /// Ends `job`'s pending audit without a verdict.
@@ -427,8 +431,8 @@ pub trait StoreTx: Send {
         verdict: &[u8],
         now_ms: i64,
     ) -> Result<Option<String>>;
-    /// Counts one clean or failed audit in `node`'s record.
-    async fn count_audit(&mut self, node: &str, passed: bool) -> Result<()>;
+    /// Adds `delta` to `node`'s record (audits counted, wrong verdicts).
+    async fn count_record(&mut self, node: &str, delta: &RecordDelta) -> Result<()>;
     async fn audit_record(&mut self, node: &str) -> Result<AuditRecord>;
     /// Bans `node` from placement at `now_ms` (once).
     async fn ban_node(&mut self, node: &str, now_ms: i64) -> Result<()>;
@@ -709,6 +713,14 @@ impl Store for AnyStore {
         on_backend!(self, s => s.audit_record(node).await)
     }
 
+    async fn node_records(&self) -> Result<Vec<(String, AuditRecord)>> {
+        on_backend!(self, s => s.node_records().await)
+    }
+
+    async fn count_record(&self, node: &str, delta: &RecordDelta) -> Result<()> {
+        on_backend!(self, s => s.count_record(node, delta).await)
+    }
+
     async fn begin_audit(&self, job: &str, node: &str, now_ms: i64) -> Result<bool> {
         on_backend!(self, s => s.begin_audit(job, node, now_ms).await)
     }
@@ -836,8 +848,8 @@ impl StoreTx for AnyTx {
         on_backend!(self, s => s.end_audit(job, passed, auditor, verdict, now_ms).await)
     }
 
-    async fn count_audit(&mut self, node: &str, passed: bool) -> Result<()> {
-        on_backend!(self, s => s.count_audit(node, passed).await)
+    async fn count_record(&mut self, node: &str, delta: &RecordDelta) -> Result<()> {
+        on_backend!(self, s => s.count_record(node, delta).await)
     }
 
     async fn audit_record(&mut self, node: &str) -> Result<AuditRecord> {

@@ -353,6 +353,17 @@ impl Dialer {
     }
 }
 
+/// The key [`FakeNode::register`] gives the node of `seed`.
+pub fn node_key(seed: u64) -> SigningKey {
+    use rand::SeedableRng;
+    SigningKey::generate(&mut rand::rngs::StdRng::seed_from_u64(seed))
+}
+
+/// The id (lowercase hex) of [`FakeNode::register`]'s node of `seed`.
+pub fn node_hex(seed: u64) -> String {
+    hex::encode(node_key(seed).verifying_key().to_bytes())
+}
+
 /// A node made by hand: registered with the test model, speaking the wire
 /// protocol directly so tests control every frame.
 pub struct FakeNode {
@@ -368,8 +379,7 @@ impl FakeNode {
 
     /// [`FakeNode::register`] with its Hello edited by `edit` first.
     pub async fn register_with(app: &TestApp, seed: u64, edit: impl FnOnce(&mut Hello)) -> Self {
-        use rand::SeedableRng;
-        let key = ed25519_dalek::SigningKey::generate(&mut rand::rngs::StdRng::seed_from_u64(seed));
+        let key = node_key(seed);
         let mut dialer = Dialer::connect(app).await;
         let proof = dialer.proof(&key);
         let reply = dialer.hello_with(&key, proof, edit).await;

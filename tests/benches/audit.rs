@@ -27,8 +27,13 @@
 //! failing verdict; a split goes to a third). An honest auditor's verdict
 //! is this engine's verdict on the claim; a liar fails every claim (to
 //! void honest pay and ban honest nodes); a colluder passes every claim (to
-//! cover a cheater). Fleets: 8 honest; 7 honest and 1 liar; 6 honest and 2
-//! liars; 7 honest and 1 colluder. A liar's or colluder's record is never
+//! cover a cheater). The draw is weighted by reputation: every honest
+//! auditor is long established (weight 1 + `reputation_cap`). Fleets: 8
+//! honest; 7 honest and 1 liar; 6 honest and 2 liars; 7 honest and 1
+//! colluder, their hostile nodes as reputable as the honest ones (the
+//! worst case: they served honestly until established, then turned); 6
+//! honest and 2 liars on probation (new keys: weight 0, never drawn); 7
+//! honest and 1 colluder just off probation (weight 2). A liar's or colluder's record is never
 //! banned here (every audit starts from the same fleet), so the adversarial
 //! columns are per audit, before the minority counts ban them.
 //!
@@ -397,7 +402,16 @@ fn node_id(seed: u8) -> NodeId {
 const AUDITED: u8 = 0;
 const AUDITED_OPERATOR: &str = "operator-audited";
 
-fn fleet(name: &'static str, honest: usize, liars: usize, colluders: usize) -> Fleet {
+/// The draw weight of a long-established honest auditor (clean audits at
+/// the coordinator's default `reputation_cap`).
+fn established() -> u32 {
+    1 + audit::AuditConfig::default().reputation_cap
+}
+
+/// A fleet of `honest` established auditors and `liars` and `colluders`
+/// whose draw weight is `hostile` (0: on probation, never drawn;
+/// [`established`]: as reputable as the honest ones, the worst case).
+fn fleet(name: &'static str, honest: usize, liars: usize, colluders: usize, hostile: u32) -> Fleet {
     let kinds: Vec<(NodeId, Auditor)> = std::iter::repeat_n(Auditor::Honest, honest)
         .chain(std::iter::repeat_n(Auditor::Liar, liars))
         .chain(std::iter::repeat_n(Auditor::Colluder, colluders))
@@ -407,10 +421,14 @@ fn fleet(name: &'static str, honest: usize, liars: usize, colluders: usize) -> F
     let candidates = kinds
         .iter()
         .enumerate()
-        .map(|(i, (node, _))| Candidate {
+        .map(|(i, (node, kind))| Candidate {
             node: *node,
             operator: format!("operator-{i}"),
             able: true,
+            reputation: match kind {
+                Auditor::Honest => established(),
+                _ => hostile,
+            },
         })
         .collect();
     Fleet {
@@ -421,11 +439,14 @@ fn fleet(name: &'static str, honest: usize, liars: usize, colluders: usize) -> F
 }
 
 fn fleets() -> Vec<Fleet> {
+    let top = established();
     vec![
-        fleet("8 honest", 8, 0, 0),
-        fleet("7 honest + 1 liar", 7, 1, 0),
-        fleet("6 honest + 2 liars", 6, 2, 0),
-        fleet("7 honest + 1 colluder", 7, 0, 1),
+        fleet("8 honest", 8, 0, 0, top),
+        fleet("7 honest + 1 liar", 7, 1, 0, top),
+        fleet("6 honest + 2 liars", 6, 2, 0, top),
+        fleet("6 honest + 2 liars on probation", 6, 2, 0, 0),
+        fleet("7 honest + 1 colluder", 7, 0, 1, top),
+        fleet("7 honest + 1 colluder just off probation", 7, 0, 1, 2),
     ]
 }
 
@@ -705,7 +726,7 @@ fn main() -> anyhow::Result<()> {
     println!();
     println!(
         "The same claims audited as the coordinator audits them (audit::draw among 8 \
-         auditors of 8 operators, audit::decide: a failure needs a second; a split a third)"
+         auditors of 8 operators weighted by reputation, audit::decide: a failure needs a second; a split a third)"
     );
     println!();
     let header: Vec<&str> = fleets.iter().map(|f| f.name).collect();

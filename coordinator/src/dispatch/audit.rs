@@ -4,8 +4,9 @@
 //!
 //! # Invariants
 //! - Each auditor is drawn at random ([`draw`], seeded per audit from the
-//!   coordinator's own randomness, never from anything a node sent) among
-//!   online, unbanned, undrained nodes holding the job's model file that
+//!   coordinator's own randomness, never from anything a node sent),
+//!   weighted by reputation, among online, established (never on
+//!   probation), unbanned, undrained nodes holding the job's model file that
 //!   report the memory the job needs (a node that never placed itself is
 //!   no auditor) and have a free job slot (taken for the audit's length,
 //!   so placement does not over-fill it); never the node that served the
@@ -140,6 +141,7 @@ impl Dispatcher {
                         && s.memory_bytes > 0
                         && s.memory_bytes >= shape.memory_needed()
                         && s.running_jobs() < s.max_concurrent_jobs,
+                    reputation: self.audits.reputation(&s.node_id),
                 })
                 .collect();
             let drawn = draw(&candidates, &served_by, &operator, &asked, &mut rng);

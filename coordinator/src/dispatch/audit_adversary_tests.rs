@@ -2,7 +2,13 @@
 //! the real QUIC wire, one honest node serving a job and the others
 //! auditing it. A lying auditor (one that fails every audit) must not void
 //! an honest node's pay nor get it banned, and a node that never placed
-//! itself (it reports no memory) is never asked to audit.
+//! itself (it reports no memory) is never asked to audit. New keys are on
+//! probation: never drawn as auditors (so colluding new keys cannot
+//! confirm each other's false failures), no availability rewards.
+//!
+//! The established auditors here are the operator's trusted nodes
+//! ([`TRUSTED`]: the bootstrap of a young network); the other seeds are
+//! new keys.
 //!
 //! Each step waits on an event: an auditor's next assignment, the audit's
 //! recorded state. Waits are bounded ([`WAIT`]) only so that a broken
@@ -23,8 +29,8 @@ use mlxnet_proto::{
 
 use crate::{
     audit::{AuditConfig, Audits, NodeRecord},
-    ledger::settle::Settlement,
-    test_utils::{books, prompt_job, spawn_app, tokens_of, Books, FakeNode, TestApp},
+    ledger::{settle::Settlement, REWARD_POOL},
+    test_utils::{books, node_hex, prompt_job, spawn_app, tokens_of, Books, FakeNode, TestApp},
     util::now_ms,
 };
 
@@ -33,7 +39,17 @@ const PASSED_ONCE: NodeRecord = NodeRecord {
     clean: 1,
     failed: 0,
     banned: false,
+    jobs: 1,
+    failed_attempts: 0,
+    wrong_verdicts: 0,
 };
+
+/// The seeds of the nodes the test coordinator trusts (established from the
+/// start): the honest auditors, the liar of the first test, and the honest
+/// established node (62) of the colluders' test.
+const TRUSTED: [u64; 3] = [61, 63, 64];
+/// New keys (on probation).
+const NEW_KEYS: [u64; 2] = [71, 72];
 
 /// The bound on any one wait (a failure, never a verdict).
 const WAIT: Duration = Duration::from_secs(20);
@@ -43,12 +59,20 @@ const WINDOW_MS: i64 = 10 * 60 * 1000;
 /// A coordinator that audits every job and bans at the first counted
 /// failure: one unchecked failing verdict would ban the honest node.
 async fn app() -> TestApp {
+    app_trusting(&TRUSTED, WINDOW_MS).await
+}
+
+/// [`app`] trusting the nodes of `seeds`, with an audit window of
+/// `window_ms`.
+async fn app_trusting(seeds: &[u64], window_ms: i64) -> TestApp {
+    let trusted = seeds.iter().map(|&s| node_hex(s)).collect();
     spawn_app(|c| {
         c.audit = AuditConfig {
             rate_new: 1.0,
             rate_floor: 1.0,
-            window_ms: WINDOW_MS,
+            window_ms,
             ban_after: 1,
+            trusted,
             ..AuditConfig::default()
         };
         c.ledger.sweep_interval_ms = 3_600_000;
@@ -72,10 +96,23 @@ async fn answer_audit(node: &FakeNode, job: &str, passed: bool) {
     };
     let a: Assignment = read_frame(&mut recv).await.unwrap();
     assert_eq!(a.job_id, job);
-    let audited: SignedClaim = a
-        .audit
-        .and_then(|t| t.claim)
-        .expect("the assignment is an audit");
+    let update = verdict_on(node, a, passed).expect("the assignment is an audit");
+    write_frame(&mut send, &update).await.unwrap();
+    let mut buf = [0u8; 64];
+    let ended = tokio::time::timeout(WAIT, async {
+        while let Ok(Some(_)) = recv.read(&mut buf).await {}
+    })
+    .await;
+    assert!(
+        ended.is_ok(),
+        "the coordinator never ended the audit stream"
+    );
+}
+
+/// `node`'s signed verdict `passed` on audit assignment `a` (None: `a` is
+/// not an audit).
+fn verdict_on(node: &FakeNode, a: Assignment, passed: bool) -> Option<JobUpdate> {
+    let audited: SignedClaim = a.audit.and_then(|t| t.claim)?;
     let verdict = AuditVerdict {
         job_id: a.job_id.clone(),
         claim_signature: audited.signature,
@@ -88,21 +125,11 @@ async fn answer_audit(node: &FakeNode, job: &str, passed: bool) {
         auditor_id: node.key.verifying_key().to_bytes().to_vec(),
         ..Default::default()
     };
-    let update = JobUpdate {
+    Some(JobUpdate {
         msg: Some(job_update::Msg::Verdict(claim::sign_verdict(
             verdict, &node.key,
         ))),
-    };
-    write_frame(&mut send, &update).await.unwrap();
-    let mut buf = [0u8; 64];
-    let ended = tokio::time::timeout(WAIT, async {
-        while let Ok(Some(_)) = recv.read(&mut buf).await {}
     })
-    .await;
-    assert!(
-        ended.is_ok(),
-        "the coordinator never ended the audit stream"
-    );
 }
 
 /// The honest node holding a job it has not answered yet.
@@ -241,7 +268,10 @@ async fn a_lying_auditor_cannot_void_an_honest_nodes_pay_nor_ban_it() {
     answer_audit(&liar, &job, false).await;
     assert_eq!(
         record(&app, &served.honest).await,
-        NodeRecord::default(),
+        NodeRecord {
+            jobs: 1,
+            ..NodeRecord::default()
+        },
         "one failing verdict counted against the honest node"
     );
     let second = FakeNode::register(&app, 63).await;
@@ -258,9 +288,9 @@ async fn a_lying_auditor_cannot_void_an_honest_nodes_pay_nor_ban_it() {
     assert_eq!(
         record(&app, &liar).await,
         NodeRecord {
-            clean: 0,
-            failed: 1,
-            banned: true
+            wrong_verdicts: 1,
+            banned: true,
+            ..NodeRecord::default()
         },
         "the auditor in the minority is counted against"
     );
@@ -311,5 +341,286 @@ async fn a_node_that_never_placed_itself_is_not_an_auditor() {
     honest_node_is_paid(&app, &job, &served.operator, &served.before).await;
     idle_task.abort();
     drop(idle);
+    app.stop().await;
+}
+
+/// Answers every audit `node` is sent with a failing verdict (a hostile
+/// node on probation hoping to be drawn); returns how many it was sent.
+fn fail_every_audit(node: FakeNode) -> tokio::task::JoinHandle<usize> {
+    tokio::spawn(async move {
+        let mut asked = 0;
+        while let Ok((mut send, mut recv)) = node.conn.accept_bi().await {
+            let Ok(a) = read_frame::<_, Assignment>(&mut recv).await else {
+                break;
+            };
+            asked += 1;
+            if let Some(update) = verdict_on(&node, a, false) {
+                let _ = write_frame(&mut send, &update).await;
+            }
+        }
+        asked
+    })
+}
+
+/// A short audit window, for the tests where no established auditor is
+/// online: the audit ends `missed` when it closes. (Hostile nodes that
+/// were drawn would answer within milliseconds, well inside it.)
+const SHORT_WINDOW_MS: i64 = 3_000;
+
+/// Probation: a new key online while the honest node's job completes, able
+/// to run it (memory, model, free slot) and the only other node, is never
+/// sent the audit: with no established auditor the audit waits and is
+/// `missed` when the window closes, and the honest node is paid.
+#[tokio::test]
+async fn a_new_key_is_never_drawn_as_auditor() {
+    let app = app_trusting(&[], SHORT_WINDOW_MS).await;
+    let mut served = honest_node_takes_a_job(&app).await;
+    let job = served.job.clone();
+    let stranger = FakeNode::register(&app, NEW_KEYS[0]).await;
+    let stranger_hex = hex_of(&stranger);
+    let stranger = fail_every_audit(stranger);
+    served.finish(&app).await;
+    assert_eq!(audit_ended(&app, &job).await, "missed");
+    assert_eq!(
+        record(&app, &served.honest).await,
+        NodeRecord {
+            jobs: 1,
+            ..NodeRecord::default()
+        }
+    );
+    let audits = Audits::of_store(app.ledger.store(), AuditConfig::default())
+        .await
+        .unwrap();
+    assert_eq!(
+        audits.record(&stranger_hex).await.unwrap(),
+        NodeRecord::default(),
+        "the new key gave no verdict that counted"
+    );
+    honest_node_is_paid(&app, &job, &served.operator, &served.before).await;
+    app.stop().await;
+    let asked = tokio::time::timeout(WAIT, stranger).await;
+    assert_eq!(
+        asked.expect("the new key's connection ended").unwrap(),
+        0,
+        "the new key was sent an audit (or a job)"
+    );
+}
+
+/// Hole 2 with colluders: two new keys, the only other nodes online able
+/// to audit, fail every audit they are sent (`ban_after = 1`). An
+/// established honest node (trusted here) serving a job is neither voided
+/// nor banned: the new keys are never drawn (the audit is `missed` when the
+/// window closes), the node is paid and placed again.
+#[tokio::test]
+async fn two_colluding_new_keys_that_fail_every_audit_cannot_ban_an_honest_established_node() {
+    let app = app_trusting(&[62], SHORT_WINDOW_MS).await;
+    let mut served = honest_node_takes_a_job(&app).await;
+    let job = served.job.clone();
+    let mut colluders = Vec::new();
+    for seed in NEW_KEYS {
+        colluders.push(fail_every_audit(FakeNode::register(&app, seed).await));
+    }
+    served.finish(&app).await;
+    assert_eq!(audit_ended(&app, &job).await, "missed");
+    let honest = record(&app, &served.honest).await;
+    assert_eq!(
+        honest,
+        NodeRecord {
+            jobs: 1,
+            ..NodeRecord::default()
+        },
+        "the honest node is clean, not banned"
+    );
+    honest_node_is_paid(&app, &job, &served.operator, &served.before).await;
+    // The colluders leave; the honest node is placed again.
+    for c in colluders {
+        c.abort();
+        let _ = c.await;
+    }
+    let mut jobs = JobsClient::new(app.grpc().await);
+    let next = jobs
+        .submit(prompt_job("The capital of Italy is", 4))
+        .await
+        .unwrap()
+        .into_inner()
+        .id;
+    let (_send, _recv, a) = tokio::time::timeout(WAIT, served.honest.next_assignment())
+        .await
+        .expect("the honest node was placed again");
+    assert_eq!(a.job_id, next);
+    let broken = app.ledger.violations(now_ms()).await.unwrap();
+    assert!(broken.is_empty(), "{broken:?}");
+    app.stop().await;
+}
+
+/// Probation: a dedicated new key that heartbeats earns no availability
+/// reward; a dedicated trusted node beside it, online as long, does.
+#[tokio::test]
+async fn a_node_on_probation_earns_no_availability_reward() {
+    let trusted = vec![node_hex(TRUSTED[1])];
+    let app = spawn_app(|c| {
+        c.audit = AuditConfig {
+            trusted,
+            ..AuditConfig::off()
+        };
+        c.ledger.reward_epoch_ms = 1_000;
+        c.ledger.reward_per_gib_hour = 3_600_000_000;
+        c.ledger.reward_pool_per_epoch = 1_000_000_000;
+        c.ledger.sweep_interval_ms = 3_600_000;
+        c.heartbeat_interval_ms = 600_000;
+        c.heartbeat_timeout_ms = 1_200_000;
+    })
+    .await;
+    app.ledger
+        .grant("pool", REWARD_POOL, 1_000_000_000, "fund")
+        .await
+        .unwrap();
+    let dedicated = |h: &mut mlxnet_proto::v1::Hello| h.mode = "dedicated".into();
+    let mut new = FakeNode::register_with(&app, NEW_KEYS[0], dedicated).await;
+    let mut old = FakeNode::register_with(&app, TRUSTED[1], dedicated).await;
+    let new_op = app.ledger.link_node(&hex_of(&new), "").await.unwrap();
+    let old_op = app.ledger.link_node(&hex_of(&old), "").await.unwrap();
+    // Some online time to be paid for (the reward counts milliseconds).
+    tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    let beat = mlxnet_proto::v1::NodeControl {
+        msg: Some(mlxnet_proto::v1::node_control::Msg::Heartbeat(
+            mlxnet_proto::v1::Heartbeat {
+                free_memory_bytes: 8 << 30,
+                ..Default::default()
+            },
+        )),
+    };
+    for node in [&mut new, &mut old] {
+        // The second beat is read only after the first one's write (the
+        // control loop takes one frame at a time).
+        node.control(&beat).await;
+        node.control(&beat).await;
+        node.control_reply().await;
+        node.control_reply().await;
+    }
+    let before = books(&app.ledger, &app.client_account, &new_op).await;
+    assert!(app.ledger.pay_rewards(now_ms() + 10_000).await.unwrap() > 0);
+    let balance = |op: String| {
+        let ledger = app.ledger.clone();
+        async move {
+            ledger
+                .account(&op)
+                .await
+                .unwrap()
+                .map_or(0, |a| a.balance())
+        }
+    };
+    assert!(
+        balance(old_op).await > 0,
+        "the trusted node earned its reward"
+    );
+    assert_eq!(
+        balance(new_op).await,
+        before.operator.balance(),
+        "the new key earned a reward on probation"
+    );
+    let broken = app.ledger.violations(now_ms()).await.unwrap();
+    assert!(broken.is_empty(), "{broken:?}");
+    app.stop().await;
+}
+
+/// The next assignment of either node: which one (0 or 1) got it, and it.
+async fn next_of_either(
+    nodes: [&FakeNode; 2],
+) -> (usize, quinn::SendStream, quinn::RecvStream, Assignment) {
+    let got = tokio::time::timeout(WAIT, async {
+        tokio::select! {
+            (send, recv, a) = nodes[0].next_assignment() => (0, send, recv, a),
+            (send, recv, a) = nodes[1].next_assignment() => (1, send, recv, a),
+        }
+    })
+    .await;
+    got.expect("neither node was assigned the job")
+}
+
+/// Hole 5: a job whose attempt a node just failed is not handed straight
+/// back to that node while another node can take it (both nodes alike,
+/// so the cost model alone would pick the same node again).
+#[tokio::test]
+async fn a_job_a_node_just_failed_goes_to_another_node() {
+    let app = app().await;
+    let a = FakeNode::register(&app, TRUSTED[1]).await;
+    let b = FakeNode::register(&app, TRUSTED[2]).await;
+    let mut jobs = JobsClient::new(app.grpc().await);
+    let job = jobs
+        .submit(prompt_job("The capital of France is", 8))
+        .await
+        .unwrap()
+        .into_inner()
+        .id;
+    let (first, mut send, _recv, got) = next_of_either([&a, &b]).await;
+    assert_eq!(got.job_id, job);
+    let failure = JobUpdate {
+        msg: Some(job_update::Msg::Failure(job_update::Failure {
+            reason: "out of memory".into(),
+            retryable: true,
+        })),
+    };
+    write_frame(&mut send, &failure).await.unwrap();
+    let (second, _send, _recv, again) = next_of_either([&a, &b]).await;
+    assert_eq!((again.job_id.as_str(), again.attempt), (job.as_str(), 2));
+    assert_ne!(
+        first, second,
+        "the retry went back to the node that failed it"
+    );
+    let failed = [&a, &b][first];
+    let audits = Audits::of_store(app.ledger.store(), AuditConfig::default())
+        .await
+        .unwrap();
+    assert_eq!(
+        audits
+            .record(&hex_of(failed))
+            .await
+            .unwrap()
+            .failed_attempts,
+        1,
+        "the failed attempt is in the node's record"
+    );
+    let broken = app.ledger.violations(now_ms()).await.unwrap();
+    assert!(broken.is_empty(), "{broken:?}");
+    app.stop().await;
+}
+
+/// Probation's share of placement: a new key reporting a far faster chip
+/// than the established node beside it (the cost model alone would give
+/// it every job) runs one job at a time while the established node has
+/// room; the rest go to the established node.
+#[tokio::test]
+async fn a_new_key_takes_one_job_at_a_time_while_an_established_node_has_room() {
+    let app = app().await;
+    let slots = |h: &mut mlxnet_proto::v1::Hello| h.max_concurrent_jobs = 4;
+    let established = FakeNode::register_with(&app, TRUSTED[1], slots).await;
+    let fast = FakeNode::register_with(&app, NEW_KEYS[0], |h| {
+        h.max_concurrent_jobs = 4;
+        if let Some(hw) = h.hardware.as_mut() {
+            hw.measured_memory_bandwidth_bytes_per_s = 100_000_000_000_000;
+            hw.measured_compute_flops = 1_000_000_000_000_000_000;
+        }
+    })
+    .await;
+    let mut jobs = JobsClient::new(app.grpc().await);
+    let mut held = Vec::new();
+    let mut by_node = [0usize; 2];
+    for i in 0..3 {
+        jobs.submit(prompt_job(&format!("Count to {i}"), 8))
+            .await
+            .unwrap();
+        let (which, send, recv, _) = next_of_either([&established, &fast]).await;
+        by_node[which] += 1;
+        held.push((send, recv));
+    }
+    assert_eq!(
+        by_node,
+        [2, 1],
+        "[established, new key] jobs: the new key took more than its share"
+    );
+    let broken = app.ledger.violations(now_ms()).await.unwrap();
+    assert!(broken.is_empty(), "{broken:?}");
+    drop(held);
     app.stop().await;
 }

@@ -13,13 +13,32 @@ pub struct NodeRecord {
     pub version: String,
 }
 
-/// A node's audit record: how many of its audited jobs passed and failed,
-/// and whether it is banned from placement.
+/// A node's record, built from verified work only: how many of its
+/// audited jobs passed and failed, whether it is banned from placement,
+/// and (the reputation `audit` reads) the jobs it completed under a
+/// verified claim, its failed attempts, and its verdicts as an auditor
+/// that the audit's decision went against.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct AuditRecord {
     pub clean: u32,
     pub failed: u32,
     pub banned: bool,
+    /// Jobs completed under a claim the coordinator verified.
+    pub jobs: u32,
+    /// Attempts that ended failed (or vanished) on this node.
+    pub failed_attempts: u32,
+    /// Verdicts it gave as an auditor on the losing side of a decision.
+    pub wrong_verdicts: u32,
+}
+
+/// What to add to a node's [`AuditRecord`] (one write).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct RecordDelta {
+    pub clean: u32,
+    pub failed: u32,
+    pub jobs: u32,
+    pub failed_attempts: u32,
+    pub wrong_verdicts: u32,
 }
 
 /// One node's availability in a reward epoch.

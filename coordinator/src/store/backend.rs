@@ -262,6 +262,14 @@ macro_rules! store_methods {
             audits::record(&mut *self.conn().await?, node).await
         }
 
+        async fn node_records(&self) -> Result<Vec<(String, AuditRecord)>> {
+            audits::records(&mut *self.conn().await?).await
+        }
+
+        async fn count_record(&self, node: &str, delta: &RecordDelta) -> Result<()> {
+            audits::count(&mut *self.conn().await?, node, delta).await
+        }
+
         async fn begin_audit(&self, job: &str, node: &str, now_ms: i64) -> Result<bool> {
             audits::begin(&mut *self.conn().await?, job, node, now_ms).await
         }
@@ -393,8 +401,8 @@ macro_rules! tx_methods {
             audits::end(conn(self), job, passed, auditor, verdict, now_ms).await
         }
 
-        async fn count_audit(&mut self, node: &str, passed: bool) -> Result<()> {
-            audits::count(conn(self), node, passed).await
+        async fn count_record(&mut self, node: &str, delta: &RecordDelta) -> Result<()> {
+            audits::count(conn(self), node, delta).await
         }
 
         async fn audit_record(&mut self, node: &str) -> Result<AuditRecord> {

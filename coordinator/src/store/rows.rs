@@ -259,17 +259,26 @@ pub(super) fn node(row: &impl Columns) -> Result<(NodeRecord, String)> {
     ))
 }
 
-/// `clean_audits, failed_audits, banned_at_ms`, or a node never audited.
+/// [`RECORD_COLUMNS`], or a node with no record yet.
 pub(super) fn audit_record(row: Option<&impl Columns>) -> Result<AuditRecord> {
-    Ok(match row {
-        None => AuditRecord::default(),
-        Some(r) => AuditRecord {
-            clean: r.int("clean_audits")?.max(0) as u32,
-            failed: r.int("failed_audits")?.max(0) as u32,
-            banned: r.opt_int("banned_at_ms")?.is_some(),
-        },
+    let Some(r) = row else {
+        return Ok(AuditRecord::default());
+    };
+    let count =
+        |col: &str| -> Result<u32> { Ok(u32::try_from(r.int(col)?.max(0)).unwrap_or(u32::MAX)) };
+    Ok(AuditRecord {
+        clean: count("clean_audits")?,
+        failed: count("failed_audits")?,
+        banned: r.opt_int("banned_at_ms")?.is_some(),
+        jobs: count("jobs_done")?,
+        failed_attempts: count("failed_attempts")?,
+        wrong_verdicts: count("wrong_verdicts")?,
     })
 }
+
+/// The `node_records` columns [`audit_record`] reads.
+pub(super) const RECORD_COLUMNS: &str =
+    "clean_audits, failed_audits, banned_at_ms, jobs_done, failed_attempts, wrong_verdicts";
 
 fn scopes(key: &str, text: &str) -> Result<Scopes> {
     Scopes::from_text(text).map_err(|e| corrupt(&format!("key {key}"), e.to_string()))

@@ -48,8 +48,8 @@ use super::{Anomaly, NewKey, OpenHold, PayerBalance, Result, Side, Store, StoreT
 use crate::{
     domain::{
         Account, AttemptEnd, AuditRecord, Availability, CancelOutcome, Completion, JobRecord,
-        JobStats, JobTerms, KeyInfo, KeyLimits, NewJob, NodeEarnings, NodeRecord, Segment,
-        StoredKey, StreamedEnd, Totals, Transfer,
+        JobStats, JobTerms, KeyInfo, KeyLimits, NewJob, NodeEarnings, NodeRecord, RecordDelta,
+        Segment, StoredKey, StreamedEnd, Totals, Transfer,
     },
     util::now_ms,
 };

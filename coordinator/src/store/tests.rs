@@ -23,8 +23,8 @@ use mlxnet_proto::{
 use super::{Anomaly, AnyStore, NewKey, OpenHold, Side, Store, StoreError, StoreTx};
 use crate::domain::{
     Account, AccountKind, AttemptEnd, AuditRecord, CancelOutcome, Completion, JobRecord, JobState,
-    JobTerms, KeyLimits, NewJob, NodeRecord, Price, Scopes, Segment, Streamed, StreamedEnd,
-    Transfer, TransferKind,
+    JobTerms, KeyLimits, NewJob, NodeRecord, Price, RecordDelta, Scopes, Segment, Streamed,
+    StreamedEnd, Transfer, TransferKind,
 };
 
 /// A backend under test: a fresh, empty database, and a way to open the
@@ -153,6 +153,7 @@ macro_rules! store_contracts {
             keys_are_found_by_hash_until_revoked_or_expired,
             key_limits_and_lists,
             an_audit_begins_once_ends_once_and_counts_in_the_record,
+            a_nodes_record_adds_up_its_work_and_lists_in_id_order,
             books_with_a_hold_and_a_payout_are_sound,
         );
     };
@@ -1197,14 +1198,19 @@ pub(crate) async fn an_audit_begins_once_ends_once_and_counts_in_the_record<B: B
         tx.end_audit(&j1, true, "n2", b"again", 6).await.unwrap(),
         None
     );
-    tx.count_audit("n1", false).await.unwrap();
-    tx.count_audit("n1", true).await.unwrap();
+    let delta = |clean, failed| RecordDelta {
+        clean,
+        failed,
+        ..RecordDelta::default()
+    };
+    tx.count_record("n1", &delta(0, 1)).await.unwrap();
+    tx.count_record("n1", &delta(1, 0)).await.unwrap();
     assert_eq!(
         tx.audit_record("n1").await.unwrap(),
         AuditRecord {
             clean: 1,
             failed: 1,
-            banned: false
+            ..AuditRecord::default()
         }
     );
     tx.ban_node("n1", 7).await.unwrap();
@@ -1231,6 +1237,51 @@ pub(crate) async fn an_audit_begins_once_ends_once_and_counts_in_the_record<B: B
     assert_eq!(
         tx.end_audit(&j2, true, "n4", b"late", 10).await.unwrap(),
         None
+    );
+}
+
+pub(crate) async fn a_nodes_record_adds_up_its_work_and_lists_in_id_order<B: Backend>(mut b: B) {
+    let store = b.store().clone();
+    assert!(store.node_records().await.unwrap().is_empty());
+    let work = RecordDelta {
+        jobs: 2,
+        failed_attempts: 1,
+        ..RecordDelta::default()
+    };
+    store.count_record("n2", &work).await.unwrap();
+    store.count_record("n2", &work).await.unwrap();
+    let mut tx = store.write().await.unwrap();
+    let wrong = RecordDelta {
+        wrong_verdicts: 1,
+        clean: 3,
+        ..RecordDelta::default()
+    };
+    tx.count_record("n1", &wrong).await.unwrap();
+    tx.ban_node("n1", 5).await.unwrap();
+    tx.commit().await.unwrap();
+    // A dropped transaction's count is not kept.
+    let mut tx = store.write().await.unwrap();
+    tx.count_record("n3", &wrong).await.unwrap();
+    drop(tx);
+    let n1 = AuditRecord {
+        clean: 3,
+        wrong_verdicts: 1,
+        banned: true,
+        ..AuditRecord::default()
+    };
+    let n2 = AuditRecord {
+        jobs: 4,
+        failed_attempts: 2,
+        ..AuditRecord::default()
+    };
+    assert_eq!(store.audit_record("n2").await.unwrap(), n2);
+    let expected = vec![("n1".to_string(), n1), ("n2".to_string(), n2)];
+    assert_eq!(store.node_records().await.unwrap(), expected);
+    b.reopen().await;
+    assert_eq!(
+        b.store().node_records().await.unwrap(),
+        expected,
+        "the records survive a reopen"
     );
 }
 

@@ -1,5 +1,7 @@
 //! Audits end to end: a real coordinator and three real nodes running the
-//! real model. An honest node's job is audited by the other node, passes,
+//! real model. An honest node's job is audited by the other honest node
+//! (both are the coordinator's trusted nodes; the cheater, a new key, is on
+//! probation and never audits), passes,
 //! and is paid only once its audit window closed; a cheating node's job
 //! (its tokens swapped before signing) is audited by both honest nodes
 //! (a failing verdict counts only once a second auditor confirms it),
@@ -65,11 +67,22 @@ async fn a_cheaters_job_fails_its_audit_and_is_refunded_an_honest_one_is_paid_af
     test_model();
     let dir = tempfile::tempdir()?;
     let mut config = coordinator_config(&dir.path().join("coord"));
+    // The honest nodes are the operator's trusted ones (established from
+    // the start: new keys never audit); their keys are made before the
+    // coordinator starts so its config can name them.
+    let trusted = ["honest", "second"]
+        .iter()
+        .map(|name| {
+            let id = mlx_node::identity::Identity::load_or_create(&dir.path().join(name))?;
+            Ok(id.node_id().to_string())
+        })
+        .collect::<anyhow::Result<Vec<String>>>()?;
     config.audit = AuditConfig {
         rate_new: 1.0,
         rate_floor: 1.0,
         window_ms: WINDOW_MS,
         ban_after: 1,
+        trusted,
         ..AuditConfig::default()
     };
     config.ledger.sweep_interval_ms = 100;
@@ -93,32 +106,40 @@ async fn a_cheaters_job_fails_its_audit_and_is_refunded_an_honest_one_is_paid_af
     assert!(held > 0, "job 1's pay waits for its audit window");
     assert_eq!(balance(&mut operator).await?.0, 0);
 
-    // The cheater joins (its own operator account) and audits job 1.
-    let mut cheat_config = coord.node_config(&dir.path().join("cheat"), "cheat");
-    cheat_config.operator_account = String::new();
-    cheat_config.test_cheat = true;
-    let mut cheater = spawn_node(cheat_config).await?;
-    cheater.registered().await?;
+    // The second honest node (its own operator account: a node never
+    // audits its operator's other nodes) joins and audits job 1 (the
+    // cheater, a new key, would never be drawn: it is on probation).
+    let mut second_config = coord.node_config(&dir.path().join("second"), "second");
+    second_config.operator_account = String::new();
+    let mut second = spawn_node(second_config.clone()).await?;
+    second.registered().await?;
     let (db, id_one) = (&store, one.job_id.as_str());
     eventually("job 1's audit", move || async move {
         Ok(audit_state(db, id_one).await?.as_deref() == Some("passed"))
     })
     .await?;
 
-    // With the honest node gone, job 2 runs on the cheater.
+    // The cheater joins (its own operator account); with the honest nodes
+    // gone, job 2 runs on it.
+    let mut cheat_config = coord.node_config(&dir.path().join("cheat"), "cheat");
+    cheat_config.operator_account = String::new();
+    cheat_config.test_cheat = true;
+    let mut cheater = spawn_node(cheat_config).await?;
+    cheater.registered().await?;
     honest.stop().await?;
+    second.stop().await?;
     let two = client
         .run_job(chat_job("What is the capital of Italy?", 8))
         .await?;
     assert_eq!(state(&two.job), JobState::Completed);
     assert_eq!(two.job.node_id, cheater.id.to_string());
 
-    // The honest node comes back with a second honest node (the same
-    // operator's, not the cheater's): one audits job 2 and finds it wrong,
+    // The honest node comes back with the second honest node (neither is
+    // the cheater's operator's): one audits job 2 and finds it wrong,
     // the other confirms it (a failing verdict counts only when a second
     // auditor confirms it), and it fails.
     let mut honest = spawn_node(honest_config).await?;
-    let mut second = spawn_node(coord.node_config(&dir.path().join("second"), "second")).await?;
+    let mut second = spawn_node(second_config).await?;
     honest.registered().await?;
     second.registered().await?;
     let id_two = two.job_id.as_str();

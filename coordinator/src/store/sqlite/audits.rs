@@ -4,7 +4,7 @@
 use sqlx::SqliteConnection;
 
 use super::super::{rows, Result};
-use crate::domain::AuditRecord;
+use crate::domain::{AuditRecord, RecordDelta};
 
 pub(super) async fn banned(conn: &mut SqliteConnection) -> Result<Vec<String>> {
     Ok(
@@ -15,13 +15,32 @@ pub(super) async fn banned(conn: &mut SqliteConnection) -> Result<Vec<String>> {
 }
 
 pub(super) async fn record(conn: &mut SqliteConnection, node: &str) -> Result<AuditRecord> {
-    let row = sqlx::query(
-        "SELECT clean_audits, failed_audits, banned_at_ms FROM node_records WHERE node_id = ?",
-    )
+    let row = sqlx::query(&format!(
+        "SELECT {} FROM node_records WHERE node_id = ?",
+        rows::RECORD_COLUMNS
+    ))
     .bind(node)
     .fetch_optional(&mut *conn)
     .await?;
     rows::audit_record(row.as_ref())
+}
+
+pub(super) async fn records(conn: &mut SqliteConnection) -> Result<Vec<(String, AuditRecord)>> {
+    let found = sqlx::query(&format!(
+        "SELECT node_id, {} FROM node_records ORDER BY node_id",
+        rows::RECORD_COLUMNS
+    ))
+    .fetch_all(&mut *conn)
+    .await?;
+    found
+        .iter()
+        .map(|r| {
+            Ok((
+                rows::Columns::text(r, "node_id")?,
+                rows::audit_record(Some(r))?,
+            ))
+        })
+        .collect()
 }
 
 pub(super) async fn begin(
@@ -63,16 +82,24 @@ pub(super) async fn end(
     .await?)
 }
 
-pub(super) async fn count(conn: &mut SqliteConnection, node: &str, passed: bool) -> Result<()> {
-    let (clean, failed) = if passed { (1, 0) } else { (0, 1) };
+pub(super) async fn count(
+    conn: &mut SqliteConnection,
+    node: &str,
+    delta: &RecordDelta,
+) -> Result<()> {
     sqlx::query(
-        "INSERT INTO node_records (node_id, clean_audits, failed_audits) VALUES (?1, ?2, ?3) \
+        "INSERT INTO node_records (node_id, clean_audits, failed_audits, jobs_done, \
+         failed_attempts, wrong_verdicts) VALUES (?1, ?2, ?3, ?4, ?5, ?6) \
          ON CONFLICT (node_id) DO UPDATE SET clean_audits = clean_audits + ?2, \
-         failed_audits = failed_audits + ?3",
+         failed_audits = failed_audits + ?3, jobs_done = jobs_done + ?4, \
+         failed_attempts = failed_attempts + ?5, wrong_verdicts = wrong_verdicts + ?6",
     )
     .bind(node)
-    .bind(clean)
-    .bind(failed)
+    .bind(i64::from(delta.clean))
+    .bind(i64::from(delta.failed))
+    .bind(i64::from(delta.jobs))
+    .bind(i64::from(delta.failed_attempts))
+    .bind(i64::from(delta.wrong_verdicts))
     .execute(&mut *conn)
     .await?;
     Ok(())

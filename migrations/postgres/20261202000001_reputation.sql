@@ -1,0 +1,7 @@
+-- A node's record beyond its audits (see coordinator/src/audit.rs,
+-- "Reputation and probation"): jobs completed under a verified claim,
+-- failed attempts, and verdicts given as an auditor on the losing side.
+ALTER TABLE node_records
+    ADD COLUMN jobs_done       BIGINT NOT NULL DEFAULT 0 CHECK (jobs_done >= 0),
+    ADD COLUMN failed_attempts BIGINT NOT NULL DEFAULT 0 CHECK (failed_attempts >= 0),
+    ADD COLUMN wrong_verdicts  BIGINT NOT NULL DEFAULT 0 CHECK (wrong_verdicts >= 0);
