@@ -863,8 +863,10 @@ impl Sim {
             }
         }
         self.at(0, Ev::Place);
-        // Now and then a client cancels one of its jobs.
-        if self.rng.gen_bool(0.03) {
+        // Now and then a client cancels one of its jobs (once there is one:
+        // a seed whose first submits were all refused drew from an empty
+        // range here and panicked, seed 149 at the default size).
+        if !self.jobs.is_empty() && self.rng.gen_bool(0.03) {
             if let Some(&id) = self.jobs.keys().nth(self.rng.gen_range(0..self.jobs.len())) {
                 self.fault(Fault::ClientCancel);
                 self.cancel(id).await;
