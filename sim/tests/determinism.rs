@@ -58,3 +58,11 @@ fn recording_results_without_their_check_is_caught() {
         "no seed of 40 caught results recorded unchecked"
     );
 }
+
+#[test]
+fn a_cancel_drawn_before_any_job_was_accepted_does_not_panic() {
+    // Seed 149 at the default size drew a client cancel while no job had
+    // been accepted yet (a sample from an empty range: a panic).
+    let r = run_seed(149, &Options::default()).unwrap();
+    assert!(r.violations.is_empty(), "{:#?}", r.violations);
+}
