@@ -326,7 +326,11 @@ summary["schema_text"] = runs[0][1]
 obj = client.chat.completions.create(
     model=MODEL, messages=ASK, max_tokens=40, temperature=0, seed=7, response_format={"type": "json_object"}
 )
-check(isinstance(json.loads(obj.choices[0].message.content), dict), f"json_object: {obj.choices[0]}")
+# (any object is allowed: greedy SmolLM2 may nest objects until max_tokens,
+# so only a complete answer must parse)
+o0 = obj.choices[0]
+check(o0.message.content.startswith("{"), f"json_object: {o0}")
+check(o0.finish_reason == "length" or isinstance(json.loads(o0.message.content), dict), f"json_object: {o0}")
 for bad in (
     {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "array", "uniqueItems": True}}},
     {"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "https://example.com/s.json"}}},
