@@ -65,6 +65,7 @@ pub(crate) mod config;
 pub mod device;
 mod gemma3;
 mod gguf;
+pub mod grammar;
 pub mod kernels;
 pub mod kv;
 mod linear;
@@ -112,6 +113,8 @@ pub struct TextSide {
     tokenizer: Tokenizer,
     /// The compiled chat template, or why there is none.
     template: Result<ChatTemplate, String>,
+    /// Structured output's compiler over this tokenizer (built on first use).
+    grammar: grammar::GrammarEnv,
 }
 
 impl std::fmt::Debug for TextSide {
@@ -249,6 +252,9 @@ pub struct Sampling {
     /// 100 each, at most [`MAX_LOGIT_BIAS`], each id once, ids in the
     /// vocabulary.
     pub logit_bias: Vec<(u32, f32)>,
+    /// Structured output: every token keeps the output inside this grammar
+    /// (module `grammar`); None = free text.
+    pub grammar: Option<mlxnet_proto::grammar::Constraint>,
 }
 
 /// Most alternatives a token's log-probabilities may list (OpenAI's bound).
@@ -271,6 +277,7 @@ impl Default for Sampling {
             presence_penalty: 0.0,
             frequency_penalty: 0.0,
             logit_bias: Vec::new(),
+            grammar: None,
         }
     }
 }
@@ -397,6 +404,8 @@ pub enum EngineError {
     Batch(String),
     #[error("resumed token id {id} is outside the model's vocabulary of {vocab}")]
     ResumeToken { id: u32, vocab: usize },
+    #[error("structured output failed: {0}")]
+    Grammar(String),
 }
 
 impl EngineError {
@@ -460,6 +469,7 @@ impl Engine {
             text: std::sync::Arc::new(TextSide {
                 tokenizer,
                 template,
+                grammar: grammar::GrammarEnv::default(),
             }),
         })
     }
@@ -557,6 +567,7 @@ impl TextSide {
         Ok(TextSide {
             tokenizer,
             template,
+            grammar: grammar::GrammarEnv::default(),
         })
     }
 
@@ -625,7 +636,7 @@ impl TextSide {
             };
             logits = model.forward(&[last])?;
         }
-        Ok(seq.finish())
+        Ok(seq.finish()?)
     }
 
     /// Feeds the resumed tokens to `detok` and returns the part of their
@@ -712,6 +723,12 @@ impl TextSide {
                 max: ctx,
             });
         }
+        // As `begin` compiles it: a grammar the job could not have run with
+        // is refused the same way.
+        let grammar = match &req.sampling.grammar {
+            None => None,
+            Some(c) => Some(self.grammar.mask(c, &self.tokenizer)?),
+        };
         Ok(Ok(audit::AuditPass::new(audit::AuditInput {
             prompt,
             output,
@@ -720,6 +737,7 @@ impl TextSide {
             eog: self.tokenizer.eog.iter().copied().collect(),
             decoded_text: self.tokenizer.decode(output),
             context_length: ctx,
+            grammar,
         })))
     }
 }

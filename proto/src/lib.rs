@@ -10,6 +10,8 @@
 //! - [`ids`]: [`ids::NodeId`] (an ed25519 public key) and [`ids::JobId`].
 //! - [`claim`]: canonical bytes of a result claim and of a job's input, and
 //!   claim signature verification.
+//! - [`grammar`]: structured output's grammar (`response_format`), its
+//!   digest, and (feature `grammar`) its compilation by `llguidance`.
 //! - [`auth`]: the node-link handshake transcript bound to the TLS session.
 //! - [`frame`]: length-prefixed prost frames with a hard size cap.
 //! - [`bearer`]: the `authorization: Bearer <key>` interceptor every client
@@ -29,6 +31,7 @@ pub mod chips;
 pub mod claim;
 pub mod env;
 pub mod frame;
+pub mod grammar;
 pub mod ids;
 pub mod money;
 

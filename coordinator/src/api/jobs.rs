@@ -4,6 +4,7 @@
 use std::{pin::Pin, sync::Arc};
 
 use futures::Stream;
+use mlxnet_proto::grammar::Constraint;
 use mlxnet_proto::money::mlx;
 use mlxnet_proto::{
     ids::JobId,
@@ -160,6 +161,13 @@ pub fn validate_submit(
         MAX_PENALTY,
     )?;
     check_logit_bias(&s.logit_bias, model.info.vocab_size)?;
+    if let Some(g) = &s.grammar {
+        // Compiled here, so a grammar no node could enforce is refused
+        // before anything is stored or held.
+        Constraint::from_wire(g)
+            .and_then(|c| c.check())
+            .map_err(|e| invalid(format!("grammar (response_format): {e}")))?;
+    }
     if s.stop.len() > limits.max_stop_strings {
         return Err(invalid(format!(
             "{} stop strings; the limit is {}",

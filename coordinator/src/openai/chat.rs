@@ -6,8 +6,9 @@
 //! `temperature` (0-2), `top_p` (0-1), `seed`, `stop` (string or list), `n`
 //! (1), `user`, `parallel_tool_calls`, `presence_penalty` /
 //! `frequency_penalty` (-2 to 2), `logit_bias` (token id -> -100 to 100, at
-//! most 300, ids in the model's vocabulary), `response_format` (`text`
-//! only), `tools` (empty only), `tool_choice` (`none` or `auto` only),
+//! most 300, ids in the model's vocabulary), `response_format` (`text`,
+//! `json_object`, `json_schema`: enforced on the node by a token mask, see
+//! `mlxnet_proto::grammar`), `tools` (empty only), `tool_choice` (`none` or `auto` only),
 //! `logprobs` and `top_logprobs` (0-20, only with `logprobs: true`). Anything else, or a value this network cannot honour,
 //! is a 400 naming the parameter.
 
@@ -18,6 +19,7 @@ use axum::{
     response::{IntoResponse, Response},
     Json,
 };
+use mlxnet_proto::grammar::Constraint;
 use mlxnet_proto::v1::{job_input, ChatMessage, ChatMessages, SubmitJobRequest};
 use serde_json::{json, Value};
 
@@ -136,6 +138,98 @@ fn messages(v: Option<Value>) -> Result<Vec<ChatMessage>, OpenAiError> {
     Ok(out)
 }
 
+/// `response_format`: `text` (or absent) is free text; `json_object` any
+/// JSON object; `json_schema` `{name, schema, strict?, description?}` the
+/// schema, as its JSON text (keys in the client's order). Enforced whatever
+/// `strict` says (a mask never hopes). The grammar is compiled here, so a
+/// schema the engine cannot enforce is a 400 naming `response_format`
+/// before anything is stored or held.
+fn response_format(v: Option<Value>) -> Result<Option<Constraint>, OpenAiError> {
+    const P: &str = "response_format";
+    let bad = |m: String| OpenAiError::invalid(m, Some(P));
+    let Some(v) = v.filter(|v| !v.is_null()) else {
+        return Ok(None);
+    };
+    let Value::Object(mut rf) = v else {
+        return Err(bad("response_format must be an object with a type".into()));
+    };
+    let kind = match rf.remove("type") {
+        Some(Value::String(t)) => t,
+        _ => {
+            return Err(bad(
+                "response_format.type must be text, json_object or json_schema".into(),
+            ))
+        }
+    };
+    let c = match kind.as_str() {
+        "text" => None,
+        "json_object" => Some(Constraint::JsonObject),
+        "json_schema" => {
+            let Some(Value::Object(mut js)) = rf.remove("json_schema") else {
+                return Err(bad(
+                    "response_format.json_schema is required: {name, schema, strict}".into(),
+                ));
+            };
+            match js.remove("name") {
+                Some(Value::String(n))
+                    if !n.is_empty()
+                        && n.len() <= 64
+                        && n.chars().all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-') => {}
+                _ => {
+                    return Err(bad(
+                        "response_format.json_schema.name is required: 1 to 64 of a-z, A-Z, 0-9, _ and -"
+                            .into(),
+                    ))
+                }
+            }
+            if !matches!(
+                js.remove("description"),
+                None | Some(Value::Null | Value::String(_))
+            ) {
+                return Err(bad(
+                    "response_format.json_schema.description must be a string".into(),
+                ));
+            }
+            if !matches!(
+                js.remove("strict"),
+                None | Some(Value::Null | Value::Bool(_))
+            ) {
+                return Err(bad(
+                    "response_format.json_schema.strict must be a boolean".into()
+                ));
+            }
+            let schema = match js.remove("schema") {
+                Some(schema @ Value::Object(_)) => schema,
+                _ => {
+                    return Err(bad(
+                        "response_format.json_schema.schema is required: a JSON Schema object"
+                            .into(),
+                    ))
+                }
+            };
+            if let Some(k) = js.keys().next() {
+                return Err(bad(format!(
+                    "response_format.json_schema: unknown field {k:?}"
+                )));
+            }
+            Some(Constraint::JsonSchema(schema.to_string()))
+        }
+        _ => {
+            return Err(bad(
+                "response_format.type must be text, json_object or json_schema".into(),
+            ))
+        }
+    };
+    if let Some(k) = rf.keys().next() {
+        return Err(bad(format!("response_format: unknown field {k:?}")));
+    }
+    if let Some(c) = &c {
+        c.check()
+            .map_err(|e| bad(format!("response_format: {e}")))?;
+    }
+    Ok(c)
+}
+
 /// Parses a chat request body (nothing is submitted here).
 pub fn parse(map: serde_json::Map<String, Value>) -> Result<ChatRequest, OpenAiError> {
     let mut p = Params::new(map);
@@ -152,23 +246,7 @@ pub fn parse(map: serde_json::Map<String, Value>) -> Result<ChatRequest, OpenAiE
     p.string("user")?;
     p.bool("parallel_tool_calls")?;
     let penalties = p.penalties()?;
-    if let Some(rf) = p.take("response_format") {
-        match rf.get("type").and_then(Value::as_str) {
-            Some("text") => {}
-            Some("json_object") | Some("json_schema") => {
-                return Err(OpenAiError::unsupported(
-                    "response_format",
-                    "structured output (json_object, json_schema) is not served yet",
-                ))
-            }
-            _ => {
-                return Err(OpenAiError::invalid(
-                    "response_format.type must be text, json_object or json_schema",
-                    Some("response_format"),
-                ))
-            }
-        }
-    }
+    let grammar = response_format(p.take("response_format"))?;
     match p.take("tools") {
         None => {}
         Some(Value::Array(t)) if t.is_empty() => {}
@@ -201,6 +279,7 @@ pub fn parse(map: serde_json::Map<String, Value>) -> Result<ChatRequest, OpenAiE
     let mut sampling = sampling(temperature, top_p, seed, stop, max_tokens);
     penalties.apply(&mut sampling);
     sampling.logprobs = logprobs.then(|| top.unwrap_or(0) as u32);
+    sampling.grammar = grammar.map(|g| g.to_wire());
     Ok(ChatRequest {
         submit: job(
             model,

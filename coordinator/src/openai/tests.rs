@@ -99,7 +99,44 @@ fn what_cannot_be_honoured_is_refused_by_name() {
             "logit_bias",
             Value::Object((0..301).map(|i| (i.to_string(), json!(1))).collect()),
         ),
-        ("response_format", json!({"type": "json_object"})),
+        ("response_format", json!({"type": "xml"})),
+        ("response_format", json!("json_object")),
+        (
+            "response_format",
+            json!({"type": "json_object", "schema": {}}),
+        ),
+        (
+            "response_format",
+            json!({"type": "json_schema", "json_schema": {"schema": {"type": "object"}}}),
+        ),
+        (
+            "response_format",
+            json!({"type": "json_schema", "json_schema": {"name": "a b", "schema": {}}}),
+        ),
+        (
+            "response_format",
+            json!({"type": "json_schema", "json_schema": {"name": "x", "schema": "{}"}}),
+        ),
+        (
+            "response_format",
+            json!({"type": "json_schema", "json_schema": {"name": "x"}}),
+        ),
+        (
+            "response_format",
+            json!({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "array", "uniqueItems": true}}}),
+        ),
+        (
+            "response_format",
+            json!({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}),
+        ),
+        (
+            "response_format",
+            json!({"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "https://example.com/s.json"}}}),
+        ),
+        (
+            "response_format",
+            json!({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "description": "d".repeat(40_000)}}}),
+        ),
         (
             "tools",
             json!([{"type": "function", "function": {"name": "f"}}]),
@@ -366,4 +403,34 @@ fn an_anthropic_request_becomes_a_chat_job() {
     ))
     .expect_err("refused");
     assert_eq!(tools.param.as_deref(), Some("tools"));
+}
+
+#[test]
+fn response_format_becomes_the_jobs_grammar() {
+    use mlxnet_proto::grammar::Constraint;
+    let grammar = |rf: Value| {
+        let req = chat::parse(obj(json!({
+            "model": "m",
+            "messages": [{"role": "user", "content": "hi"}],
+            "response_format": rf,
+        })))
+        .unwrap_or_else(|e| panic!("{e:?}"));
+        let g = req.submit.sampling.and_then(|s| s.grammar);
+        g.map(|g| Constraint::from_wire(&g).unwrap_or_else(|e| panic!("{e}")))
+    };
+    assert_eq!(grammar(json!({"type": "text"})), None);
+    assert_eq!(grammar(Value::Null), None);
+    assert_eq!(
+        grammar(json!({"type": "json_object"})),
+        Some(Constraint::JsonObject)
+    );
+    // The schema's text keeps the client's key order (properties are
+    // generated in that order).
+    let schema = json!({"type": "object", "properties": {"z": {"type": "integer"}, "a": {"type": "string"}}, "required": ["z", "a"]});
+    assert_eq!(
+        grammar(json!({"type": "json_schema", "json_schema": {"name": "person", "strict": true, "description": "d", "schema": schema}})),
+        Some(Constraint::JsonSchema(
+            r#"{"type":"object","properties":{"z":{"type":"integer"},"a":{"type":"string"}},"required":["z","a"]}"#.into()
+        ))
+    );
 }

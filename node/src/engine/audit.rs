@@ -33,6 +33,13 @@
 //!   in the support with p-value at least [`EOS_ALPHA`]); `stop` needs one of
 //!   the job's stop strings in the decoded output, the claimed text ending
 //!   right before it.
+//! - **Grammar** (structured output, `Sampling::grammar`): the auditor
+//!   replays the job's grammar over the claimed tokens. A token the grammar
+//!   forbids at its position is [`Finding::OutsideGrammar`] (whatever its
+//!   logits: the node ignored the constraint); every position is scored on
+//!   the masked logits (forbidden tokens at `-inf`), the distribution an
+//!   honest node drew from, and so is the end (an `eos` claim needs the
+//!   grammar to accept there). Past a violation the rest is scored unmasked.
 //! - The claim's own counts and text must match: prompt tokens as the auditor
 //!   tokenizes the input, completion tokens as listed, text as decoded. (The
 //!   price is computed from these counts.)
@@ -64,6 +71,7 @@
 //! Pure functions; nothing fails. A claim the engine cannot even score (a
 //! token id outside the vocabulary) is judged by [`judge_unscorable`].
 
+use super::grammar::Mask;
 use super::sampler::{apply_penalties, candidates};
 use super::Sampling;
 
@@ -103,6 +111,8 @@ pub struct Scores {
     pub decoded_text: String,
     /// The model's context length.
     pub context_length: usize,
+    /// The first claimed position whose token the job's grammar forbids.
+    pub outside_grammar: Option<usize>,
 }
 
 /// What the node claimed besides its tokens.
@@ -129,6 +139,8 @@ pub enum Finding {
     NotGreedy { position: usize, gap: f32 },
     /// A sampled claim's token is outside what the sampler draws from.
     OutsideSampler { position: usize },
+    /// A claimed token the job's grammar forbids at its position.
+    OutsideGrammar { position: usize },
     /// A sampled claim's tokens are jointly too unlikely.
     Unlikely { statistic: f64, limit: f64 },
     /// `length` claimed with fewer tokens than `max_tokens`.
@@ -163,6 +175,9 @@ impl std::fmt::Display for Finding {
             }
             Finding::OutsideSampler { position } => {
                 write!(f, "token at {position} is outside the sampler's support")
+            }
+            Finding::OutsideGrammar { position } => {
+                write!(f, "token at {position} is outside the job's grammar")
             }
             Finding::Unlikely { statistic, limit } => {
                 write!(f, "tokens too unlikely: fisher {statistic:.1} > {limit:.1}")
@@ -280,6 +295,9 @@ pub fn score_end(
 /// The verdict on a claim whose tokens were scored.
 pub fn judge(scores: &Scores, claim: &ClaimFacts, params: &Sampling) -> Verdict {
     let mut findings = Vec::new();
+    if let Some(position) = scores.outside_grammar {
+        findings.push(Finding::OutsideGrammar { position });
+    }
     if claim.prompt_tokens as usize != scores.prompt_tokens {
         findings.push(Finding::PromptTokens {
             claimed: claim.prompt_tokens,
@@ -395,6 +413,10 @@ pub struct AuditPass {
     tokens: Vec<PositionScore>,
     end: Option<PositionScore>,
     scratch: Vec<(u32, f32)>,
+    /// The job's grammar, replayed over the claimed tokens (dropped at the
+    /// first violation or engine failure).
+    grammar: Option<Mask>,
+    outside_grammar: Option<usize>,
 }
 
 /// What [`AuditPass::new`] needs to know about the claim and the model.
@@ -407,6 +429,8 @@ pub struct AuditInput<'a> {
     pub eog: Vec<u32>,
     pub decoded_text: String,
     pub context_length: usize,
+    /// The job's grammar at the start of the output (None: free text).
+    pub grammar: Option<Mask>,
 }
 
 impl AuditPass {
@@ -428,6 +452,8 @@ impl AuditPass {
             context_length: input.context_length,
             end: None,
             scratch: Vec::new(),
+            grammar: input.grammar,
+            outside_grammar: None,
         }
     }
 
@@ -451,9 +477,25 @@ impl AuditPass {
                 continue;
             };
             let s = &self.sampling;
-            if i < output_len {
+            if i > output_len {
+                continue;
+            }
+            let token = self.full.get(self.prompt_len + i).copied();
+            if let Some(mask) = &mut self.grammar {
+                // The node's mask at this position; an engine failure here
+                // would have ended an honest generation before it.
+                let inside = match (mask.apply(row), token) {
+                    (Ok(allowed), Some(t)) => allowed.contains(t) && mask.consume(t).is_ok(),
+                    (Ok(_), None) => true,
+                    (Err(_), _) => false,
+                };
+                if !inside {
+                    self.outside_grammar = Some(i);
+                    self.grammar = None;
+                }
+            }
+            if let Some(token) = token.filter(|_| i < output_len) {
                 let history = (&self.full[..self.prompt_len + i], self.prompt_len);
-                let token = self.full[self.prompt_len + i];
                 self.tokens
                     .push(score_position(row, token, s, history, &mut self.scratch));
             } else if i == output_len {
@@ -475,6 +517,7 @@ impl AuditPass {
             }),
             decoded_text: self.decoded_text,
             context_length: self.context_length,
+            outside_grammar: self.outside_grammar,
         };
         judge(&scores, &self.facts, &self.sampling)
     }
@@ -545,6 +588,7 @@ mod tests {
             end,
             decoded_text: "abcd".into(),
             context_length: 100,
+            outside_grammar: None,
         }
     }
 
@@ -700,6 +744,7 @@ mod tests {
             eog: vec![2],
             decoded_text: "abcd".into(),
             context_length: 100,
+            grammar: None,
         });
         let first = pass.first_row();
         let rows = pass.tokens().len() - first;

@@ -528,7 +528,7 @@ impl Batcher {
     fn retire(&mut self, mut entry: Entry) {
         self.release(&mut entry, true);
         match entry.work {
-            Work::Gen(g) => g.sink.done(Ok(g.seq.finish())),
+            Work::Gen(g) => g.sink.done(g.seq.finish()),
             Work::Audit(a) => (a.done)(Ok(a.pass.verdict())),
         }
     }

@@ -180,6 +180,7 @@ pub fn generate(args: GenerateArgs) -> anyhow::Result<()> {
             presence_penalty: args.presence_penalty,
             frequency_penalty: args.frequency_penalty,
             logit_bias: Vec::new(),
+            grammar: None,
         },
         resume: Resume::default(),
     };

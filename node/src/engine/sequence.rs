@@ -18,10 +18,14 @@
 //!   from them.
 //! - Only [`Sequence::step`] and [`Sequence::cancel`] emit text; each token
 //!   is emitted once, in order, whatever was recomputed.
+//! - With a grammar (`Sampling::grammar`), every token is chosen from the
+//!   logits after the grammar's mask (`super::grammar`), and the mask has
+//!   consumed every token in `history` past the prompt (resumed ones too).
 
 use std::ops::ControlFlow;
 use std::time::{Duration, Instant};
 
+use super::grammar::Mask;
 use super::sampler::{self, Sampler, StopBuffer, StopCheck};
 use super::tokenizer::Detokenizer;
 use super::{
@@ -57,6 +61,10 @@ pub(crate) struct Sequence {
     start: Instant,
     decode_start: Option<Instant>,
     done: bool,
+    /// Structured output's mask (`Sampling::grammar`), past the resumed tokens.
+    grammar: Option<Mask>,
+    /// Why it ended early (the grammar engine failed): [`Sequence::finish`]'s error.
+    failed: Option<EngineError>,
 }
 
 impl TextSide {
@@ -114,6 +122,16 @@ impl TextSide {
             }
             return Ok(Begin::Done(generation));
         }
+        let grammar = match &s.grammar {
+            None => None,
+            Some(c) => {
+                let mut mask = self.grammar.mask(c, &self.tokenizer)?;
+                for &t in &resume.token_ids {
+                    mask.consume(t)?;
+                }
+                Some(mask)
+            }
+        };
         let mut sampler = Sampler::new(s);
         sampler.skip(resume.token_ids.len());
         Ok(Begin::Run(Box::new(Sequence {
@@ -130,6 +148,8 @@ impl TextSide {
             start,
             decode_start: None,
             done: false,
+            grammar,
+            failed: None,
         })))
     }
 }
@@ -165,6 +185,11 @@ impl Sequence {
         // Resumed tokens were generated in this job too: the presence and
         // frequency penalties count them.
         let output_from = self.prompt_len - self.resumed;
+        // The grammar's mask first: the bias and penalties keep a forbidden
+        // token at -inf, so every choice below sees the constrained logits.
+        if let Some(e) = self.grammar.as_mut().and_then(|m| m.apply(logits).err()) {
+            return self.fail(e);
+        }
         let token = self.sampler.sample(logits, &self.history, output_from);
         // From the logits the sampler chose from (biased and penalised in place).
         let logprobs = self.logprobs.map(|k| {
@@ -206,6 +231,10 @@ impl Sequence {
             self.done = true;
             return ControlFlow::Break(());
         }
+        if let Some(e) = self.grammar.as_mut().and_then(|m| m.consume(token).err()) {
+            return self.fail(e);
+        }
+        let g = &mut self.generation;
         g.output_token_ids.push(token);
         self.history.push(token);
         let last = g.output_token_ids.len() == self.max_new;
@@ -243,6 +272,13 @@ impl Sequence {
         ControlFlow::Break(())
     }
 
+    /// Ends it with `e`, before its next token.
+    fn fail(&mut self, e: EngineError) -> ControlFlow<()> {
+        self.failed = Some(e);
+        self.done = true;
+        ControlFlow::Break(())
+    }
+
     /// Ends it as cancelled, before its next token.
     pub(crate) fn cancel(&mut self) {
         if !self.done {
@@ -251,11 +287,15 @@ impl Sequence {
         }
     }
 
-    /// The generation so far (its end, once [`Sequence::step`] said `Break`).
-    pub(crate) fn finish(mut self) -> Generation {
+    /// The generation so far (its end, once [`Sequence::step`] said
+    /// `Break`), or why it failed.
+    pub(crate) fn finish(mut self) -> Result<Generation, EngineError> {
+        if let Some(e) = self.failed.take() {
+            return Err(e);
+        }
         if let Some(d) = self.decode_start {
             self.generation.decode = d.elapsed();
         }
-        self.generation
+        Ok(self.generation)
     }
 }

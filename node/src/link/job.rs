@@ -43,6 +43,7 @@ use std::{
 use mlxnet_proto::{
     claim,
     frame::{read_frame, write_frame, FrameError},
+    grammar::{Constraint, GrammarError},
     v1::{
         job_input, job_update, Assignment, AuditTask, AuditVerdict, JobInput, JobUpdate,
         ResultClaim, SamplingParams, SignedClaim, TokenLogprob, TopLogprob,
@@ -378,10 +379,20 @@ async fn run(
         Runner::Local(m) => m.held.sha256,
         Runner::Pod(p) => p.held.sha256,
     };
+    let sampling = match sampling(a.sampling.as_ref()) {
+        Ok(s) => s,
+        Err(e) => {
+            let outcome = Outcome::Failure {
+                reason: format!("response_format: {e}"),
+                retryable: false,
+            };
+            return finish(send, outcome).await;
+        }
+    };
     let resume = a.resume.clone().unwrap_or_default();
     let request = GenerateRequest {
         input: prompt_input(&input),
-        sampling: sampling(a.sampling.as_ref()),
+        sampling,
         resume: Resume {
             token_ids: resume.token_ids,
             text: resume.text,
@@ -719,9 +730,13 @@ async fn audit(
     {
         return refuse("audited claim is about another job, input or model".into());
     }
+    let sampling = match sampling(a.sampling.as_ref()) {
+        Ok(s) => s,
+        Err(e) => return refuse(format!("response_format: {e}")),
+    };
     let request = AuditRequest {
         input: prompt_input(input),
-        sampling: sampling(a.sampling.as_ref()),
+        sampling,
         output_token_ids: c.output_token_ids.clone(),
         facts: ClaimFacts {
             finish_reason: c.finish_reason.clone(),
@@ -829,10 +844,11 @@ fn prompt_input(input: &JobInput) -> PromptInput {
 
 /// The engine's sampling for a job's parameters; zero values mean the
 /// documented defaults (`common.proto`), `max_tokens` 0 the engine default.
-fn sampling(p: Option<&SamplingParams>) -> Sampling {
+/// A malformed grammar (the coordinator checks it first) is refused.
+fn sampling(p: Option<&SamplingParams>) -> Result<Sampling, GrammarError> {
     let defaults = Sampling::default();
-    let Some(p) = p else { return defaults };
-    Sampling {
+    let Some(p) = p else { return Ok(defaults) };
+    Ok(Sampling {
         temperature: p.temperature,
         top_k: p.top_k as usize,
         top_p: p.top_p,
@@ -850,7 +866,8 @@ fn sampling(p: Option<&SamplingParams>) -> Sampling {
         presence_penalty: p.presence_penalty,
         frequency_penalty: p.frequency_penalty,
         logit_bias: p.logit_bias.iter().map(|b| (b.token_id, b.bias)).collect(),
-    }
+        grammar: p.grammar.as_ref().map(Constraint::from_wire).transpose()?,
+    })
 }
 
 #[cfg(test)]
@@ -990,14 +1007,22 @@ mod tests {
                     bias: 2.5,
                 },
             ],
+            grammar: Some(Constraint::JsonObject.to_wire()),
             ..Default::default()
-        }));
+        }))
+        .unwrap();
+        assert_eq!(s.grammar, Some(Constraint::JsonObject));
+        let unnamed = SamplingParams {
+            grammar: Some(mlxnet_proto::v1::Grammar::default()),
+            ..Default::default()
+        };
+        assert_eq!(sampling(Some(&unnamed)), Err(GrammarError::NoKind));
         assert_eq!(s.max_tokens, Sampling::default().max_tokens);
         assert_eq!((s.seed, s.top_k, s.temperature), (0, 40, 0.7));
         assert_eq!(s.stop, vec!["\n\n".to_string()]);
         assert_eq!((s.presence_penalty, s.frequency_penalty), (-0.5, 1.5));
         assert_eq!(s.logit_bias, vec![(7, -100.0), (3, 2.5)]);
-        assert_eq!(sampling(None), Sampling::default());
+        assert_eq!(sampling(None), Ok(Sampling::default()));
         let chat = JobInput {
             kind: Some(job_input::Kind::Chat(mlxnet_proto::v1::ChatMessages {
                 messages: vec![mlxnet_proto::v1::ChatMessage {

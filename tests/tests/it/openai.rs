@@ -215,6 +215,30 @@ async fn openai_clients_use_the_network() -> anyhow::Result<()> {
             with("\"logit_bias\":{\"49152\":-100}"),
             Value::Null,
         ),
+        // Structured output: a schema llguidance refuses, one that is not
+        // an object, one past the size limit.
+        (
+            &chat_url,
+            with(
+                r#""response_format":{"type":"json_schema","json_schema":{"name":"x","schema":{"type":"array","uniqueItems":true}}}"#,
+            ),
+            Value::from("response_format"),
+        ),
+        (
+            &chat_url,
+            with(
+                r#""response_format":{"type":"json_schema","json_schema":{"name":"x","schema":[1]}}"#,
+            ),
+            Value::from("response_format"),
+        ),
+        (
+            &chat_url,
+            with(&format!(
+                r#""response_format":{{"type":"json_schema","json_schema":{{"name":"x","schema":{{"type":"object","description":"{}"}}}}}}"#,
+                "d".repeat(40_000)
+            )),
+            Value::from("response_format"),
+        ),
     ] {
         let r = curl(post(url, Some(&key), &body)).await?;
         let e = r.error(400);
@@ -514,6 +538,36 @@ async fn openai_clients_use_the_network() -> anyhow::Result<()> {
     let run = grpc.run_job(biased).await?;
     let (grpc_bias, _) = grpc.claim_and_model(&run.job).await?;
     assert_eq!(grpc_bias.output_token_ids, bias_ids);
+
+    // A structured-output job: recorded with its grammar (what the node
+    // masked with and an audit replays), its claim verifies and its text is
+    // the client's.
+    let schema_job = grpc
+        .jobs
+        .get(GetJobRequest {
+            job_id: summary["schema_id"]
+                .as_str()
+                .context("schema id")?
+                .to_owned(),
+        })
+        .await?
+        .into_inner();
+    let g = schema_job
+        .sampling
+        .as_ref()
+        .and_then(|s| s.grammar.clone())
+        .context("the job records its grammar")?;
+    let c = mlxnet_proto::grammar::Constraint::from_wire(&g)?;
+    let mlxnet_proto::grammar::Constraint::JsonSchema(text) = c else {
+        anyhow::bail!("json_schema recorded as {c:?}");
+    };
+    assert!(text.contains("\"maxLength\":12"), "{text}");
+    let schema_signed = schema_job.result.context("the schema job's claim")?;
+    claim::verify(&schema_signed).map_err(|e| anyhow::anyhow!("claim: {e:?}"))?;
+    assert_eq!(
+        schema_job.output_text,
+        summary["schema_text"].as_str().unwrap_or_default()
+    );
 
     // The same request through gRPC: the same tokens, the same price.
     assert_eq!(grpc_claim.output_token_ids, http_claim.output_token_ids);

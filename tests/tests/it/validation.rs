@@ -1,6 +1,8 @@
 //! Bad client input gets a clear gRPC status and creates no job.
 
-use mlxnet_proto::v1::{job_input, JobInput, ListJobsRequest, LogitBias, SamplingParams};
+use mlxnet_proto::v1::{
+    grammar::Kind, job_input, Grammar, JobInput, ListJobsRequest, LogitBias, SamplingParams,
+};
 use mlxnet_tests::{chat_job, coordinator_config, prompt_job, spawn_coordinator};
 use tonic::Code;
 
@@ -51,6 +53,18 @@ async fn bad_requests_are_refused_and_create_nothing() -> anyhow::Result<()> {
             bias: 2.0,
         });
     }
+    let grammar = |kind: Kind, json_schema: &str| {
+        let mut job = chat_job("hi", 8);
+        job.sampling = Some(SamplingParams {
+            max_tokens: 8,
+            grammar: Some(Grammar {
+                kind: kind as i32,
+                json_schema: json_schema.into(),
+            }),
+            ..Default::default()
+        });
+        job
+    };
     let huge = prompt_job(&"a".repeat(8 << 20), 8);
     // The gRPC layer refuses a request larger than the configured limit
     // before decoding it, and says which limit.
@@ -96,6 +110,33 @@ async fn bad_requests_are_refused_and_create_nothing() -> anyhow::Result<()> {
             "between -100 and 100",
         ),
         ("bias twice", twice, Code::InvalidArgument, "twice"),
+        (
+            "grammar llguidance refuses",
+            grammar(Kind::JsonSchema, r#"{"type":"array","uniqueItems":true}"#),
+            Code::InvalidArgument,
+            "cannot be enforced",
+        ),
+        (
+            "grammar not json",
+            grammar(Kind::JsonSchema, "{\"type\":"),
+            Code::InvalidArgument,
+            "not json",
+        ),
+        (
+            "grammar without a kind",
+            grammar(Kind::Unspecified, "{}"),
+            Code::InvalidArgument,
+            "grammar kind",
+        ),
+        (
+            "grammar too large",
+            grammar(
+                Kind::JsonSchema,
+                &format!("{{\"description\":\"{}\"}}", "d".repeat(40_000)),
+            ),
+            Code::InvalidArgument,
+            "the limit is 32768",
+        ),
         ("oversized request", huge, Code::OutOfRange, limit.as_str()),
     ];
     for (what, request, code, mentions) in cases {

@@ -1,0 +1,278 @@
+//! Structured output: the grammar a job's output must match, as it travels
+//! (`SamplingParams.grammar`), its digest, and (feature `grammar`) its
+//! compilation by `llguidance`, shared by the coordinator (which refuses a
+//! grammar it cannot compile before anything is stored or held) and the node
+//! (which masks the logits with it at every step, and replays it in audits).
+//!
+//! # Why here
+//! Both sides must agree byte for byte on what a grammar means: the same
+//! schema text turns into the same `llguidance` grammar through the one
+//! function [`Constraint::schema`], and the same digest through
+//! [`Constraint::digest`]. The compiler (`llguidance`, a few MB of code) sits
+//! behind the `grammar` feature so the client (which only needs the digest)
+//! does not build it.
+//!
+//! # What a grammar is
+//! - `json_object`: any JSON object (the schema `{"type": "object"}`).
+//! - `json_schema`: a JSON Schema (an object, at most [`MAX_SCHEMA_BYTES`] of
+//!   text; local `$ref` only: `llguidance` is built without its remote
+//!   resolver).
+//!
+//! Either is compiled with compact separators and no free whitespace between
+//! tokens (`x-guidance: {whitespace_flexible: false}` set by us, replacing
+//! any the client sent): the output is `{"a":1}`, never an endless run of
+//! newlines that eats `max_tokens` (a small model at temperature > 0 would
+//! otherwise often never close the object).
+//!
+//! # Failure
+//! [`GrammarError`]: empty kind, too large, not JSON, not an object, or
+//! (with the feature) refused by `llguidance` (an unsupported keyword, a
+//! remote `$ref`, an unsatisfiable schema it detects). Each is the client's
+//! error.
+
+use sha2::{Digest, Sha256};
+
+use crate::v1;
+
+/// Most bytes of a JSON schema's text.
+pub const MAX_SCHEMA_BYTES: usize = 32 * 1024;
+
+/// Domain separator of [`Constraint::digest`].
+const DIGEST_DOMAIN: &[u8] = b"mlxnet-grammar-v1\0";
+
+/// Why a grammar is refused.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum GrammarError {
+    #[error("grammar kind must be json_object or json_schema")]
+    NoKind,
+    #[error("json_object takes no schema")]
+    SchemaWithObject,
+    #[error("the JSON schema is empty")]
+    EmptySchema,
+    #[error("the JSON schema is {0} bytes; the limit is {MAX_SCHEMA_BYTES}")]
+    TooLarge(usize),
+    #[error("the JSON schema is not JSON: {0}")]
+    NotJson(String),
+    #[error("the JSON schema must be a JSON object")]
+    NotObject,
+    #[error("the JSON schema cannot be enforced: {0}")]
+    Refused(String),
+}
+
+/// A grammar as both sides use it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Constraint {
+    /// Any JSON object.
+    JsonObject,
+    /// JSON matching this schema (its text, as the client sent it).
+    JsonSchema(String),
+}
+
+impl Constraint {
+    /// The constraint of a job's wire grammar (checked: kind, size, JSON
+    /// object; not compiled, see `check`).
+    pub fn from_wire(g: &v1::Grammar) -> Result<Constraint, GrammarError> {
+        let c = match v1::grammar::Kind::try_from(g.kind) {
+            Ok(v1::grammar::Kind::JsonObject) if g.json_schema.is_empty() => Constraint::JsonObject,
+            Ok(v1::grammar::Kind::JsonObject) => return Err(GrammarError::SchemaWithObject),
+            Ok(v1::grammar::Kind::JsonSchema) => Constraint::JsonSchema(g.json_schema.clone()),
+            _ => return Err(GrammarError::NoKind),
+        };
+        c.schema_value()?;
+        Ok(c)
+    }
+
+    /// The wire form.
+    pub fn to_wire(&self) -> v1::Grammar {
+        match self {
+            Constraint::JsonObject => v1::Grammar {
+                kind: v1::grammar::Kind::JsonObject as i32,
+                json_schema: String::new(),
+            },
+            Constraint::JsonSchema(s) => v1::Grammar {
+                kind: v1::grammar::Kind::JsonSchema as i32,
+                json_schema: s.clone(),
+            },
+        }
+    }
+
+    /// SHA-256 over the domain, the kind (1 byte: 1 object, 2 schema) and
+    /// the schema's text as sent: what a signed claim binds.
+    pub fn digest(&self) -> [u8; 32] {
+        let mut h = Sha256::new();
+        h.update(DIGEST_DOMAIN);
+        match self {
+            Constraint::JsonObject => h.update([1u8]),
+            Constraint::JsonSchema(s) => {
+                h.update([2u8]);
+                h.update(s.as_bytes());
+            }
+        }
+        h.finalize().into()
+    }
+
+    /// Checks size and shape; returns the schema text to parse (None for
+    /// `json_object`).
+    fn schema_value(&self) -> Result<Option<&str>, GrammarError> {
+        let Constraint::JsonSchema(s) = self else {
+            return Ok(None);
+        };
+        if s.trim().is_empty() {
+            return Err(GrammarError::EmptySchema);
+        }
+        if s.len() > MAX_SCHEMA_BYTES {
+            return Err(GrammarError::TooLarge(s.len()));
+        }
+        Ok(Some(s))
+    }
+}
+
+#[cfg(feature = "grammar")]
+pub use compile::*;
+
+#[cfg(feature = "grammar")]
+mod compile {
+    use std::sync::OnceLock;
+
+    pub use llguidance;
+    use llguidance::api::TopLevelGrammar;
+    use llguidance::toktrie::{ApproximateTokEnv, TokEnv};
+    use llguidance::{Matcher, ParserFactory};
+    use serde_json::{json, Map, Value};
+
+    use super::{Constraint, GrammarError};
+
+    impl Constraint {
+        /// The JSON schema `llguidance` compiles: the client's (or
+        /// `{"type": "object"}`), with our `x-guidance` options.
+        pub fn schema(&self) -> Result<Value, GrammarError> {
+            let mut v = match self.schema_value()? {
+                None => json!({"type": "object"}),
+                Some(text) => serde_json::from_str::<Value>(text)
+                    .map_err(|e| GrammarError::NotJson(e.to_string()))?,
+            };
+            let Value::Object(map) = &mut v else {
+                return Err(GrammarError::NotObject);
+            };
+            let mut opts = Map::new();
+            opts.insert("whitespace_flexible".into(), Value::Bool(false));
+            map.insert("x-guidance".into(), Value::Object(opts));
+            Ok(v)
+        }
+
+        /// A matcher for one generation over `factory`'s vocabulary, at the
+        /// start of the output.
+        pub fn matcher(&self, factory: &ParserFactory) -> Result<Matcher, GrammarError> {
+            let grammar = TopLevelGrammar::from_json_schema(self.schema()?);
+            let parser = factory
+                .create_parser(grammar)
+                .map_err(|e| GrammarError::Refused(short(&e.to_string())))?;
+            let m = Matcher::new(Ok(parser));
+            match m.get_error() {
+                Some(e) => Err(GrammarError::Refused(short(&e))),
+                None => Ok(m),
+            }
+        }
+
+        /// Compiles it against a one-byte-per-token vocabulary: what the
+        /// coordinator runs before it accepts a job (the node compiles it
+        /// again against the model's own vocabulary).
+        pub fn check(&self) -> Result<(), GrammarError> {
+            static FACTORY: OnceLock<Result<ParserFactory, String>> = OnceLock::new();
+            let factory = FACTORY
+                .get_or_init(|| factory(ApproximateTokEnv::single_byte_env()))
+                .as_ref()
+                .map_err(|e| GrammarError::Refused(e.clone()))?;
+            self.matcher(factory).map(drop)
+        }
+    }
+
+    /// A quiet factory (no logging to stderr) over `env`.
+    pub fn factory(env: TokEnv) -> Result<ParserFactory, String> {
+        let mut f = ParserFactory::new_simple(&env).map_err(|e| e.to_string())?;
+        f.quiet();
+        Ok(f)
+    }
+
+    /// `llguidance`'s messages can carry the whole grammar: the first line,
+    /// at most 300 characters.
+    fn short(e: &str) -> String {
+        let line = e.lines().next().unwrap_or_default();
+        line.chars().take(300).collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_wire_form_round_trips_and_bad_shapes_are_refused() {
+        let s = Constraint::JsonSchema(r#"{"type":"string"}"#.into());
+        assert_eq!(Constraint::from_wire(&s.to_wire()), Ok(s.clone()));
+        let o = Constraint::JsonObject;
+        assert_eq!(Constraint::from_wire(&o.to_wire()), Ok(o.clone()));
+        let mut w = o.to_wire();
+        w.json_schema = "{}".into();
+        assert_eq!(
+            Constraint::from_wire(&w),
+            Err(GrammarError::SchemaWithObject)
+        );
+        w.kind = 0;
+        assert_eq!(Constraint::from_wire(&w), Err(GrammarError::NoKind));
+        w.kind = 9;
+        assert_eq!(Constraint::from_wire(&w), Err(GrammarError::NoKind));
+        let big = Constraint::JsonSchema(" ".repeat(10) + &"x".repeat(MAX_SCHEMA_BYTES));
+        assert_eq!(
+            Constraint::from_wire(&big.to_wire()),
+            Err(GrammarError::TooLarge(MAX_SCHEMA_BYTES + 10))
+        );
+        let empty = Constraint::JsonSchema("  ".into());
+        assert_eq!(
+            Constraint::from_wire(&empty.to_wire()),
+            Err(GrammarError::EmptySchema)
+        );
+    }
+
+    #[test]
+    fn the_digest_binds_kind_and_text() {
+        let a = Constraint::JsonSchema(r#"{"type":"object"}"#.into());
+        let b = Constraint::JsonSchema(r#"{"type": "object"}"#.into());
+        assert_ne!(a.digest(), b.digest());
+        assert_ne!(a.digest(), Constraint::JsonObject.digest());
+        assert_eq!(a.digest(), a.clone().digest());
+        assert_ne!(
+            Constraint::JsonSchema(String::new()).digest(),
+            Constraint::JsonObject.digest()
+        );
+    }
+
+    #[cfg(feature = "grammar")]
+    #[test]
+    fn schemas_llguidance_refuses_are_refused_before_any_job() {
+        let ok = [
+            r#"{"type":"object","properties":{"a":{"type":"integer"}},"required":["a"]}"#,
+            r##"{"$defs":{"n":{"type":"string"}},"type":"object","properties":{"a":{"$ref":"#/$defs/n"}}}"##,
+        ];
+        for s in ok {
+            assert_eq!(Constraint::JsonSchema(s.into()).check(), Ok(()), "{s}");
+        }
+        assert_eq!(Constraint::JsonObject.check(), Ok(()));
+        let not_json = Constraint::JsonSchema("{\"type\":".into()).check();
+        assert!(
+            matches!(not_json, Err(GrammarError::NotJson(_))),
+            "{not_json:?}"
+        );
+        let array = Constraint::JsonSchema("[1]".into()).check();
+        assert_eq!(array, Err(GrammarError::NotObject));
+        for s in [
+            r#"{"type":"array","uniqueItems":true}"#,
+            r#"{"type":"object","not":{"required":["a"]}}"#,
+            r#"{"type":"nonsense"}"#,
+            r#"{"$ref":"https://example.com/schema.json"}"#,
+        ] {
+            let r = Constraint::JsonSchema(s.into()).check();
+            assert!(matches!(r, Err(GrammarError::Refused(_))), "{s}: {r:?}");
+        }
+    }
+}
