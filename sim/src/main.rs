@@ -6,9 +6,10 @@
 
 use std::{
     collections::BTreeMap,
+    panic::{catch_unwind, AssertUnwindSafe},
     sync::{
-        atomic::{AtomicU64, Ordering},
-        Arc, Mutex,
+        atomic::{AtomicUsize, Ordering},
+        Mutex,
     },
     time::Instant,
 };
@@ -59,39 +60,15 @@ fn main() -> std::process::ExitCode {
         .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
         .clamp(1, seeds.len().max(1));
     let started = Instant::now();
-    let next = Arc::new(AtomicU64::new(0));
-    let reports: Arc<Mutex<Vec<Result<Report, String>>>> = Arc::default();
-    let seeds = Arc::new(seeds);
-    let workers: Vec<_> = (0..threads)
-        .map(|_| {
-            let (next, reports, seeds, options) = (
-                Arc::clone(&next),
-                Arc::clone(&reports),
-                Arc::clone(&seeds),
-                options.clone(),
-            );
-            std::thread::spawn(move || loop {
-                let i = next.fetch_add(1, Ordering::SeqCst) as usize;
-                let Some(&seed) = seeds.get(i) else {
-                    return;
-                };
-                let r = run_seed(seed, &options).map_err(|e| format!("seed {seed}: {e:?}"));
-                reports.lock().unwrap_or_else(|p| p.into_inner()).push(r);
-            })
-        })
-        .collect();
-    for w in workers {
-        let _ = w.join();
-    }
-    let mut reports = std::mem::take(&mut *reports.lock().unwrap_or_else(|p| p.into_inner()));
-    reports.sort_by_key(|r| r.as_ref().map_or(0, |r| r.seed));
+    let run = |seed: u64| run_seed(seed, &options).map_err(|e| format!("seed {seed}: {e:?}"));
+    let reports = run_all(&seeds, threads, &run);
     let mut steps = 0u64;
     let mut jobs = (0u64, 0u64, 0u64, 0u64);
     let mut nodes = 0u64;
     let mut faults: BTreeMap<Fault, u64> = BTreeMap::new();
     let mut failing = Vec::new();
     let mut errors = 0;
-    for r in &reports {
+    for (seed, r) in &reports {
         match r {
             Ok(r) => {
                 steps += r.steps;
@@ -113,6 +90,7 @@ fn main() -> std::process::ExitCode {
             Err(e) => {
                 errors += 1;
                 println!("error: {e}");
+                println!("  replay: {}", replay_command(*seed, &options));
             }
         }
     }
@@ -142,5 +120,72 @@ fn main() -> std::process::ExitCode {
         std::process::ExitCode::FAILURE
     } else {
         std::process::ExitCode::SUCCESS
+    }
+}
+
+/// Runs `run` on every seed with `threads` workers, each report (or error)
+/// once, in seed order. A seed that panics is an error naming it (the panic
+/// message and, through `run`'s errors, its replay line are printed by the
+/// caller), never a report that silently goes missing, and the worker goes
+/// on with the next seed.
+fn run_all<F>(seeds: &[u64], threads: usize, run: &F) -> Vec<(u64, Result<Report, String>)>
+where
+    F: Fn(u64) -> Result<Report, String> + Sync,
+{
+    let next = AtomicUsize::new(0);
+    let reports: Mutex<Vec<(u64, Result<Report, String>)>> = Mutex::default();
+    std::thread::scope(|scope| {
+        for _ in 0..threads.max(1) {
+            scope.spawn(|| loop {
+                let Some(&seed) = seeds.get(next.fetch_add(1, Ordering::SeqCst)) else {
+                    return;
+                };
+                let r = catch_unwind(AssertUnwindSafe(|| run(seed))).unwrap_or_else(|panic| {
+                    let what = panic
+                        .downcast_ref::<&str>()
+                        .map(|s| (*s).to_owned())
+                        .or_else(|| panic.downcast_ref::<String>().cloned())
+                        .unwrap_or_else(|| "a panic".to_owned());
+                    Err(format!("seed {seed} panicked: {what}"))
+                });
+                reports
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .push((seed, r));
+            });
+        }
+    });
+    let mut reports = reports.into_inner().unwrap_or_else(|p| p.into_inner());
+    reports.sort_by_key(|(seed, _)| *seed);
+    reports
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A panicking seed is reported as an error, and the seeds after it
+    /// still run on the same (single) worker.
+    #[test]
+    fn a_panicking_seed_is_an_error_and_the_run_goes_on() {
+        let options = Options {
+            nodes: 8,
+            steps: 40,
+            ..Options::default()
+        };
+        let run = |seed: u64| {
+            assert!(seed != 1, "seed 1 breaks on purpose");
+            run_seed(seed, &options).map_err(|e| format!("{e:?}"))
+        };
+        let reports = run_all(&[0, 1, 2], 1, &run);
+        let seeds: Vec<u64> = reports.iter().map(|(seed, _)| *seed).collect();
+        assert_eq!(seeds, [0, 1, 2]);
+        assert_eq!(reports[0].1.as_ref().map(|r| r.seed).ok(), Some(0));
+        let err = reports[1].1.as_ref().err().cloned().unwrap_or_default();
+        assert!(
+            err.contains("seed 1 panicked: seed 1 breaks on purpose"),
+            "{err}"
+        );
+        assert_eq!(reports[2].1.as_ref().map(|r| r.seed).ok(), Some(2));
     }
 }
