@@ -24,8 +24,11 @@
 //! coordinator's handshake timeout is not what is measured.
 //!
 //! # Failure
-//! The run exits non-zero when the child does not start, a node is not
-//! welcomed, or (with `--require-all`) a job does not complete with a
+//! A registration that fails (a handshake timed out under load, a refusal)
+//! is tried again with backoff, as a real node does, up to
+//! `--register-attempts`; the report counts the retries. The run exits
+//! non-zero when the child does not start, a node is not welcomed after
+//! its last try, or (with `--require-all`) a job does not complete with a
 //! claim that verifies; figures are printed either way.
 
 #![allow(clippy::print_stdout, reason = "a command-line tool's report")]
@@ -121,6 +124,10 @@ struct Args {
     /// Exit non-zero unless every job completed with a verified claim.
     #[arg(long)]
     require_all: bool,
+    /// Tries per node to dial, prove its key and be welcomed, as a real
+    /// node retries: exponential backoff with equal jitter between tries.
+    #[arg(long, default_value_t = 8)]
+    register_attempts: u32,
     /// Internal: run the coordinator in this process (the child).
     #[arg(long, hide = true)]
     coordinator_child: Option<PathBuf>,
@@ -263,6 +270,8 @@ struct NodeStats {
     missed: AtomicU64,
     /// Sessions that ended during the run.
     lost: AtomicU64,
+    /// Registrations that failed and were tried again.
+    retries: AtomicU64,
     jobs: AtomicU64,
 }
 
@@ -323,17 +332,31 @@ async fn drive(args: &Args, coordinator: &Coordinator) -> Result<()> {
         let stats = Arc::clone(&stats);
         let dials = Arc::clone(&dials);
         let addr = coordinator.quic;
+        let attempts = args.register_attempts.max(1);
+        let mut jitter = StdRng::seed_from_u64(args.seed ^ (i as u64).wrapping_mul(0x9e37_79b9));
         tokio::spawn(async move {
-            let permit = dials.acquire_owned().await;
-            match register(&endpoint, addr, &node, i).await {
-                Ok((conn, send, recv, interval)) => {
-                    drop(permit);
-                    stats.welcomed.fetch_add(1, Ordering::Relaxed);
-                    let _ = tx.send(Ok(interval)).await;
-                    serve(node, conn, send, recv, interval, stats).await;
-                }
-                Err(e) => {
-                    let _ = tx.send(Err(e.context(format!("node {i}")))).await;
+            let mut attempt = 1;
+            loop {
+                let permit = dials.acquire().await;
+                let tried = register(&endpoint, addr, &node, i).await;
+                drop(permit);
+                match tried {
+                    Ok((conn, send, recv, interval)) => {
+                        stats.welcomed.fetch_add(1, Ordering::Relaxed);
+                        let _ = tx.send(Ok(interval)).await;
+                        serve(node, conn, send, recv, interval, stats).await;
+                        return;
+                    }
+                    Err(e) if attempt >= attempts => {
+                        let e = e.context(format!("node {i}, after {attempt} tries"));
+                        let _ = tx.send(Err(e)).await;
+                        return;
+                    }
+                    Err(_) => {
+                        stats.retries.fetch_add(1, Ordering::Relaxed);
+                        tokio::time::sleep(register_backoff(attempt, &mut jitter)).await;
+                        attempt += 1;
+                    }
                 }
             }
         });
@@ -464,9 +487,10 @@ async fn drive(args: &Args, coordinator: &Coordinator) -> Result<()> {
         "  {:<52} {:>14} {:>16}",
         "node sessions lost during the run", lost, "0"
     );
-    println!("  rss: before nodes {:.1} MB, idle with nodes {:.1} MB, after load {:.1} MB; heartbeats sent {}; job streams {}",
+    println!("  rss: before nodes {:.1} MB, idle with nodes {:.1} MB, after load {:.1} MB; heartbeats sent {}; job streams {}; registrations retried {}",
         rss_before as f64 / 1e6, rss_idle as f64 / 1e6, rss_end as f64 / 1e6,
-        stats.beats.load(Ordering::Relaxed), stats.jobs.load(Ordering::Relaxed));
+        stats.beats.load(Ordering::Relaxed), stats.jobs.load(Ordering::Relaxed),
+        stats.retries.load(Ordering::Relaxed));
     if args.require_all && completed.len() != args.jobs {
         bail!(
             "{} of {} jobs did not complete with a verified claim",
@@ -483,6 +507,15 @@ const PROFILE: &str = "dev (debug assertions on)";
 const PROFILE: &str = "optimised (no debug assertions)";
 
 // --- a virtual node ------------------------------------------------------
+
+/// The wait before try `attempt + 1`: a ceiling of 250 ms doubling per
+/// failed try up to 16 s, half of it fixed and half drawn ("equal
+/// jitter"), so nodes refused together do not come back together.
+fn register_backoff(attempt: u32, rng: &mut StdRng) -> Duration {
+    let ceiling_ms = 250u64.saturating_mul(1 << attempt.saturating_sub(1).min(6));
+    let half = ceiling_ms / 2;
+    Duration::from_millis(half + rng.gen_range(0..=half))
+}
 
 /// Dials, proves the key and registers; returns the session and the
 /// heartbeat interval `Welcome` asked for.
@@ -790,4 +823,32 @@ async fn watch_job(
         }
     }
     bail!("the watch ended before the job did")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_register_backoff_doubles_to_its_cap_with_jitter_inside_each_ceiling() {
+        let mut rng = StdRng::seed_from_u64(7);
+        for attempt in 1..=12u32 {
+            let ceiling = 250u64 << (attempt - 1).min(6);
+            for _ in 0..50 {
+                let wait = register_backoff(attempt, &mut rng).as_millis() as u64;
+                assert!(
+                    (ceiling / 2..=ceiling).contains(&wait),
+                    "try {attempt}: waited {wait} ms, ceiling {ceiling} ms"
+                );
+            }
+        }
+        // Capped at 16 s: the 7th try and every later one share the ceiling.
+        assert_eq!(250u64 << 6, 16_000);
+        // Two nodes refused together draw different waits.
+        let mut a = StdRng::seed_from_u64(1);
+        let mut b = StdRng::seed_from_u64(2);
+        let draws_a: Vec<_> = (0..8).map(|_| register_backoff(4, &mut a)).collect();
+        let draws_b: Vec<_> = (0..8).map(|_| register_backoff(4, &mut b)).collect();
+        assert_ne!(draws_a, draws_b);
+    }
 }
