@@ -38,6 +38,7 @@ mod logprobs;
 pub mod messages;
 mod params;
 mod stream;
+mod tools;
 
 use std::{sync::Arc, time::Duration};
 

@@ -1,18 +1,22 @@
 //! `POST /v1/chat/completions`: OpenAI chat requests as chat jobs.
 //!
 //! Read: `model`, `messages` (roles system, developer (as system), user,
-//! assistant; content a string or a list of text parts), `stream`,
+//! assistant (with `tool_calls`), tool (with `tool_call_id`); content a
+//! string or a list of text parts), `stream`,
 //! `stream_options.include_usage`, `max_tokens` / `max_completion_tokens`,
 //! `temperature` (0-2), `top_p` (0-1), `seed`, `stop` (string or list), `n`
 //! (1), `user`, `parallel_tool_calls`, `presence_penalty` /
 //! `frequency_penalty` (-2 to 2), `logit_bias` (token id -> -100 to 100, at
 //! most 300, ids in the model's vocabulary), `response_format` (`text`,
 //! `json_object`, `json_schema`: enforced on the node by a token mask, see
-//! `mlxnet_proto::grammar`), `tools` (empty only), `tool_choice` (`none` or `auto` only),
-//! `logprobs` and `top_logprobs` (0-20, only with `logprobs: true`). Anything else, or a value this network cannot honour,
+//! `mlxnet_proto::grammar`), `tools`, `tool_choice` (`none`, `required`, a
+//! named function; `auto` only without tools) and `parallel_tool_calls` (see
+//! [`super::tools`]: a forced call is generated under a grammar and answered
+//! as `tool_calls`), `logprobs` and `top_logprobs` (0-20, only with
+//! `logprobs: true`). Anything else, or a value this network cannot honour,
 //! is a 400 naming the parameter.
 
-use std::sync::Arc;
+use std::{collections::HashMap, sync::Arc};
 
 use axum::{
     extract::Request,
@@ -24,7 +28,8 @@ use mlxnet_proto::v1::{job_input, ChatMessage, ChatMessages, SubmitJobRequest};
 use serde_json::{json, Value};
 
 use super::{
-    accept, job, logprobs, params::Params, sampling, stream, JobMeta, OpenAiError, Outcome, Started,
+    accept, job, logprobs, params::Params, sampling, stream, tools, JobMeta, OpenAiError, Outcome,
+    Started,
 };
 use crate::{api::ApiContext, domain::job::MAX_LOGPROBS};
 
@@ -34,6 +39,8 @@ pub struct ChatRequest {
     pub submit: SubmitJobRequest,
     pub stream: bool,
     pub include_usage: bool,
+    /// The answer is a forced tool call: read back as `tool_calls`.
+    pub tool_call: bool,
 }
 
 /// The chat role a message's role is sent to the model as.
@@ -42,13 +49,14 @@ fn role(r: &str) -> Result<&'static str, OpenAiError> {
         "system" | "developer" => Ok("system"),
         "user" => Ok("user"),
         "assistant" => Ok("assistant"),
-        "tool" | "function" => Err(OpenAiError::unsupported(
+        "tool" => Ok("tool"),
+        "function" => Err(OpenAiError::unsupported(
             "messages",
-            "tool results (role \"tool\") are not served yet: this network does not serve tool calls",
+            "the deprecated role \"function\" is not served: send tool results as role \"tool\"",
         )),
         other => Err(OpenAiError::invalid(
             format!(
-                "invalid role {:?}: one of system, developer, user, assistant",
+                "invalid role {:?}: one of system, developer, user, assistant, tool",
                 other.chars().take(32).collect::<String>()
             ),
             Some("messages"),
@@ -96,7 +104,11 @@ fn messages(v: Option<Value>) -> Result<Vec<ChatMessage>, OpenAiError> {
             Some("messages"),
         ));
     };
-    let mut out = Vec::with_capacity(items.len());
+    let mut out: Vec<ChatMessage> = Vec::with_capacity(items.len());
+    // The tool calls of earlier assistant messages: id -> tool name.
+    let mut calls = HashMap::new();
+    // The last message sent is tool results (the next one joins it).
+    let mut after_result = false;
     for (i, m) in items.into_iter().enumerate() {
         let at = format!("messages[{i}]");
         let Value::Object(mut m) = m else {
@@ -114,13 +126,22 @@ fn messages(v: Option<Value>) -> Result<Vec<ChatMessage>, OpenAiError> {
                 ))
             }
         };
-        if m.get("tool_calls").is_some_and(|v| !v.is_null()) {
-            return Err(OpenAiError::unsupported(
-                "messages",
-                "assistant tool_calls are not served yet",
-            ));
+        let mut text = content(m.remove("content"), &format!("{at}.content"))?;
+        match (r, m.remove("tool_calls").filter(|v| !v.is_null())) {
+            ("assistant", Some(c)) => text = tools::assistant_calls(&at, text, c, &mut calls)?,
+            (_, Some(_)) => {
+                return Err(OpenAiError::invalid(
+                    format!("{at}: only assistant messages carry tool_calls"),
+                    Some("messages"),
+                ))
+            }
+            (_, None) => {}
         }
-        let text = content(m.remove("content"), &format!("{at}.content"))?;
+        let call = if r == "tool" {
+            m.remove("tool_call_id")
+        } else {
+            None
+        };
         // `name` labels a participant; the templates have no place for it.
         m.remove("name");
         m.remove("refusal");
@@ -130,6 +151,24 @@ fn messages(v: Option<Value>) -> Result<Vec<ChatMessage>, OpenAiError> {
                 Some(&at),
             ));
         }
+        if r == "tool" {
+            // A tool result is a user turn naming its call (every template
+            // has a user role; consecutive results make one turn).
+            let result = tools::result_text(&at, call, &text, &calls)?;
+            match out.last_mut() {
+                Some(last) if after_result => {
+                    last.content.push_str("\n\n");
+                    last.content.push_str(&result);
+                }
+                _ => out.push(ChatMessage {
+                    role: "user".into(),
+                    content: result,
+                }),
+            }
+            after_result = true;
+            continue;
+        }
+        after_result = false;
         out.push(ChatMessage {
             role: r.into(),
             content: text,
@@ -234,7 +273,7 @@ fn response_format(v: Option<Value>) -> Result<Option<Constraint>, OpenAiError> 
 pub fn parse(map: serde_json::Map<String, Value>) -> Result<ChatRequest, OpenAiError> {
     let mut p = Params::new(map);
     let model = p.required_string("model")?;
-    let msgs = messages(p.take("messages"))?;
+    let mut msgs = messages(p.take("messages"))?;
     let stream = p.bool("stream")?.unwrap_or(false);
     let include_usage = p.include_usage(stream)?;
     let max_tokens = p.max_tokens()?;
@@ -244,27 +283,33 @@ pub fn parse(map: serde_json::Map<String, Value>) -> Result<ChatRequest, OpenAiE
     let stop = p.stop("stop")?;
     p.only_one("n")?;
     p.string("user")?;
+    // One call per answer either way (true allows several, not requires).
     p.bool("parallel_tool_calls")?;
     let penalties = p.penalties()?;
-    let grammar = response_format(p.take("response_format"))?;
-    match p.take("tools") {
-        None => {}
-        Some(Value::Array(t)) if t.is_empty() => {}
-        Some(_) => {
-            return Err(OpenAiError::unsupported(
-                "tools",
-                "tool calls are not served yet",
-            ))
+    let mut grammar = response_format(p.take("response_format"))?;
+    let tools = tools::parse_tools(p.take("tools"))?;
+    let forced = tools::forced(tools, p.take("tool_choice"))?;
+    if let Some(f) = &forced {
+        if grammar.is_some() {
+            return Err(OpenAiError::invalid(
+                "response_format cannot be combined with a forced tool call (tool_choice required or a named function): the answer is the call",
+                Some("response_format"),
+            ));
         }
-    }
-    match p.take("tool_choice") {
-        None => {}
-        Some(Value::String(s)) if s == "none" || s == "auto" => {}
-        Some(_) => {
-            return Err(OpenAiError::unsupported(
-                "tool_choice",
-                "tool calls are not served yet (only \"none\" or \"auto\" without tools)",
-            ))
+        grammar = Some(f.grammar()?);
+        let preamble = f.preamble();
+        match msgs.first_mut() {
+            Some(first) if first.role == "system" => {
+                first.content.push_str("\n\n");
+                first.content.push_str(&preamble);
+            }
+            _ => msgs.insert(
+                0,
+                ChatMessage {
+                    role: "system".into(),
+                    content: preamble,
+                },
+            ),
         }
     }
     let logprobs = p.bool("logprobs")?.unwrap_or(false);
@@ -288,6 +333,7 @@ pub fn parse(map: serde_json::Map<String, Value>) -> Result<ChatRequest, OpenAiE
         ),
         stream,
         include_usage,
+        tool_call: forced.is_some(),
     })
 }
 
@@ -300,12 +346,34 @@ pub async fn run(d: &Arc<ApiContext>, req: Request) -> Result<Response, OpenAiEr
         .sampling
         .as_ref()
         .is_some_and(|s| s.logprobs.is_some());
+    let tool_call = chat.tool_call;
     let job = Started::new(d, &caller, chat.submit, permit).await?;
     if chat.stream {
         let usage = chat.include_usage;
-        return Ok(job.stream(|m, e, c| stream::sse(m, e, c, stream::Shape::Chat, usage)));
+        let shape = if tool_call {
+            stream::Shape::ChatCall
+        } else {
+            stream::Shape::Chat
+        };
+        return Ok(job.stream(|m, e, c| stream::sse(m, e, c, shape, usage)));
     }
     let ok = |meta: &JobMeta, end: Outcome| {
+        let call = tool_call.then(|| tools::read_call(&end.text)).flatten();
+        let (message, finish) = match call {
+            Some((name, args)) => (
+                json!({
+                    "role": "assistant",
+                    "content": null,
+                    "tool_calls": [tools::call_json(&tools::call_id(&meta.id, 0), &name, args)],
+                    "refusal": null,
+                }),
+                "tool_calls",
+            ),
+            None => (
+                json!({"role": "assistant", "content": end.text, "refusal": null}),
+                end.finish,
+            ),
+        };
         Json(json!({
             "id": meta.id.to_string(),
             "object": "chat.completion",
@@ -314,9 +382,9 @@ pub async fn run(d: &Arc<ApiContext>, req: Request) -> Result<Response, OpenAiEr
             "system_fingerprint": meta.fingerprint,
             "choices": [{
                 "index": 0,
-                "message": {"role": "assistant", "content": end.text, "refusal": null},
+                "message": message,
                 "logprobs": asked.then(|| logprobs::chat(&end.logprobs)),
-                "finish_reason": end.finish,
+                "finish_reason": finish,
             }],
             "usage": end.usage(),
         }))

@@ -2,7 +2,9 @@
 //! built from ([`outcome`]), and the server-sent-event stream of chunks
 //! ([`sse`]): the first chunk (the chat role), one chunk per token event,
 //! a last chunk with `finish_reason`, with `stream_options.include_usage` a
-//! usage chunk with `choices: []`, then `data: [DONE]`. A job that fails
+//! usage chunk with `choices: []`, then `data: [DONE]`. A forced tool call
+//! streams `delta.tool_calls` ([`super::tools::CallStream`]) and ends with
+//! `finish_reason: "tool_calls"`. A job that fails
 //! mid-stream ends it with `data: {"error": ...}` (what the official clients
 //! raise as an error).
 
@@ -20,7 +22,11 @@ use serde_json::{json, Value};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 
-use super::{finish_reason, logprobs, new_tokens, CancelOnDrop, Events, JobMeta, OpenAiError};
+use super::{
+    finish_reason, logprobs, new_tokens,
+    tools::{call_id, CallStream},
+    CancelOnDrop, Events, JobMeta, OpenAiError,
+};
 
 /// How a job ended well.
 #[derive(Clone, Debug, PartialEq)]
@@ -99,6 +105,8 @@ pub fn outcome(e: Result<JobEvent, tonic::Status>) -> Result<Option<Outcome>, Op
 pub enum Shape {
     /// `chat.completion.chunk` with deltas.
     Chat,
+    /// `chat.completion.chunk`s of a forced tool call: `delta.tool_calls`.
+    ChatCall,
     /// `text_completion` chunks; `echo` is the prompt sent first.
     Text { echo: Option<String> },
 }
@@ -116,7 +124,7 @@ impl Shape {
         lp: Option<(&[TokenLogprob], usize)>,
     ) -> Value {
         let choice = match self {
-            Shape::Chat => {
+            Shape::Chat | Shape::ChatCall => {
                 let mut delta = serde_json::Map::new();
                 if role {
                     delta.insert("role".into(), json!("assistant"));
@@ -124,8 +132,7 @@ impl Shape {
                 if let Some(t) = text {
                     delta.insert("content".into(), json!(t));
                 }
-                let lp = lp.map_or(Value::Null, |(e, _)| logprobs::chat(e));
-                json!({"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish})
+                return self.delta(meta, delta, finish, lp.map(|(e, _)| e));
             }
             Shape::Text { .. } => {
                 let lp = lp.map_or(Value::Null, |(e, at)| logprobs::text(e, at));
@@ -135,9 +142,22 @@ impl Shape {
         self.object(meta, vec![choice])
     }
 
+    /// A chat chunk of `delta`.
+    fn delta(
+        &self,
+        meta: &JobMeta,
+        delta: serde_json::Map<String, Value>,
+        finish: Option<&str>,
+        lp: Option<&[TokenLogprob]>,
+    ) -> Value {
+        let lp = lp.map_or(Value::Null, logprobs::chat);
+        let choice = json!({"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish});
+        self.object(meta, vec![choice])
+    }
+
     fn object(&self, meta: &JobMeta, choices: Vec<Value>) -> Value {
         let object = match self {
-            Shape::Chat => "chat.completion.chunk",
+            Shape::Chat | Shape::ChatCall => "chat.completion.chunk",
             Shape::Text { .. } => "text_completion",
         };
         json!({
@@ -173,6 +193,7 @@ pub fn sse(
         };
         let first = match &shape {
             Shape::Chat => Some(shape.chunk(&meta, Some(""), None, true, None)),
+            Shape::ChatCall => Some(shape.chunk(&meta, None, None, true, None)),
             Shape::Text { echo: Some(p) } => Some(shape.chunk(&meta, Some(p), None, false, None)),
             Shape::Text { echo: None } => None,
         };
@@ -181,6 +202,8 @@ pub fn sse(
                 return;
             }
         }
+        let mut call =
+            matches!(shape, Shape::ChatCall).then(|| CallStream::new(call_id(&meta.id, 0)));
         let mut sent = 0u32;
         // Characters of the completion the tokens so far span.
         let mut offset = 0usize;
@@ -197,6 +220,20 @@ pub fn sse(
                 // A chunk for new text, and for new tokens' logprobs even
                 // when their text is held back (content "").
                 let lp = (!fresh.logprobs.is_empty()).then_some((&fresh.logprobs[..], offset));
+                if let Some(call) = call.as_mut() {
+                    let calls = fresh.text.as_deref().and_then(|t| call.push(t));
+                    if calls.is_some() || lp.is_some() {
+                        let mut delta = serde_json::Map::new();
+                        if let Some(c) = calls {
+                            delta.insert("tool_calls".into(), c);
+                        }
+                        let v = with_usage(shape.delta(&meta, delta, None, lp.map(|l| l.0)));
+                        if tx.send(Ok(data(&v))).await.is_err() {
+                            return;
+                        }
+                    }
+                    continue;
+                }
                 if fresh.text.is_some() || lp.is_some() {
                     let text = fresh.text.as_deref().unwrap_or("");
                     let v = with_usage(shape.chunk(&meta, Some(text), None, false, lp));
@@ -211,7 +248,20 @@ pub fn sse(
                 Ok(None) => continue,
                 Ok(Some(end)) => {
                     cancel.disarm();
-                    let last = with_usage(shape.chunk(&meta, None, Some(end.finish), false, None));
+                    let mut finish = end.finish;
+                    if let Some(call) = call.as_mut() {
+                        let (whole, rest) = call.end();
+                        if whole {
+                            finish = "tool_calls";
+                        }
+                        if let Some((field, v)) = rest {
+                            let mut delta = serde_json::Map::new();
+                            delta.insert(field.into(), v);
+                            let v = with_usage(shape.delta(&meta, delta, None, None));
+                            let _ = tx.send(Ok(data(&v))).await;
+                        }
+                    }
+                    let last = with_usage(shape.chunk(&meta, None, Some(finish), false, None));
                     let _ = tx.send(Ok(data(&last))).await;
                     if include_usage {
                         let mut u = shape.object(&meta, Vec::new());

@@ -139,7 +139,7 @@ fn what_cannot_be_honoured_is_refused_by_name() {
         ),
         (
             "tools",
-            json!([{"type": "function", "function": {"name": "f"}}]),
+            json!([{"type": "function", "function": {"name": "a b"}}]),
         ),
         ("tool_choice", json!("required")),
         ("logprobs", json!("yes")),
@@ -433,4 +433,243 @@ fn response_format_becomes_the_jobs_grammar() {
             r#"{"type":"object","properties":{"z":{"type":"integer"},"a":{"type":"string"}},"required":["z","a"]}"#.into()
         ))
     );
+}
+
+/// Whether `text` (whole) is accepted by `g`, over a one-byte vocabulary.
+fn grammar_accepts(g: &mlxnet_proto::v1::Grammar, text: &str) -> bool {
+    use mlxnet_proto::grammar::{factory, llguidance::toktrie, Constraint};
+    use toktrie::ApproximateTokEnv;
+    let env = ApproximateTokEnv::single_byte_env();
+    let f = factory(env.clone()).expect("a factory");
+    let mut m = Constraint::from_wire(g)
+        .expect("a wire grammar")
+        .matcher(&f)
+        .expect("it compiles");
+    let toks = env.tokenize_bytes(text.as_bytes());
+    m.try_consume_tokens(&toks).ok() == Some(toks.len()) && m.is_accepting().unwrap_or(false)
+}
+
+fn weather_tools() -> Value {
+    json!([
+        {"type": "function", "function": {
+            "name": "get_weather",
+            "description": "The weather now in a city.",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                           "required": ["city"], "additionalProperties": false},
+        }},
+        {"type": "function", "function": {"name": "get_time"}},
+    ])
+}
+
+fn grammar_of(c: &chat::ChatRequest) -> Option<mlxnet_proto::v1::Grammar> {
+    c.submit.sampling.as_ref().and_then(|s| s.grammar.clone())
+}
+
+fn chat_messages(c: &chat::ChatRequest) -> Vec<(String, String)> {
+    match c.submit.input.as_ref().and_then(|i| i.kind.as_ref()) {
+        Some(job_input::Kind::Chat(m)) => m
+            .messages
+            .iter()
+            .map(|m| (m.role.clone(), m.content.clone()))
+            .collect(),
+        _ => panic!("a chat input"),
+    }
+}
+
+#[test]
+fn a_required_or_named_tool_call_is_a_grammar_over_the_tools_and_a_prompt() {
+    let ask = |choice: Value| {
+        chat::parse(obj(json!({
+            "model": "m",
+            "messages": [{"role": "user", "content": "Weather in Paris?"}],
+            "tools": weather_tools(),
+            "tool_choice": choice,
+        })))
+        .expect("served")
+    };
+    let call = r#"{"name":"get_weather","arguments":{"city":"Paris"}}"#;
+    let time = r#"{"name":"get_time","arguments":{}}"#;
+    let required = ask(json!("required"));
+    let g = grammar_of(&required).expect("a grammar");
+    assert!(grammar_accepts(&g, call) && grammar_accepts(&g, time));
+    for bad in [
+        r#"{"name":"get_weather","arguments":{}}"#,
+        r#"{"name":"get_weather","arguments":{"city":"Paris","x":1}}"#,
+        r#"{"name":"nope","arguments":{}}"#,
+        "Paris is sunny.",
+    ] {
+        assert!(!grammar_accepts(&g, bad), "{bad}");
+    }
+    // The tools are in the prompt: a system message listing them and the
+    // call format, before the conversation.
+    let m = chat_messages(&required);
+    assert_eq!(m[0].0, "system");
+    for want in [
+        "get_weather",
+        "The weather now in a city.",
+        "get_time",
+        "\"arguments\"",
+    ] {
+        assert!(m[0].1.contains(want), "{want} missing from {}", m[0].1);
+    }
+    assert_eq!(m[1], ("user".into(), "Weather in Paris?".into()));
+    // Named: only that tool.
+    let named = ask(json!({"type": "function", "function": {"name": "get_time"}}));
+    let g = grammar_of(&named).expect("a grammar");
+    assert!(grammar_accepts(&g, time) && !grammar_accepts(&g, call));
+    // none: the tools are ignored (no grammar, no preamble).
+    let none = ask(json!("none"));
+    assert!(grammar_of(&none).is_none());
+    assert_eq!(
+        chat_messages(&none),
+        vec![("user".into(), "Weather in Paris?".into())]
+    );
+}
+
+#[test]
+fn an_agent_loop_renders_calls_and_tool_results() {
+    let c = chat::parse(obj(json!({
+        "model": "m",
+        "messages": [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Weather in Paris?"},
+            {"role": "assistant", "content": null, "tool_calls": [
+                {"id": "call_1", "type": "function",
+                 "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}},
+            ]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "{\"sky\":\"sunny\"}"},
+        ],
+        "tools": weather_tools(),
+        "tool_choice": "none",
+    })))
+    .expect("served");
+    let m = chat_messages(&c);
+    assert_eq!(m.len(), 4, "{m:?}");
+    assert_eq!(m[0], ("system".into(), "Be brief.".into()));
+    // The call as the model would have written it; the result as a user
+    // turn naming the call and its tool (roles keep alternating).
+    assert_eq!(m[2].0, "assistant");
+    assert_eq!(
+        m[2].1,
+        r#"{"name":"get_weather","arguments":{"city":"Paris"}}"#
+    );
+    assert_eq!(m[3].0, "user");
+    for want in ["call_1", "get_weather", "{\"sky\":\"sunny\"}"] {
+        assert!(m[3].1.contains(want), "{want} missing from {}", m[3].1);
+    }
+}
+
+#[test]
+fn bad_tools_choices_and_tool_messages_are_refused_by_name() {
+    let user = json!([{"role": "user", "content": "x"}]);
+    let with = |tools: Value, choice: Value| {
+        chat_err(json!({"model": "m", "messages": user, "tools": tools, "tool_choice": choice}))
+    };
+    let f = |function: Value| json!([{"type": "function", "function": function}]);
+    let many: Vec<Value> = (0..129)
+        .map(|i| json!({"type": "function", "function": {"name": format!("f{i}")}}))
+        .collect();
+    for (tools, choice, param) in [
+        (json!({"name": "f"}), json!("required"), "tools"),
+        (json!([{"type": "retrieval"}]), json!("required"), "tools"),
+        (json!([{"type": "function"}]), json!("required"), "tools"),
+        (f(json!({"name": ""})), json!("required"), "tools"),
+        (
+            f(json!({"name": "x".repeat(65)})),
+            json!("required"),
+            "tools",
+        ),
+        (
+            f(json!({"name": "f", "parameters": "{}"})),
+            json!("required"),
+            "tools",
+        ),
+        (
+            f(json!({"name": "f", "description": 1})),
+            json!("required"),
+            "tools",
+        ),
+        (
+            f(json!({"name": "f", "extra": 1})),
+            json!("required"),
+            "tools",
+        ),
+        (
+            f(json!({"name": "f", "parameters": {"type": "array", "uniqueItems": true}})),
+            json!("required"),
+            "tools",
+        ),
+        (
+            f(
+                json!({"name": "f", "parameters": {"type": "object", "properties": {"a": {"$ref": "#/$defs/a"}}, "$defs": {"a": {"type": "string"}}}}),
+            ),
+            json!("required"),
+            "tools",
+        ),
+        (
+            json!([{"type": "function", "function": {"name": "f"}}, {"type": "function", "function": {"name": "f"}}]),
+            json!("required"),
+            "tools",
+        ),
+        (Value::Array(many), json!("required"), "tools"),
+        (
+            f(
+                json!({"name": "f", "parameters": {"type": "object", "description": "d".repeat(40_000)}}),
+            ),
+            json!("required"),
+            "tools",
+        ),
+        (f(json!({"name": "f"})), json!("auto"), "tool_choice"),
+        (f(json!({"name": "f"})), Value::Null, "tool_choice"),
+        (f(json!({"name": "f"})), json!("sometimes"), "tool_choice"),
+        (
+            f(json!({"name": "f"})),
+            json!({"type": "function", "function": {"name": "g"}}),
+            "tool_choice",
+        ),
+        (
+            f(json!({"name": "f"})),
+            json!({"type": "function", "name": "f"}),
+            "tool_choice",
+        ),
+        (json!([]), json!("required"), "tool_choice"),
+        (
+            json!([]),
+            json!({"type": "function", "function": {"name": "f"}}),
+            "tool_choice",
+        ),
+    ] {
+        let e = with(tools.clone(), choice.clone());
+        assert_eq!(e.status, StatusCode::BAD_REQUEST, "{tools} {choice}: {e:?}");
+        assert_eq!(e.param.as_deref(), Some(param), "{tools} {choice}: {e:?}");
+    }
+    // A forced call and a response format cannot both shape the answer.
+    let both = chat_err(json!({
+        "model": "m", "messages": user, "tools": f(json!({"name": "f"})), "tool_choice": "required",
+        "response_format": {"type": "json_object"},
+    }));
+    assert_eq!(both.param.as_deref(), Some("response_format"));
+    // Tool messages: a result needs the id of an earlier call; calls need
+    // JSON arguments; only assistants carry calls.
+    let call = json!({"role": "assistant", "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]});
+    for msgs in [
+        json!([{"role": "tool", "tool_call_id": "c1", "content": "1"}]),
+        json!([call, {"role": "tool", "tool_call_id": "c2", "content": "1"}]),
+        json!([call, {"role": "tool", "content": "1"}]),
+        json!([{"role": "assistant", "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{not json"}}]}]),
+        json!([{"role": "assistant", "tool_calls": [{"id": "c1", "function": {"name": "f"}}]}]),
+        json!([{"role": "assistant", "tool_calls": {"id": "c1"}}]),
+        json!([{"role": "user", "content": "x", "tool_calls": []}]),
+        json!([{"role": "user", "content": "x", "tool_call_id": "c1"}]),
+        json!([{"role": "function", "name": "f", "content": "1"}]),
+    ] {
+        let e = chat_err(json!({"model": "m", "messages": msgs}));
+        assert_eq!(e.status, StatusCode::BAD_REQUEST, "{msgs}: {e:?}");
+        assert!(
+            e.param
+                .as_deref()
+                .is_some_and(|p| p.starts_with("messages")),
+            "{msgs}: {e:?}"
+        );
+    }
 }

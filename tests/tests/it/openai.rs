@@ -436,28 +436,17 @@ async fn openai_clients_use_the_network() -> anyhow::Result<()> {
         .context("a greedy token")?;
 
     // The official client.
-    let out = tokio::task::spawn_blocking({
-        let base = base.clone();
-        let key = key.clone();
-        move || {
-            Command::new(&python)
-                .arg(repo_root().join("tests/openai/client_check.py"))
-                .env("MLXNET_BASE_URL", base)
-                .env("MLXNET_API_KEY", key)
-                .env("MLXNET_MODEL", TEST_MODEL_ID)
-                .env("MLXNET_MODEL_SHA256", MODEL_SHA256)
-                .env("MLXNET_GREEDY_FIRST_TOKEN", greedy_first.to_string())
-                .output()
-        }
-    })
-    .await??;
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    ensure!(
-        out.status.success(),
-        "client_check.py failed:\n{stdout}\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let summary: Value = serde_json::from_str(stdout.lines().last().context("a summary")?)?;
+    let summary = client_script(
+        python,
+        "client_check.py",
+        vec![
+            ("MLXNET_BASE_URL", base.clone()),
+            ("MLXNET_API_KEY", key.clone()),
+            ("MLXNET_MODEL_SHA256", MODEL_SHA256.into()),
+            ("MLXNET_GREEDY_FIRST_TOKEN", greedy_first.to_string()),
+        ],
+    )
+    .await?;
 
     // The answer names a job whose signed claim gRPC returns, with its text.
     let id = summary["chat"]["id"]
@@ -542,25 +531,7 @@ async fn openai_clients_use_the_network() -> anyhow::Result<()> {
     // A structured-output job: recorded with its grammar (what the node
     // masked with and an audit replays), its claim verifies and its text is
     // the client's.
-    let schema_job = grpc
-        .jobs
-        .get(GetJobRequest {
-            job_id: summary["schema_id"]
-                .as_str()
-                .context("schema id")?
-                .to_owned(),
-        })
-        .await?
-        .into_inner();
-    let g = schema_job
-        .sampling
-        .as_ref()
-        .and_then(|s| s.grammar.clone())
-        .context("the job records its grammar")?;
-    let c = mlxnet_proto::grammar::Constraint::from_wire(&g)?;
-    let mlxnet_proto::grammar::Constraint::JsonSchema(text) = c else {
-        anyhow::bail!("json_schema recorded as {c:?}");
-    };
+    let (schema_job, text) = job_and_schema(&mut grpc, &summary, "schema_id").await?;
     assert!(text.contains("\"maxLength\":12"), "{text}");
     let schema_signed = schema_job.result.context("the schema job's claim")?;
     claim::verify(&schema_signed).map_err(|e| anyhow::anyhow!("claim: {e:?}"))?;
@@ -573,5 +544,101 @@ async fn openai_clients_use_the_network() -> anyhow::Result<()> {
     assert_eq!(grpc_claim.output_token_ids, http_claim.output_token_ids);
     assert_eq!(grpc_claim.prompt_sha256, http_claim.prompt_sha256);
     assert_eq!(price_of(&grpc_claim, &model), price_of(&http_claim, &model));
+    Ok(())
+}
+
+/// Runs tests/openai/`script` with the venv's Python (the model named in
+/// `MLXNET_MODEL`, and `env`); its summary (the last line of its output).
+async fn client_script(
+    python: PathBuf,
+    script: &'static str,
+    env: Vec<(&'static str, String)>,
+) -> anyhow::Result<Value> {
+    let out = tokio::task::spawn_blocking(move || {
+        Command::new(&python)
+            .arg(repo_root().join("tests/openai").join(script))
+            .env("MLXNET_MODEL", TEST_MODEL_ID)
+            .envs(env)
+            .output()
+    })
+    .await??;
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    ensure!(
+        out.status.success(),
+        "{script} failed:\n{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    Ok(serde_json::from_str(
+        stdout.lines().last().context("a summary")?,
+    )?)
+}
+
+/// The job (gRPC Get) whose id the client's summary holds under `key`, and
+/// the JSON schema text of the grammar it records (what the node masked
+/// with and an audit replays).
+async fn job_and_schema(
+    grpc: &mut mlxnet_tests::Client,
+    summary: &Value,
+    key: &str,
+) -> anyhow::Result<(mlxnet_proto::v1::Job, String)> {
+    let job_id = summary[key].as_str().context("a job id")?.to_owned();
+    let job = grpc.jobs.get(GetJobRequest { job_id }).await?.into_inner();
+    let g = job
+        .sampling
+        .as_ref()
+        .and_then(|s| s.grammar.clone())
+        .context("the job records its grammar")?;
+    let c = mlxnet_proto::grammar::Constraint::from_wire(&g)?;
+    let mlxnet_proto::grammar::Constraint::JsonSchema(text) = c else {
+        anyhow::bail!("the grammar recorded is {c:?}, not a schema");
+    };
+    Ok((job, text))
+}
+
+/// Tool calls with the official client (tests/openai/tool_check.py): a
+/// required call and a named one whose `arguments` parse and validate
+/// against their tool's schema (greedy and 8 seeds at temperature 1), the
+/// streamed call reassembled by the client, the agent loop (the call and
+/// its result fed back), and the 400s. Then through gRPC: the call's job
+/// records the tools' grammar and its signed claim verifies.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn openai_tool_calls() -> anyhow::Result<()> {
+    test_model();
+    let Some(python) = venv_python() else {
+        return Ok(());
+    };
+    let dir = tempfile::tempdir()?;
+    let coord = spawn_coordinator(coordinator_config(&dir.path().join("coord"))).await?;
+    let base = format!("http://{}/v1", coord.http_addr);
+    let key = coord.accounts.client_key.clone();
+    let mut grpc = coord.client().await?;
+    let mut node = spawn_node(coord.node_config(&dir.path().join("n"), "n")).await?;
+    node.registered().await?;
+
+    let summary = client_script(
+        python,
+        "tool_check.py",
+        vec![("MLXNET_BASE_URL", base), ("MLXNET_API_KEY", key)],
+    )
+    .await?;
+
+    // The call's job: its grammar is the tools' (what the node masked with
+    // and an audit replays), its claim verifies, its text is the call.
+    let (job, text) = job_and_schema(&mut grpc, &summary, "required_id").await?;
+    assert!(
+        text.contains(r#""const":"get_weather""#) && text.contains(r#""const":"get_time""#),
+        "{text}"
+    );
+    let signed = job.result.context("the call's claim")?;
+    claim::verify(&signed).map_err(|e| anyhow::anyhow!("claim: {e:?}"))?;
+    let call = &summary["required_call"];
+    assert_eq!(
+        job.output_text,
+        format!(
+            r#"{{"name":"{}","arguments":{}}}"#,
+            call[0].as_str().unwrap_or_default(),
+            call[1].as_str().unwrap_or_default()
+        )
+    );
     Ok(())
 }

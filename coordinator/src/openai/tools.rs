@@ -1,0 +1,597 @@
+//! Tool calls on `/v1/chat/completions`: `tools`, `tool_choice` and
+//! `parallel_tool_calls` read and checked; the tools rendered into the
+//! prompt; the call generated under a grammar built from the tools' JSON
+//! schemas (the job's `SamplingParams.grammar`, so the node masks every
+//! token with it and an audit replays it); the answer read back as
+//! `tool_calls`, whole ([`read_call`]) or streamed ([`CallStream`]).
+//!
+//! # The generic tool prompt (what the model is told)
+//! The tools are listed in a system message (appended to the conversation's
+//! first system message, or a new one before it), see [`preamble`]: one
+//! line of JSON per tool (`name`, `description`, `parameters`) and the call
+//! format `{"name": <tool name>, "arguments": <the arguments object>}`. An
+//! assistant message carrying `tool_calls` is sent to the model as those
+//! calls written in that format (one per line, after any text), and a
+//! `role: "tool"` message as a user turn `Tool result (call <id>, <name>):`
+//! followed by its content (consecutive results in one turn, so roles keep
+//! alternating for templates that require it). The model's own chat
+//! template is not given `tools` (the node renders templates with
+//! `messages` only): every model gets this generic prompt.
+//!
+//! # What is generated
+//! `tool_choice: "required"` (one of the tools) or a named function (that
+//! one): the output must be exactly one call, `{"name":"<name>",
+//! "arguments":<object>}` (compact, properties in that order), the
+//! arguments matching the tool's `parameters` schema. One call per answer
+//! whatever `parallel_tool_calls` says (OpenAI's `true` allows several calls,
+//! it does not require them). `"none"`: the tools are ignored (neither
+//! rendered nor enforced). `"auto"` with tools is refused (400 naming
+//! `tool_choice`): choosing between text and a call needs a grammar of
+//! either, not served yet.
+//!
+//! # Invariants
+//! - Everything is checked before the job exists: a bad tool, choice or
+//!   message is a 400 naming `tools`, `tool_choice` or `messages`.
+//! - The call read back is the output's own text: `arguments` is the exact
+//!   substring the model generated (what the signed claim's tokens decode
+//!   to), streamed or not.
+//!
+//! # Failure
+//! An output that is not a whole call (cut by `max_tokens` or a stop
+//! string) is answered as text with its finish reason, never as a call.
+
+use std::collections::HashMap;
+
+use mlxnet_proto::grammar::Constraint;
+use serde_json::{json, Map, Value};
+
+use super::OpenAiError;
+
+/// Most tools in a request (OpenAI's limit).
+pub const MAX_TOOLS: usize = 128;
+
+/// A function the model may call.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Tool {
+    pub name: String,
+    pub description: Option<String>,
+    /// The arguments' JSON schema (`{"type":"object","properties":{},
+    /// "additionalProperties":false}`, no arguments,
+    /// when the request gave none).
+    pub parameters: Value,
+}
+
+/// A call the answer must be: one of `tools`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Forced {
+    pub tools: Vec<Tool>,
+    /// `tool_choice` named this tool (the only one in `tools`).
+    pub named: bool,
+}
+
+fn bad(param: &str, m: String) -> OpenAiError {
+    OpenAiError::invalid(m, Some(param))
+}
+
+/// Whether `name` is 1 to 64 of a-z, A-Z, 0-9, `_` and `-` (OpenAI's rule).
+fn valid_name(name: &str) -> bool {
+    !name.is_empty()
+        && name.len() <= 64
+        && name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-')
+}
+
+fn has_ref(v: &Value) -> bool {
+    match v {
+        Value::Object(m) => m.iter().any(|(k, v)| k == "$ref" || has_ref(v)),
+        Value::Array(a) => a.iter().any(has_ref),
+        _ => false,
+    }
+}
+
+fn tool(i: usize, v: Value) -> Result<Tool, OpenAiError> {
+    const P: &str = "tools";
+    let at = format!("tools[{i}]");
+    let Value::Object(mut t) = v else {
+        return Err(bad(P, format!("{at} must be an object")));
+    };
+    match t.remove("type") {
+        Some(Value::String(s)) if s == "function" => {}
+        _ => {
+            return Err(bad(
+                P,
+                format!("{at}.type must be \"function\" (the only tool type served)"),
+            ))
+        }
+    }
+    let Some(Value::Object(mut f)) = t.remove("function") else {
+        return Err(bad(
+            P,
+            format!("{at}.function is required: {{name, description, parameters}}"),
+        ));
+    };
+    if let Some(k) = t.keys().next() {
+        return Err(bad(P, format!("{at}: unknown field {k:?}")));
+    }
+    let name = match f.remove("name") {
+        Some(Value::String(n)) if valid_name(&n) => n,
+        _ => {
+            return Err(bad(
+                P,
+                format!("{at}.function.name is required: 1 to 64 of a-z, A-Z, 0-9, _ and -"),
+            ))
+        }
+    };
+    let description = match f.remove("description") {
+        None | Some(Value::Null) => None,
+        Some(Value::String(d)) => Some(d),
+        Some(_) => {
+            return Err(bad(
+                P,
+                format!("{at}.function.description must be a string"),
+            ))
+        }
+    };
+    if !matches!(
+        f.remove("strict"),
+        None | Some(Value::Null | Value::Bool(_))
+    ) {
+        return Err(bad(P, format!("{at}.function.strict must be a boolean")));
+    }
+    let parameters = match f.remove("parameters") {
+        None | Some(Value::Null) => {
+            json!({"type": "object", "properties": {}, "additionalProperties": false})
+        }
+        Some(p @ Value::Object(_)) => p,
+        Some(_) => {
+            return Err(bad(
+                P,
+                format!("{at}.function.parameters must be a JSON Schema object"),
+            ))
+        }
+    };
+    if let Some(k) = f.keys().next() {
+        return Err(bad(P, format!("{at}.function: unknown field {k:?}")));
+    }
+    if has_ref(&parameters) {
+        return Err(OpenAiError::unsupported(
+            P,
+            &format!("{at}.function.parameters: $ref is not served in tool schemas (inline the definitions)"),
+        ));
+    }
+    Constraint::JsonSchema(parameters.to_string())
+        .check()
+        .map_err(|e| bad(P, format!("{at}.function.parameters: {e}")))?;
+    Ok(Tool {
+        name,
+        description,
+        parameters,
+    })
+}
+
+/// `tools`: absent, or a list of functions with distinct names.
+pub fn parse_tools(v: Option<Value>) -> Result<Vec<Tool>, OpenAiError> {
+    let items = match v {
+        None | Some(Value::Null) => return Ok(Vec::new()),
+        Some(Value::Array(items)) => items,
+        Some(_) => {
+            return Err(bad(
+                "tools",
+                "tools must be a list of {\"type\": \"function\", \"function\": {...}}".into(),
+            ))
+        }
+    };
+    if items.len() > MAX_TOOLS {
+        return Err(bad(
+            "tools",
+            format!("tools has {} entries; at most {MAX_TOOLS}", items.len()),
+        ));
+    }
+    let mut out: Vec<Tool> = Vec::with_capacity(items.len());
+    for (i, v) in items.into_iter().enumerate() {
+        let t = tool(i, v)?;
+        if out.iter().any(|o| o.name == t.name) {
+            return Err(bad(
+                "tools",
+                format!("tools[{i}]: a second tool named {:?}", t.name),
+            ));
+        }
+        out.push(t);
+    }
+    Ok(out)
+}
+
+/// `tool_choice` as asked.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Choice {
+    None,
+    Auto,
+    Required,
+    Named(String),
+}
+
+fn choice(v: Option<Value>) -> Result<Option<Choice>, OpenAiError> {
+    const P: &str = "tool_choice";
+    let what = "tool_choice must be \"none\", \"auto\", \"required\" or {\"type\": \"function\", \"function\": {\"name\": ...}}";
+    match v {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::String(s)) => match s.as_str() {
+            "none" => Ok(Some(Choice::None)),
+            "auto" => Ok(Some(Choice::Auto)),
+            "required" => Ok(Some(Choice::Required)),
+            _ => Err(bad(P, what.into())),
+        },
+        Some(Value::Object(mut o)) => {
+            let named = match (o.remove("type"), o.remove("function")) {
+                (Some(Value::String(t)), Some(Value::Object(mut f))) if t == "function" => {
+                    match (f.remove("name"), f.is_empty()) {
+                        (Some(Value::String(n)), true) => Some(n),
+                        _ => None,
+                    }
+                }
+                _ => None,
+            };
+            match named {
+                Some(n) if o.is_empty() => Ok(Some(Choice::Named(n))),
+                _ => Err(bad(P, what.into())),
+            }
+        }
+        Some(_) => Err(bad(P, what.into())),
+    }
+}
+
+/// `tools` and `tool_choice` together: the call the answer must be, or
+/// `None` for a text answer (no tools, or `"none"`).
+pub fn forced(tools: Vec<Tool>, choice_v: Option<Value>) -> Result<Option<Forced>, OpenAiError> {
+    const P: &str = "tool_choice";
+    let asked = choice(choice_v)?;
+    match (asked, tools.is_empty()) {
+        (None | Some(Choice::None | Choice::Auto), true) | (Some(Choice::None), false) => Ok(None),
+        (Some(Choice::Required | Choice::Named(_)), true) => Err(bad(
+            P,
+            "tool_choice asks for a tool call but tools is empty".into(),
+        )),
+        (None | Some(Choice::Auto), false) => Err(OpenAiError::unsupported(
+            P,
+            "\"auto\" (the default with tools) is not served yet: the model cannot choose between text and a call here; send \"required\", a named function, or \"none\"",
+        )),
+        (Some(Choice::Required), false) => Ok(Some(Forced {
+            tools,
+            named: false,
+        })),
+        (Some(Choice::Named(n)), false) => match tools.into_iter().find(|t| t.name == n) {
+            Some(t) => Ok(Some(Forced {
+                tools: vec![t],
+                named: true,
+            })),
+            None => Err(bad(
+                P,
+                format!(
+                    "tool_choice names {:?}, which is not in tools",
+                    n.chars().take(64).collect::<String>()
+                ),
+            )),
+        },
+    }
+}
+
+/// The schema of one call of `t`: `{"name": <const>, "arguments": <its
+/// parameters>}`, in that order, nothing else.
+fn call_schema(t: &Tool) -> Value {
+    let mut props = Map::new();
+    props.insert("name".into(), json!({"const": t.name}));
+    props.insert("arguments".into(), t.parameters.clone());
+    json!({
+        "type": "object",
+        "properties": Value::Object(props),
+        "required": ["name", "arguments"],
+        "additionalProperties": false,
+    })
+}
+
+impl Forced {
+    /// The grammar of the answer: one call of one of the tools (`anyOf`
+    /// over them when there are several). Compiled here, so a set of tools
+    /// the engine cannot enforce together (over the size limit) is a 400.
+    pub fn grammar(&self) -> Result<Constraint, OpenAiError> {
+        let schema = match &self.tools[..] {
+            [one] => call_schema(one),
+            many => json!({"anyOf": many.iter().map(call_schema).collect::<Vec<_>>()}),
+        };
+        let c = Constraint::JsonSchema(schema.to_string());
+        c.check().map_err(|e| bad("tools", format!("tools: {e}")))?;
+        Ok(c)
+    }
+
+    /// The system text telling the model the tools and the call format.
+    pub fn preamble(&self) -> String {
+        let mut s = String::from(
+            "You can call the following tools. Each line is one tool as JSON: its name, what it does, and the JSON Schema of its arguments.\n",
+        );
+        for t in &self.tools {
+            let mut line = Map::new();
+            line.insert("name".into(), json!(t.name));
+            if let Some(d) = &t.description {
+                line.insert("description".into(), json!(d));
+            }
+            line.insert("parameters".into(), t.parameters.clone());
+            s.push_str(&Value::Object(line).to_string());
+            s.push('\n');
+        }
+        s.push_str(
+            "To call a tool, answer with only this JSON: {\"name\": <the tool's name>, \"arguments\": <its arguments as a JSON object>}. The tool's result comes back in a message starting \"Tool result\".\n",
+        );
+        match (&self.tools[..], self.named) {
+            ([t], true) => s.push_str(&format!("Call the tool {} now.", t.name)),
+            _ => s.push_str("Call one of these tools now."),
+        }
+        s
+    }
+}
+
+/// A call as the model writes it (and as a past call is shown to it).
+pub fn call_text(name: &str, arguments: &Value) -> String {
+    format!(
+        "{{\"name\":{},\"arguments\":{arguments}}}",
+        Value::String(name.to_owned())
+    )
+}
+
+/// The prefix of a call of `name` up to its arguments.
+fn call_head(name: &str) -> String {
+    format!(
+        "{{\"name\":{},\"arguments\":",
+        Value::String(name.to_owned())
+    )
+}
+
+/// The call an output is, when it is exactly one whole call: its tool's
+/// name and its arguments' text (as generated).
+pub fn read_call(text: &str) -> Option<(String, &str)> {
+    let rest = text.strip_prefix("{\"name\":\"")?;
+    let name = &rest[..rest.find('"')?];
+    if !valid_name(name) {
+        return None;
+    }
+    let args = text.strip_prefix(&call_head(name))?.strip_suffix('}')?;
+    matches!(serde_json::from_str::<Value>(args), Ok(Value::Object(_)))
+        .then(|| (name.to_owned(), args))
+}
+
+/// The id of the `index`th call of a job's answer.
+pub fn call_id(job: &impl std::fmt::Display, index: usize) -> String {
+    format!("call_{job}_{index}")
+}
+
+/// OpenAI's `tool_calls` entry of a whole call.
+pub fn call_json(id: &str, name: &str, arguments: &str) -> Value {
+    json!({"id": id, "type": "function", "function": {"name": name, "arguments": arguments}})
+}
+
+/// Renders the calls an assistant message carries (`tool_calls`) as the
+/// model writes them, after its text; records each call's id and name.
+pub fn assistant_calls(
+    at: &str,
+    text: String,
+    calls: Value,
+    names: &mut HashMap<String, String>,
+) -> Result<String, OpenAiError> {
+    const P: &str = "messages";
+    let shape = || {
+        bad(
+            P,
+            format!("{at}.tool_calls must be a list of {{\"id\", \"type\": \"function\", \"function\": {{\"name\", \"arguments\"}}}}"),
+        )
+    };
+    let Value::Array(calls) = calls else {
+        return Err(shape());
+    };
+    let mut lines: Vec<String> = Vec::with_capacity(calls.len() + 1);
+    if !text.is_empty() {
+        lines.push(text);
+    }
+    for (j, c) in calls.into_iter().enumerate() {
+        let Value::Object(mut c) = c else {
+            return Err(shape());
+        };
+        let id = match c.remove("id") {
+            Some(Value::String(id)) if !id.is_empty() => id,
+            _ => return Err(shape()),
+        };
+        match c.remove("type") {
+            None | Some(Value::Null) => {}
+            Some(Value::String(t)) if t == "function" => {}
+            Some(_) => return Err(shape()),
+        }
+        let Some(Value::Object(mut f)) = c.remove("function") else {
+            return Err(shape());
+        };
+        let (Some(Value::String(name)), Some(Value::String(args))) =
+            (f.remove("name"), f.remove("arguments"))
+        else {
+            return Err(shape());
+        };
+        let args: Value = serde_json::from_str(&args).map_err(|e| {
+            bad(
+                P,
+                format!("{at}.tool_calls[{j}].function.arguments is not JSON: {e}"),
+            )
+        })?;
+        lines.push(call_text(&name, &args));
+        names.insert(id, name);
+    }
+    Ok(lines.join("\n"))
+}
+
+/// A tool result (`role: "tool"`) as the text of a user turn.
+pub fn result_text(
+    at: &str,
+    call: Option<Value>,
+    content: &str,
+    names: &HashMap<String, String>,
+) -> Result<String, OpenAiError> {
+    let id = match call {
+        Some(Value::String(id)) => id,
+        _ => {
+            return Err(bad(
+                "messages",
+                format!("{at}.tool_call_id is required for a tool message"),
+            ))
+        }
+    };
+    let name = names.get(&id).ok_or_else(|| {
+        bad(
+            "messages",
+            format!(
+                "{at}: tool_call_id {:?} answers no tool call of an earlier assistant message",
+                id.chars().take(64).collect::<String>()
+            ),
+        )
+    })?;
+    Ok(format!("Tool result (call {id}, {name}):\n{content}"))
+}
+
+/// Turns a call's output text, as it streams, into OpenAI's tool-call
+/// deltas: the first names the call (`id`, `type`, `function.name`, empty
+/// `arguments`) once the text has reached its arguments; the next carry the
+/// arguments' text as it comes, holding back the last character (the
+/// call's closing brace, dropped at the end).
+#[derive(Debug)]
+pub struct CallStream {
+    id: String,
+    text: String,
+    /// Where the arguments start, once the head is known.
+    args_at: Option<usize>,
+    /// How much of `text` has been sent.
+    sent: usize,
+}
+
+impl CallStream {
+    pub fn new(id: String) -> Self {
+        Self {
+            id,
+            text: String::new(),
+            args_at: None,
+            sent: 0,
+        }
+    }
+
+    fn delta(index_entry: Value) -> Value {
+        json!([index_entry])
+    }
+
+    /// The `tool_calls` delta for `more` text, if there is one to send.
+    pub fn push(&mut self, more: &str) -> Option<Value> {
+        self.text.push_str(more);
+        let mut head = None;
+        if self.args_at.is_none() {
+            let rest = self.text.strip_prefix("{\"name\":\"")?;
+            let name = &rest[..rest.find('"')?];
+            let h = call_head(name);
+            if !self.text.starts_with(&h) {
+                return None;
+            }
+            head = Some(name.to_owned());
+            self.args_at = Some(h.len());
+            self.sent = h.len();
+        }
+        // Hold back the last character: it may be the closing brace.
+        let upto = self
+            .text
+            .char_indices()
+            .last()
+            .map_or(0, |(i, _)| i)
+            .max(self.sent);
+        let args = &self.text[self.sent..upto];
+        self.sent = upto;
+        match head {
+            Some(name) => Some(Self::delta(json!({
+                "index": 0, "id": self.id, "type": "function",
+                "function": {"name": name, "arguments": args},
+            }))),
+            None if !args.is_empty() => Some(Self::delta(
+                json!({"index": 0, "function": {"arguments": args}}),
+            )),
+            None => None,
+        }
+    }
+
+    /// At the end of the output: whether it was a whole call, and the last
+    /// delta: the rest of the arguments (a whole call), or what is left of
+    /// a cut one (`tool_calls`, or `content` when it never reached its
+    /// arguments).
+    pub fn end(&mut self) -> (bool, Option<(&'static str, Value)>) {
+        let whole = read_call(&self.text).is_some();
+        let rest = match (self.args_at, whole) {
+            (Some(_), true) => &self.text[self.sent..self.text.len() - 1],
+            _ => &self.text[self.sent..],
+        };
+        self.sent = self.text.len();
+        if rest.is_empty() {
+            return (whole, None);
+        }
+        let last = match self.args_at {
+            Some(_) => (
+                "tool_calls",
+                Self::delta(json!({"index": 0, "function": {"arguments": rest}})),
+            ),
+            None => ("content", json!(rest)),
+        };
+        (whole, Some(last))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_streamed_call_reassembles_to_the_whole_call() {
+        let text = r#"{"name":"get_weather","arguments":{"city":"Paris é"}}"#;
+        let whole = read_call(text).expect("a call");
+        assert_eq!(whole, ("get_weather".into(), r#"{"city":"Paris é"}"#));
+        // Every split into pieces gives the same name and arguments.
+        for cut in 1..text.len() {
+            let Some(a) = text.get(..cut) else { continue };
+            let b = &text[cut..];
+            let mut s = CallStream::new("call_j_0".into());
+            let mut deltas: Vec<Value> = [s.push(a), s.push(b)].into_iter().flatten().collect();
+            let (is_call, last) = s.end();
+            assert!(is_call);
+            if let Some((field, d)) = last {
+                assert_eq!(field, "tool_calls");
+                deltas.push(d);
+            }
+            assert_eq!(deltas[0][0]["id"], "call_j_0", "{cut}");
+            assert_eq!(deltas[0][0]["type"], "function");
+            assert_eq!(deltas[0][0]["function"]["name"], "get_weather");
+            let args: String = deltas
+                .iter()
+                .map(|d| d[0]["function"]["arguments"].as_str().unwrap_or_default())
+                .collect();
+            assert_eq!(args, whole.1, "cut at {cut}");
+            assert!(deltas[1..].iter().all(|d| d[0].get("id").is_none()));
+        }
+    }
+
+    #[test]
+    fn a_cut_output_is_not_a_call() {
+        for text in [
+            r#"{"name":"get_weather","arguments":{"city":"Par"#,
+            r#"{"name":"get_weather","argu"#,
+            r#"{"name":"get_weather","arguments":{"city":"Paris"}} "#,
+            r#"{"name":"get weather","arguments":{}}"#,
+            r#"{"name":"f","arguments":[1]}"#,
+            "Paris",
+            "",
+        ] {
+            assert_eq!(read_call(text), None, "{text}");
+        }
+        let mut s = CallStream::new("c".into());
+        assert_eq!(s.push(r#"{"name":"get_wea"#), None);
+        let (whole, last) = s.end();
+        assert!(!whole);
+        assert_eq!(last, Some(("content", json!(r#"{"name":"get_wea"#))));
+    }
+}
