@@ -343,6 +343,18 @@ impl Application {
     }
 }
 
+/// Loads the node-link certificate from `config`'s data directory, creating
+/// the directory and the pair if absent, and returns its fingerprint: what
+/// `Application::build` on the same data directory serves and nodes pin.
+/// Touches no database.
+pub fn certificate(config: &CoordinatorConfig) -> Result<String, AppError> {
+    std::fs::create_dir_all(&config.data_dir).map_err(|source| AppError::DataDir {
+        path: config.data_dir.display().to_string(),
+        source,
+    })?;
+    Ok(Identity::load_or_create(&config.data_dir)?.fingerprint())
+}
+
 /// Opens the database `config` names (creating and migrating it if needed),
 /// creates an admin account named `name` with an admin key, and closes the
 /// database. This is how the first key of a network is made: run
@@ -557,6 +569,22 @@ mod tests {
         drop(client);
         stop.send(()).unwrap();
         task.await.unwrap().unwrap();
+    }
+
+    /// `mlxnet-coordinator certificate` makes the pair a coordinator on the
+    /// same data directory then serves: replicas given copies of it are
+    /// pinned by one fingerprint.
+    #[tokio::test]
+    async fn the_certificate_command_prints_the_fingerprint_the_coordinator_serves() {
+        let dir = tempfile::tempdir().unwrap();
+        let config = CoordinatorConfig::for_data_dir(dir.path().join("data"));
+        let made = certificate(&config).unwrap();
+        assert_eq!(made.len(), 64);
+        assert_eq!(certificate(&config).unwrap(), made, "created once");
+        let running = run(config, None).await;
+        assert_eq!(running.fingerprint, made);
+        running.stop.send(()).unwrap();
+        running.task.await.unwrap().unwrap();
     }
 
     async fn jobs_client(grpc: SocketAddr, key: &str) -> JobsClient<crate::test_utils::Authed> {
