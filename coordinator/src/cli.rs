@@ -44,6 +44,10 @@ pub struct Cli {
     /// the SQLite file in the data directory).
     #[arg(long)]
     pub database_url: Option<String>,
+    /// This replica's name among those sharing the database (default: a
+    /// random one per process).
+    #[arg(long)]
+    pub replica_id: Option<String>,
     #[command(subcommand)]
     pub command: Option<Command>,
 }
@@ -113,6 +117,9 @@ impl Cli {
         }
         if let Some(url) = &self.database_url {
             config.database_url = Some(url.clone());
+        }
+        if let Some(id) = &self.replica_id {
+            config.replica_id = Some(id.clone());
         }
     }
 }

@@ -360,6 +360,13 @@ fn compose_runs_two_coordinator_replicas_on_postgres_and_a_node_with_what_they_r
         assert!(s.restart.is_some(), "{name} restarts when it stops");
         let (config, cli) = coordinator_config(&s.environment, &argv(&docker, "coordinator", &[]));
         assert!(cli.command.is_none(), "{name} runs the server");
+        let replica_id = config.replica_id.clone().expect("a replica id");
+        assert!(
+            replicas
+                .values()
+                .all(|r: &CoordinatorConfig| r.replica_id.as_ref() != Some(&replica_id)),
+            "{name}: replica ids are distinct"
+        );
         assert_eq!(
             config.database_url(),
             db_url,
@@ -520,7 +527,14 @@ struct EnvVar {
 #[derive(Deserialize)]
 #[serde(rename_all = "camelCase")]
 struct EnvSource {
-    secret_key_ref: KeyRef,
+    secret_key_ref: Option<KeyRef>,
+    field_ref: Option<FieldRef>,
+}
+
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct FieldRef {
+    field_path: String,
 }
 
 #[derive(Deserialize)]
@@ -690,8 +704,27 @@ async fn kubernetes_runs_three_replicas_with_probes_ports_and_secrets_the_coordi
     for e in &c.env {
         let value = match (&e.value, &e.value_from) {
             (Some(v), None) => v.clone(),
-            (None, Some(from)) => {
-                let r = &from.secret_key_ref;
+            (
+                None,
+                Some(EnvSource {
+                    field_ref: Some(f),
+                    secret_key_ref: None,
+                }),
+            ) => {
+                assert_eq!(
+                    f.field_path, "metadata.name",
+                    "{}: only the pod's name",
+                    e.name
+                );
+                "mlxnet-coordinator-7d9f8-abcde".to_owned()
+            }
+            (
+                None,
+                Some(EnvSource {
+                    secret_key_ref: Some(r),
+                    field_ref: None,
+                }),
+            ) => {
                 assert!(
                     secrets
                         .get(r.name.as_str())
@@ -707,7 +740,10 @@ async fn kubernetes_runs_three_replicas_with_probes_ports_and_secrets_the_coordi
                     .and_then(|o| o.string_data.get(&r.key).cloned())
                     .unwrap_or_default()
             }
-            _ => panic!("{}: exactly one of value, valueFrom", e.name),
+            _ => panic!(
+                "{}: exactly one of value, a secret key, the pod's name",
+                e.name
+            ),
         };
         assert!(
             env.insert(e.name.clone(), value).is_none(),
@@ -721,6 +757,11 @@ async fn kubernetes_runs_three_replicas_with_probes_ports_and_secrets_the_coordi
     assert!(
         config.database_url().starts_with("postgres://"),
         "replicas share PostgreSQL, not a SQLite file per pod"
+    );
+    assert_eq!(
+        config.replica_id.as_deref(),
+        Some("mlxnet-coordinator-7d9f8-abcde"),
+        "each replica is named after its pod"
     );
 
     // Ports: exactly the coordinator's listeners.
