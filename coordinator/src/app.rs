@@ -96,10 +96,17 @@ pub struct Application {
 impl Application {
     /// Opens the database (migrating it), loads or creates the certificate,
     /// and binds gRPC, QUIC and HTTP.
-    pub async fn build(config: CoordinatorConfig) -> Result<Application, AppError> {
+    pub async fn build(mut config: CoordinatorConfig) -> Result<Application, AppError> {
         config
             .validate()
             .map_err(|e| AppError::Config(format!("{e:#}")))?;
+        let replica = config
+            .replica_id
+            .get_or_insert_with(|| {
+                let id = uuid::Uuid::new_v4().simple().to_string();
+                format!("replica-{}", &id[..12])
+            })
+            .clone();
         std::fs::create_dir_all(&config.data_dir).map_err(|source| AppError::DataDir {
             path: config.data_dir.display().to_string(),
             source,
@@ -163,7 +170,7 @@ impl Application {
         let grpc_addr = local_addr("gRPC", &grpc, config.grpc_addr)?;
         let http_addr = local_addr("HTTP", &http, config.http_addr)?;
         let fingerprint = identity.fingerprint();
-        info!(%grpc_addr, %quic_addr, %http_addr, %fingerprint, "coordinator bound");
+        info!(%grpc_addr, %quic_addr, %http_addr, %fingerprint, %replica, "coordinator bound");
         // The handles the layers share, each made once.
         let hub = EventHub::default();
         let sessions = Sessions::default();
@@ -341,6 +348,18 @@ impl Application {
         info!("stopped");
         result
     }
+}
+
+/// Loads the node-link certificate from `config`'s data directory, creating
+/// the directory and the pair if absent, and returns its fingerprint: what
+/// `Application::build` on the same data directory serves and nodes pin.
+/// Touches no database.
+pub fn certificate(config: &CoordinatorConfig) -> Result<String, AppError> {
+    std::fs::create_dir_all(&config.data_dir).map_err(|source| AppError::DataDir {
+        path: config.data_dir.display().to_string(),
+        source,
+    })?;
+    Ok(Identity::load_or_create(&config.data_dir)?.fingerprint())
 }
 
 /// Opens the database `config` names (creating and migrating it if needed),
@@ -557,6 +576,39 @@ mod tests {
         drop(client);
         stop.send(()).unwrap();
         task.await.unwrap().unwrap();
+    }
+
+    /// `mlxnet-coordinator certificate` makes the pair a coordinator on the
+    /// same data directory then serves: replicas given copies of it are
+    /// pinned by one fingerprint.
+    #[tokio::test]
+    async fn the_certificate_command_prints_the_fingerprint_the_coordinator_serves() {
+        let dir = tempfile::tempdir().unwrap();
+        let config = CoordinatorConfig::for_data_dir(dir.path().join("data"));
+        let made = certificate(&config).unwrap();
+        assert_eq!(made.len(), 64);
+        assert_eq!(certificate(&config).unwrap(), made, "created once");
+        let running = run(config, None).await;
+        assert_eq!(running.fingerprint, made);
+        running.stop.send(()).unwrap();
+        running.task.await.unwrap().unwrap();
+    }
+
+    /// `/readyz` follows the database: 200 while it answers, 503 once the
+    /// replica's connections to it are gone (what the Kubernetes readiness
+    /// probe and a load balancer act on); `/healthz` still answers.
+    #[tokio::test]
+    async fn readyz_answers_503_once_the_database_is_gone_and_healthz_still_answers() {
+        let app = crate::test_utils::spawn_app(|_| {}).await;
+        let ready = crate::test_utils::http_get(app.http_addr, "/readyz").await;
+        assert!(ready.starts_with("HTTP/1.1 200"), "{ready}");
+        app.ledger.store().close().await;
+        let gone = crate::test_utils::http_get(app.http_addr, "/readyz").await;
+        assert!(gone.starts_with("HTTP/1.1 503"), "{gone}");
+        assert!(gone.ends_with("database unavailable\n"), "{gone}");
+        let live = crate::test_utils::http_get(app.http_addr, "/healthz").await;
+        assert!(live.starts_with("HTTP/1.1 200"), "{live}");
+        app.stop().await;
     }
 
     async fn jobs_client(grpc: SocketAddr, key: &str) -> JobsClient<crate::test_utils::Authed> {

@@ -70,6 +70,10 @@ pub struct CoordinatorConfig {
     pub job_lease_ms: u64,
     /// Audits of completed jobs and the pay window (see [`crate::audit`]).
     pub audit: crate::audit::AuditConfig,
+    /// This replica's name among those sharing the database: the holder
+    /// of the leases it takes, and the `replica` label of its metrics.
+    /// Default: a random `replica-<12 hex>` per process.
+    pub replica_id: Option<String>,
 }
 
 fn any_addr(port: u16) -> SocketAddr {
@@ -99,6 +103,7 @@ impl Default for CoordinatorConfig {
             ledger: crate::ledger::LedgerConfig::default(),
             job_lease_ms: 60_000,
             audit: crate::audit::AuditConfig::default(),
+            replica_id: None,
         }
     }
 }
@@ -131,6 +136,7 @@ impl fmt::Debug for CoordinatorConfig {
             .field("ledger", &self.ledger)
             .field("job_lease_ms", &self.job_lease_ms)
             .field("audit", &self.audit)
+            .field("replica_id", &self.replica_id)
             .finish()
     }
 }
@@ -173,6 +179,7 @@ impl CoordinatorConfig {
             max_attempts: self.limits.max_attempts,
             job_timeout_ms: self.job_timeout_ms,
             job_lease_ms: self.job_lease_ms,
+            replica_id: self.replica_id.clone().unwrap_or_default(),
         }
     }
 
@@ -255,6 +262,12 @@ impl CoordinatorConfig {
         anyhow::ensure!(
             self.ledger.hold_ttl_ms > 0 && self.ledger.sweep_interval_ms > 0,
             "ledger.hold_ttl_ms and ledger.sweep_interval_ms must be positive"
+        );
+        anyhow::ensure!(
+            self.replica_id
+                .as_deref()
+                .is_none_or(|r| !r.is_empty() && r.len() <= 128),
+            "replica_id must be 1 to 128 characters"
         );
         anyhow::ensure!(
             self.limits.max_attempts >= 1,

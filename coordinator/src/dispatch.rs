@@ -125,6 +125,9 @@ pub struct DispatchConfig {
     /// An attempt's lease: the node must show progress at least this often
     /// (`job_lease_ms`).
     pub job_lease_ms: u64,
+    /// This replica's name: the holder of the singleton duties' leases
+    /// (`replica_id`, resolved to a random one at start when unset).
+    pub replica_id: String,
 }
 
 /// What the dispatcher is built from: its settings and the handles it

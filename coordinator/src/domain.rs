@@ -9,12 +9,14 @@
 //! - [`money`]: accounts, transfers, prices and a job's payment terms
 //!   (integer micro-MLX; 1 MLX = 1,000,000 micro-MLX).
 //! - [`key`]: API key scopes, limits and the authenticated caller.
+//! - [`lease`]: a singleton duty's lease and its fencing epoch.
 //!
 //! # Invariants
 //! - Nothing here imports another module of the crate; nothing here does I/O.
 
 pub mod job;
 pub mod key;
+pub mod lease;
 pub mod money;
 pub mod node;
 
@@ -23,6 +25,7 @@ pub use job::{
     Streamed, StreamedEnd, UnknownState,
 };
 pub use key::{Caller, InvalidScopes, KeyInfo, KeyLimits, Scope, Scopes, StoredKey};
+pub use lease::Lease;
 pub use money::{
     hold_id, Account, AccountKind, Applied, JobTerms, NewTransfer, NodeEarnings, Price, Totals,
     Transfer, TransferKind,

@@ -20,6 +20,8 @@ const ALLOWED: &[(&str, &[&str])] = &[
     // every caller starts from.
     ("lib", &["app", "config"]),
     ("app", &["*"]),
+    // The binary's flags: the last layer over the config.
+    ("cli", &["config"]),
     // `config` only gathers the sections their modules define.
     (
         "config",

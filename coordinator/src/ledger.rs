@@ -381,22 +381,39 @@ where
     F: Fn(mlxnet_proto::ids::JobId) -> Fut,
     Fut: std::future::Future<Output = Result<(), StoreError>>,
 {
+    sweep_under(ledger, now_ms, None, cancel).await
+}
+
+/// [`sweep`] by the replica holding `lease`: every settlement's
+/// transaction is fenced by it, so once the lease is lost the sweep stops
+/// with `StoreError::Fenced` and settles nothing more. (`cancel` is the
+/// job's guarded transition, which a repeat leaves unchanged.)
+pub async fn sweep_under<F, Fut>(
+    ledger: &Ledger,
+    now_ms: i64,
+    lease: Option<&crate::domain::Lease>,
+    cancel: F,
+) -> Result<Swept, LedgerError>
+where
+    F: Fn(mlxnet_proto::ids::JobId) -> Fut,
+    Fut: std::future::Future<Output = Result<(), StoreError>>,
+{
     let mut out = Swept::default();
     for id in ledger.unsettled_jobs(now_ms, SWEEP_BATCH).await? {
         let Ok(job) = id.parse() else {
             return Err(LedgerError::Corrupt(format!("hold of job {id:?}")));
         };
-        ledger.settle_job(job, now_ms).await?;
+        ledger.settle_job_under(job, now_ms, lease).await?;
         out.settled += 1;
     }
     for id in ledger.due_holds(now_ms, SWEEP_BATCH).await? {
         let Ok(job) = id.parse() else {
             return Err(LedgerError::Corrupt(format!("hold of job {id:?}")));
         };
-        if ledger.settle_job(job, now_ms).await? == settle::Settlement::Overdue {
+        if ledger.settle_job_under(job, now_ms, lease).await? == settle::Settlement::Overdue {
             cancel(job).await?;
             out.cancelled += 1;
-            ledger.settle_job(job, now_ms).await?;
+            ledger.settle_job_under(job, now_ms, lease).await?;
         }
     }
     Ok(out)

@@ -3,7 +3,8 @@
 //! jobs in SQLite.
 //!
 //! # Layout
-//! - [`config`]: layered configuration (defaults, TOML file, `MLXNET__*` env, flags).
+//! - [`config`]: layered configuration (defaults, TOML file, `MLXNET__*` env, flags);
+//!   [`cli`]: the binary's flags and subcommands (the last layer).
 //! - [`app`]: [`app::Application`]: binds every listener, runs until shutdown.
 //! - [`api`]: the gRPC client API (jobs, models, network, accounts, health, reflection).
 //! - [`link`]: the QUIC node link: TLS identity, handshake, sessions, job streams.
@@ -31,7 +32,10 @@ pub mod api;
 pub mod app;
 pub mod audit;
 pub mod catalogue;
+pub mod cli;
 pub mod config;
+#[cfg(test)]
+mod deploy_tests;
 pub mod dispatch;
 pub mod domain;
 pub mod http;

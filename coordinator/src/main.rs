@@ -1,98 +1,37 @@
 //! `mlxnet-coordinator`: parse flags, load config, build, run; or, with
-//! `admin-key`, create an admin account and print its first API key.
-use std::{net::SocketAddr, path::PathBuf};
+//! `admin-key`, create an admin account and print its first API key; with
+//! `certificate`, create the node-link certificate and print its fingerprint.
+use std::path::PathBuf;
 
 use anyhow::Context;
-use clap::{Parser, Subcommand};
-use mlxnet_coordinator::{app::Application, config::CoordinatorConfig};
-
-/// The mlx-network coordinator.
-#[derive(Parser)]
-#[command(version, about)]
-struct Args {
-    /// TOML config file (then MLXNET__SECTION__KEY env vars, then these flags).
-    #[arg(long)]
-    config: Option<PathBuf>,
-    #[arg(long)]
-    data_dir: Option<PathBuf>,
-    #[arg(long)]
-    grpc_addr: Option<SocketAddr>,
-    #[arg(long)]
-    quic_addr: Option<SocketAddr>,
-    #[arg(long)]
-    http_addr: Option<SocketAddr>,
-    /// `sqlite://PATH` or `postgres://USER:PASSWORD@HOST:PORT/DB` (default:
-    /// the SQLite file in the data directory).
-    #[arg(long)]
-    database_url: Option<String>,
-    #[command(subcommand)]
-    command: Option<Command>,
-}
-
-#[derive(Subcommand)]
-enum Command {
-    /// Create an admin account in the coordinator's database and print its
-    /// API key (once). How a new network gets its first key; works while the
-    /// coordinator runs.
-    AdminKey {
-        /// Name of the new admin account.
-        #[arg(long, default_value = "admin")]
-        name: String,
-    },
-    /// The catalogue file (the models the coordinator adds to its configured
-    /// ones at start; format of `proto/catalogue.toml`).
-    Catalogue {
-        /// The file. Default: `catalogue_file` of the config, else
-        /// `<data dir>/catalogue.toml`.
-        #[arg(long)]
-        file: Option<PathBuf>,
-        #[command(subcommand)]
-        action: CatalogueAction,
-    },
-}
-
-#[derive(Subcommand)]
-enum CatalogueAction {
-    /// Every model jobs may name: the configured ones and the file's.
-    List,
-    /// Adds the models of a catalogue TOML (what `mlx-node models describe`
-    /// prints) to the file; all or none.
-    Add {
-        /// A catalogue TOML with one or more `[[model]]` entries.
-        entries: PathBuf,
-        /// Replace an entry of the same id.
-        #[arg(long)]
-        replace: bool,
-    },
-    /// Removes a model from the file.
-    Remove { id: String },
-}
+use clap::Parser;
+use mlxnet_coordinator::{
+    app::Application,
+    cli::{CatalogueAction, Cli, Command, LOG_ENV},
+    config::CoordinatorConfig,
+};
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     tracing_subscriber::fmt()
         .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
+            tracing_subscriber::EnvFilter::try_from_env(LOG_ENV)
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
         )
         .with_writer(std::io::stderr)
         .init();
-    let args = Args::parse();
+    let args = Cli::parse();
     let mut config = CoordinatorConfig::load(args.config.as_deref(), std::env::vars())?;
-    if let Some(d) = args.data_dir {
-        config.data_dir = d;
-    }
-    if let Some(a) = args.grpc_addr {
-        config.grpc_addr = a;
-    }
-    if let Some(a) = args.quic_addr {
-        config.quic_addr = a;
-    }
-    if let Some(a) = args.http_addr {
-        config.http_addr = a;
-    }
-    if let Some(url) = args.database_url {
-        config.database_url = Some(url);
+    args.apply(&mut config);
+    if let Some(Command::Certificate { out }) = &args.command {
+        let fingerprint = mlxnet_coordinator::app::certificate(&config)
+            .context("loading or creating the node-link certificate")?;
+        if let Some(path) = out {
+            std::fs::write(path, format!("{fingerprint}\n"))
+                .with_context(|| format!("writing {}", path.display()))?;
+        }
+        println!("{fingerprint}");
+        return Ok(());
     }
     if let Some(Command::Catalogue { file, action }) = args.command {
         return catalogue_command(&config, file, action);

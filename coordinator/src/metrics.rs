@@ -15,6 +15,7 @@ use prometheus_client::{
     encoding::text::encode,
     metrics::{
         counter::Counter,
+        family::Family,
         gauge::Gauge,
         histogram::{exponential_buckets, Histogram},
     },
@@ -56,6 +57,12 @@ pub struct Metrics {
     pub first_token_seconds: Histogram,
     /// One settlement (pay, refund and fee of a job, in one transaction).
     pub settlement_seconds: Histogram,
+    /// Leases of the singleton duties taken or renewed, per replica and
+    /// lease ([`Metrics::lease_renewed`]).
+    lease_renewals: Family<Vec<(String, String)>, Counter>,
+    /// Leases lost (taken over by another replica, or a renewal failed),
+    /// per replica and lease ([`Metrics::lease_lost`]).
+    lease_losses: Family<Vec<(String, String)>, Counter>,
     nodes_online: Gauge,
     jobs_queued: Gauge,
 }
@@ -113,6 +120,18 @@ impl Default for Metrics {
             "settlement_seconds",
             "One settlement: a job's pay, refund and fee in one transaction.",
         );
+        let lease_renewals = Family::<Vec<(String, String)>, Counter>::default();
+        registry.register(
+            "lease_renewals",
+            "Leases of singleton duties taken or renewed, by replica and lease.",
+            lease_renewals.clone(),
+        );
+        let lease_losses = Family::<Vec<(String, String)>, Counter>::default();
+        registry.register(
+            "lease_losses",
+            "Leases of singleton duties lost (taken over, or a renewal failed), by replica and lease.",
+            lease_losses.clone(),
+        );
         let nodes_online = Gauge::default();
         registry.register(
             "nodes_online",
@@ -141,10 +160,19 @@ impl Default for Metrics {
             placement_seconds,
             first_token_seconds,
             settlement_seconds,
+            lease_renewals,
+            lease_losses,
             nodes_online,
             jobs_queued,
         }
     }
+}
+
+fn lease_labels(replica: &str, lease: &str) -> Vec<(String, String)> {
+    vec![
+        ("replica".to_owned(), replica.to_owned()),
+        ("lease".to_owned(), lease.to_owned()),
+    ]
 }
 
 /// The content type of [`Metrics::render`]'s text.
@@ -161,6 +189,20 @@ impl Metrics {
     pub fn observe_since_ms(histogram: &Histogram, since_ms: i64, now_ms: i64) {
         let ms = now_ms.saturating_sub(since_ms).max(0);
         histogram.observe(ms as f64 / 1000.0);
+    }
+
+    /// Counts a grant or renewal of `lease` to `replica`.
+    pub fn lease_renewed(&self, replica: &str, lease: &str) {
+        self.lease_renewals
+            .get_or_create(&lease_labels(replica, lease))
+            .inc();
+    }
+
+    /// Counts a loss of `lease` by `replica`.
+    pub fn lease_lost(&self, replica: &str, lease: &str) {
+        self.lease_losses
+            .get_or_create(&lease_labels(replica, lease))
+            .inc();
     }
 
     /// The OpenMetrics text exposition ([`CONTENT_TYPE`]).
@@ -216,5 +258,26 @@ mod tests {
             "{text}"
         );
         assert!(text.ends_with("# EOF\n"), "{text}");
+    }
+
+    #[test]
+    fn lease_renewals_and_losses_are_counted_per_replica_and_lease() {
+        let m = Metrics::default();
+        m.lease_renewed("replica-a", "ledger-sweep");
+        m.lease_renewed("replica-a", "ledger-sweep");
+        m.lease_lost("replica-a", "ledger-sweep");
+        let text = m.render(Gauges::default());
+        assert!(
+            text.contains(
+                "\nmlxnet_lease_renewals_total{replica=\"replica-a\",lease=\"ledger-sweep\"} 2\n"
+            ),
+            "{text}"
+        );
+        assert!(
+            text.contains(
+                "\nmlxnet_lease_losses_total{replica=\"replica-a\",lease=\"ledger-sweep\"} 1\n"
+            ),
+            "{text}"
+        );
     }
 }

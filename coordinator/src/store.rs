@@ -26,11 +26,15 @@
 //!   one state; dropping it without [`StoreTx::commit`] changes nothing.
 //! - Transfer rows are never updated or deleted; a pending transfer's
 //!   `open_holds` row exists until it is resolved, at most once.
+//! - A lease has at most one live holder; its epoch grows whenever the
+//!   holder changes, and [`StoreTx::fence`] refuses a transaction under an
+//!   older epoch or an expired lease ([`StoreError::Fenced`]).
 //!
 //! # Failure
 //! [`StoreError`]: database errors (kept as the source, never shown to
-//! clients), rows that do not decode (a corrupt or foreign database), and a
-//! database URL no compiled-in backend serves.
+//! clients), rows that do not decode (a corrupt or foreign database), a
+//! database URL no compiled-in backend serves, and a fenced write under a
+//! lost lease.
 
 mod backend;
 pub mod postgres;
@@ -45,7 +49,7 @@ use mlxnet_proto::ids::JobId;
 
 use crate::domain::{
     Account, AttemptEnd, AuditRecord, Availability, CancelOutcome, Completion, JobRecord, JobStats,
-    JobTerms, KeyInfo, KeyLimits, NewJob, NodeEarnings, NodeRecord, RecordDelta, Segment,
+    JobTerms, KeyInfo, KeyLimits, Lease, NewJob, NodeEarnings, NodeRecord, RecordDelta, Segment,
     StoredKey, StreamedEnd, Totals, Transfer,
 };
 
@@ -95,6 +99,10 @@ pub enum StoreError {
         "no store backend serves database URL scheme {scheme:?} (compiled in: sqlite, postgres)"
     )]
     UnsupportedUrl { scheme: String },
+    /// A duty's write under a lease this replica no longer holds (taken
+    /// over, released or expired): refused, nothing written.
+    #[error("lease {name} is no longer held under epoch {epoch}")]
+    Fenced { name: String, epoch: i64 },
 }
 
 /// What a store call returns.
@@ -347,6 +355,26 @@ pub trait Store: Clone + Send + Sync + 'static {
     /// How `job`'s audit stands (`pending`, `passed`, `failed`, `missed`;
     /// `None`: not audited).
     async fn audit_state(&self, job: &str) -> Result<Option<String>>;
+
+    // ---- leases of the singleton duties ----
+    /// Takes lease `name` for `holder` until `now_ms + ttl_ms`, or renews
+    /// it: granted when nobody holds it, when it expired by `now_ms`, or
+    /// when `holder` already holds it. The epoch grows by one whenever a
+    /// holder takes a lease it did not hold (first grant: 1) and stays on a
+    /// renewal. `None`: another holder's lease is live. One statement, so of
+    /// replicas racing for a free lease exactly one gets it.
+    async fn acquire_lease(
+        &self,
+        name: &str,
+        holder: &str,
+        ttl_ms: i64,
+        now_ms: i64,
+    ) -> Result<Option<Lease>>;
+    /// Gives `lease` up (if still held under its epoch; false otherwise), so
+    /// another replica may take it at once, under a higher epoch.
+    async fn release_lease(&self, lease: &Lease) -> Result<bool>;
+    /// Lease `name` as stored (`None`: never granted).
+    async fn lease(&self, name: &str) -> Result<Option<Lease>>;
 }
 
 /// A write transaction: the primitives the ledger's and the audits' rules
@@ -436,6 +464,11 @@ pub trait StoreTx: Send {
     async fn audit_record(&mut self, node: &str) -> Result<AuditRecord>;
     /// Bans `node` from placement at `now_ms` (once).
     async fn ban_node(&mut self, node: &str, now_ms: i64) -> Result<()>;
+    /// Fails with [`StoreError::Fenced`] unless `lease` is still held, under
+    /// its epoch, and unexpired at `now_ms`. The check stands until this
+    /// transaction ends (no takeover commits in between), so a duty that
+    /// fences its transaction writes under its lease or not at all.
+    async fn fence(&mut self, lease: &Lease, now_ms: i64) -> Result<()>;
 }
 
 /// The backends compiled in: what the application holds. A new backend is
@@ -732,6 +765,24 @@ impl Store for AnyStore {
     async fn audit_state(&self, job: &str) -> Result<Option<String>> {
         on_backend!(self, s => s.audit_state(job).await)
     }
+
+    async fn acquire_lease(
+        &self,
+        name: &str,
+        holder: &str,
+        ttl_ms: i64,
+        now_ms: i64,
+    ) -> Result<Option<Lease>> {
+        on_backend!(self, s => s.acquire_lease(name, holder, ttl_ms, now_ms).await)
+    }
+
+    async fn release_lease(&self, lease: &Lease) -> Result<bool> {
+        on_backend!(self, s => s.release_lease(lease).await)
+    }
+
+    async fn lease(&self, name: &str) -> Result<Option<Lease>> {
+        on_backend!(self, s => s.lease(name).await)
+    }
 }
 
 impl StoreTx for AnyTx {
@@ -858,5 +909,9 @@ impl StoreTx for AnyTx {
 
     async fn ban_node(&mut self, node: &str, now_ms: i64) -> Result<()> {
         on_backend!(self, s => s.ban_node(node, now_ms).await)
+    }
+
+    async fn fence(&mut self, lease: &Lease, now_ms: i64) -> Result<()> {
+        on_backend!(self, t => t.fence(lease, now_ms).await)
     }
 }

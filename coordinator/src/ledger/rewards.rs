@@ -20,6 +20,7 @@
 //! [`LedgerError`]; an epoch that fails to pay stays unpaid and is retried.
 
 pub use crate::domain::Availability;
+use crate::domain::Lease;
 
 use super::{
     settle::operator_of, transfer, Ledger, LedgerError, NewTransfer, TransferKind, REWARD_POOL,
@@ -78,9 +79,23 @@ impl Ledger {
     /// Pays every ended, unpaid epoch (before the one `now_ms` is in).
     /// Returns how many epochs were paid.
     pub async fn pay_rewards(&self, now_ms: i64) -> Result<usize, LedgerError> {
+        self.pay_rewards_under(now_ms, None).await
+    }
+
+    /// [`Ledger::pay_rewards`] by a duty holding `lease`: each epoch's
+    /// transaction is fenced, so a replica that lost the lease pays nothing
+    /// (`StoreError::Fenced`).
+    pub async fn pay_rewards_under(
+        &self,
+        now_ms: i64,
+        lease: Option<&Lease>,
+    ) -> Result<usize, LedgerError> {
         let epochs = self.store().unpaid_epochs(self.epoch_of(now_ms)).await?;
         for &epoch in &epochs {
             let mut tx = self.store().write().await?;
+            if let Some(lease) = lease {
+                tx.fence(lease, now_ms).await?;
+            }
             if tx.epoch_paid(epoch).await? {
                 continue;
             }

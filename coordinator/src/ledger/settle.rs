@@ -37,7 +37,7 @@ use super::{
 };
 pub use crate::domain::hold_id;
 use crate::{
-    domain::{Account, AccountKind, JobState},
+    domain::{Account, AccountKind, JobState, Lease},
     store::{AnyTx, Store, StoreTx},
 };
 
@@ -119,8 +119,23 @@ impl Ledger {
     /// Settles `job` according to its state in the store (see [`Settlement`]).
     /// Idempotent: once the hold is resolved, it returns `NothingOpen`.
     pub async fn settle_job(&self, job: JobId, now_ms: i64) -> Result<Settlement, LedgerError> {
+        self.settle_job_under(job, now_ms, None).await
+    }
+
+    /// [`Ledger::settle_job`] by a duty holding `lease` (the sweep): its
+    /// transaction is fenced, so a replica that lost the lease settles
+    /// nothing (`StoreError::Fenced`).
+    pub async fn settle_job_under(
+        &self,
+        job: JobId,
+        now_ms: i64,
+        lease: Option<&Lease>,
+    ) -> Result<Settlement, LedgerError> {
         let id = job.to_string();
         let mut tx = self.store().write().await?;
+        if let Some(lease) = lease {
+            tx.fence(lease, now_ms).await?;
+        }
         step(self).await;
         let Some(deadline) = tx.hold_deadline(&hold_id(&id)).await? else {
             return Ok(Settlement::NothingOpen);

@@ -938,21 +938,28 @@ fn availability_rewards_follow_memory_and_time_within_the_cap() {
     );
 }
 
-#[tokio::test]
-async fn rewards_are_paid_once_per_epoch_from_the_pool() {
+/// A ledger paying rewards in 1 s epochs, 1 micro-MLX per GiB-ms, from a
+/// pool holding 50,000; `NODES[0]` linked to the operator it returns.
+async fn rewards_ledger() -> (tempfile::TempDir, AnyStore, Ledger, Account) {
     let config = LedgerConfig {
         reward_epoch_ms: 1_000,
         reward_per_gib_hour: 3_600_000,
         reward_pool_per_epoch: 1_000_000,
         ..LedgerConfig::default()
     };
-    let (_dir, _store, ledger) = fresh(config).await;
+    let (dir, store, ledger) = fresh(config).await;
     ledger
         .grant("pool", REWARD_POOL, 50_000, "fund")
         .await
         .unwrap();
     let op = account(&ledger, "op", AccountKind::Operator).await;
     ledger.link_node(NODES[0], &op.id).await.unwrap();
+    (dir, store, ledger, op)
+}
+
+#[tokio::test]
+async fn rewards_are_paid_once_per_epoch_from_the_pool() {
+    let (_dir, _store, ledger, op) = rewards_ledger().await;
     let gib = 1u64 << 30;
     // Epoch 5 (5,000..6,000 ms): node 0 offers 8 GiB for 2 s, node 1 2 GiB for 1 s.
     ledger
@@ -1309,4 +1316,89 @@ async fn a_database_error_aborts_the_whole_batch_and_stores_nothing_of_it() {
         .await
         .unwrap();
     assert!(store.get_job(job.id).await.unwrap().is_some());
+}
+
+/// The sweep's duties under a lease: once another replica took the lease
+/// over, the stale holder's settlement and reward payment are refused
+/// (`StoreError::Fenced`) and change nothing; the new holder's go through.
+#[tokio::test]
+async fn a_replica_that_lost_the_sweeps_lease_settles_and_pays_nothing() {
+    let (_dir, store, ledger, op) = rewards_ledger().await;
+    // Epoch 5: 1 GiB for 1 s is owed 1,000 micro-MLX.
+    ledger
+        .record_online(NODES[0], 1 << 30, 1_000, 5_100)
+        .await
+        .unwrap();
+    // A cancelled job with its hold still open.
+    let client = account(&ledger, "client", AccountKind::Client).await;
+    ledger.grant("c", &client.id, 1_000, "").await.unwrap();
+    let job = prompt_job("hi", 8);
+    ledger
+        .submit_job(&job, &terms_of(&client.id, 100), 5_000)
+        .await
+        .unwrap();
+    assert_eq!(
+        store.cancel(job.id).await.unwrap(),
+        CancelOutcome::Cancelled
+    );
+
+    let stale = store
+        .acquire_lease("ledger-sweep", "replica-a", 1_000, 5_000)
+        .await
+        .unwrap()
+        .unwrap();
+    let current = store
+        .acquire_lease("ledger-sweep", "replica-b", 1_000, 6_000)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(current.epoch, stale.epoch + 1);
+    fn fenced<T>(r: Result<T, LedgerError>, stale: i64) -> bool {
+        matches!(r, Err(LedgerError::Store(StoreError::Fenced { epoch, .. })) if epoch == stale)
+    }
+    let e = stale.epoch;
+    assert!(fenced(
+        ledger.pay_rewards_under(6_000, Some(&stale)).await,
+        e
+    ));
+    assert!(fenced(
+        ledger.settle_job_under(job.id, 6_000, Some(&stale)).await,
+        e
+    ));
+    assert!(fenced(
+        sweep_under(&ledger, 6_000, Some(&stale), |_| async { Ok(()) }).await,
+        e
+    ));
+    assert_eq!(
+        ledger.account(&op.id).await.unwrap().unwrap().balance(),
+        0,
+        "no reward paid under the stale lease"
+    );
+    assert_eq!(
+        ledger.unsettled_jobs(6_000, 10).await.unwrap(),
+        [job.id.to_string()],
+        "the hold is still open"
+    );
+
+    assert_eq!(
+        ledger
+            .pay_rewards_under(6_000, Some(&current))
+            .await
+            .unwrap(),
+        1
+    );
+    assert_eq!(
+        ledger.account(&op.id).await.unwrap().unwrap().balance(),
+        1_000
+    );
+    let swept = sweep_under(&ledger, 6_000, Some(&current), |_| async { Ok(()) })
+        .await
+        .unwrap();
+    assert_eq!(swept.settled, 1);
+    assert!(ledger.unsettled_jobs(6_000, 10).await.unwrap().is_empty());
+    assert_eq!(
+        ledger.account(&client.id).await.unwrap().unwrap().balance(),
+        1_000,
+        "the cancelled job's hold went back to the client"
+    );
 }

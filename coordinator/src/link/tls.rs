@@ -23,8 +23,10 @@ use mlxnet_proto::auth::ALPN;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer};
 use sha2::{Digest, Sha256};
 
-const CERT_FILE: &str = "cert.der";
-const KEY_FILE: &str = "key.der";
+/// The certificate's file in the data directory (DER).
+pub const CERT_FILE: &str = "cert.der";
+/// The private key's file in the data directory (PKCS#8 DER, mode 0600).
+pub const KEY_FILE: &str = "key.der";
 
 /// Why the certificate could not be loaded or created.
 #[derive(Debug, thiserror::Error)]

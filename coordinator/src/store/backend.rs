@@ -1,6 +1,7 @@
 //! What every SQL backend writes the same way: each [`super::Store`] and
 //! [`super::StoreTx`] method a call of the backend's own function of the
-//! same name in its `jobs`, `nodes`, `ledger`, `keys` and `audits` modules.
+//! same name in its `jobs`, `nodes`, `ledger`, `keys`, `audits` and `leases`
+//! modules.
 //!
 //! The macros expand inside a backend's `impl Store` / `impl StoreTx`
 //! (after the methods it writes itself: `close`, `ping`, `durability`,
@@ -281,6 +282,30 @@ macro_rules! store_methods {
         async fn audit_state(&self, job: &str) -> Result<Option<String>> {
             audits::state(&mut *self.conn().await?, job).await
         }
+
+        async fn acquire_lease(
+            &self,
+            name: &str,
+            holder: &str,
+            ttl_ms: i64,
+            now_ms: i64,
+        ) -> Result<Option<Lease>> {
+            let mut tx = self.begin().await?;
+            let lease = leases::acquire(&mut tx, name, holder, ttl_ms, now_ms).await?;
+            tx.commit().await?;
+            Ok(lease)
+        }
+
+        async fn release_lease(&self, lease: &Lease) -> Result<bool> {
+            let mut tx = self.begin().await?;
+            let released = leases::release(&mut tx, lease).await?;
+            tx.commit().await?;
+            Ok(released)
+        }
+
+        async fn lease(&self, name: &str) -> Result<Option<Lease>> {
+            leases::get(&mut *self.conn().await?, name).await
+        }
     };
 }
 pub(super) use store_methods;
@@ -412,6 +437,99 @@ macro_rules! tx_methods {
         async fn ban_node(&mut self, node: &str, now_ms: i64) -> Result<()> {
             audits::ban(conn(self), node, now_ms).await
         }
+
+        async fn fence(&mut self, lease: &Lease, now_ms: i64) -> Result<()> {
+            leases::fence(conn(self), lease, now_ms).await
+        }
     };
 }
 pub(super) use tx_methods;
+
+/// The leases' queries ([`super::Store::acquire_lease`], `release_lease`,
+/// `lease`, [`super::StoreTx::fence`]), written once: expanded in each
+/// backend's `leases` module with its connection type and the row lock its
+/// fence takes (`$N` placeholders, which both SQLite and PostgreSQL read).
+macro_rules! lease_queries {
+    ($conn:ty, $lock:literal) => {
+        type Row = (String, String, i64, i64);
+
+        fn lease((name, holder, epoch, expires_at_ms): Row) -> Lease {
+            Lease {
+                name,
+                holder,
+                epoch,
+                expires_at_ms,
+            }
+        }
+
+        pub(super) async fn acquire(
+            conn: &mut $conn,
+            name: &str,
+            holder: &str,
+            ttl_ms: i64,
+            now: i64,
+        ) -> Result<Option<Lease>> {
+            let row: Option<Row> = sqlx::query_as(
+                "INSERT INTO leases (name, holder, epoch, expires_at_ms) VALUES ($1, $2, 1, $3) \
+                 ON CONFLICT (name) DO UPDATE SET \
+                   epoch = CASE WHEN leases.holder = excluded.holder THEN leases.epoch \
+                                ELSE leases.epoch + 1 END, \
+                   holder = excluded.holder, expires_at_ms = excluded.expires_at_ms \
+                 WHERE leases.holder = excluded.holder OR leases.expires_at_ms <= $4 \
+                 RETURNING name, holder, epoch, expires_at_ms",
+            )
+            .bind(name)
+            .bind(holder)
+            .bind(now.saturating_add(ttl_ms.max(0)))
+            .bind(now)
+            .fetch_optional(&mut *conn)
+            .await?;
+            Ok(row.map(lease))
+        }
+
+        pub(super) async fn release(conn: &mut $conn, held: &Lease) -> Result<bool> {
+            let done = sqlx::query(
+                "UPDATE leases SET holder = '', expires_at_ms = 0 \
+                 WHERE name = $1 AND holder = $2 AND epoch = $3",
+            )
+            .bind(&held.name)
+            .bind(&held.holder)
+            .bind(held.epoch)
+            .execute(&mut *conn)
+            .await?;
+            Ok(done.rows_affected() == 1)
+        }
+
+        pub(super) async fn get(conn: &mut $conn, name: &str) -> Result<Option<Lease>> {
+            let row: Option<Row> = sqlx::query_as(
+                "SELECT name, holder, epoch, expires_at_ms FROM leases WHERE name = $1",
+            )
+            .bind(name)
+            .fetch_optional(&mut *conn)
+            .await?;
+            Ok(row.map(lease))
+        }
+
+        pub(super) async fn fence(conn: &mut $conn, held: &Lease, now: i64) -> Result<()> {
+            let live: Option<i64> = sqlx::query_scalar(concat!(
+                "SELECT epoch FROM leases \
+                     WHERE name = $1 AND holder = $2 AND epoch = $3 AND expires_at_ms > $4",
+                $lock
+            ))
+            .bind(&held.name)
+            .bind(&held.holder)
+            .bind(held.epoch)
+            .bind(now)
+            .fetch_optional(&mut *conn)
+            .await?;
+            match live {
+                Some(_) => Ok(()),
+                None => Err(StoreError::Fenced {
+                    name: held.name.clone(),
+                    epoch: held.epoch,
+                }),
+            }
+        }
+    };
+}
+pub(super) use lease_queries;

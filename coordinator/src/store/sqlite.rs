@@ -23,11 +23,13 @@
 //! - [`nodes`]: registered nodes.
 //! - [`ledger`]: accounts, transfers, holds, terms, operators, rewards.
 //! - [`keys`]: API keys (hashes only).
+//! - [`leases`]: the singleton duties' leases and fences.
 //! - [`audits`]: audits and node records.
 
 mod audits;
 mod jobs;
 mod keys;
+mod leases;
 mod ledger;
 mod nodes;
 
@@ -48,8 +50,8 @@ use super::{Anomaly, NewKey, OpenHold, PayerBalance, Result, Side, Store, StoreT
 use crate::{
     domain::{
         Account, AttemptEnd, AuditRecord, Availability, CancelOutcome, Completion, JobRecord,
-        JobStats, JobTerms, KeyInfo, KeyLimits, NewJob, NodeEarnings, NodeRecord, RecordDelta,
-        Segment, StoredKey, StreamedEnd, Totals, Transfer,
+        JobStats, JobTerms, KeyInfo, KeyLimits, Lease, NewJob, NodeEarnings, NodeRecord,
+        RecordDelta, Segment, StoredKey, StreamedEnd, Totals, Transfer,
     },
     util::now_ms,
 };

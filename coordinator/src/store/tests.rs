@@ -10,8 +10,9 @@
 //! guarded transitions, attempts, hand-off segments, nodes, accounts and
 //! transfers (guarded balances, immutable rows read back), holds (open until
 //! resolved once, due after their deadline), submits' batch reads, operator
-//! links, rewards, API keys and audits, and write transactions (one state,
-//! nothing kept unless committed).
+//! links, rewards, API keys and audits, write transactions (one state,
+//! nothing kept unless committed), and the singleton duties' leases (one
+//! holder, a higher epoch on takeover, a stale holder's fenced write refused).
 
 use std::collections::HashSet;
 
@@ -23,7 +24,7 @@ use mlxnet_proto::{
 use super::{Anomaly, AnyStore, NewKey, OpenHold, Side, Store, StoreError, StoreTx};
 use crate::domain::{
     Account, AccountKind, AttemptEnd, AuditRecord, CancelOutcome, Completion, JobRecord, JobState,
-    JobTerms, KeyLimits, NewJob, NodeRecord, Price, RecordDelta, Scopes, Segment, Streamed,
+    JobTerms, KeyLimits, Lease, NewJob, NodeRecord, Price, RecordDelta, Scopes, Segment, Streamed,
     StreamedEnd, Transfer, TransferKind,
 };
 
@@ -37,6 +38,9 @@ pub(crate) trait Backend: Sized {
     fn store(&self) -> &AnyStore;
     /// Connects again to the same database (after the store was closed).
     async fn reopen(&mut self);
+    /// A second handle on the same database with connections of its own,
+    /// as another replica has.
+    async fn another(&self) -> AnyStore;
 }
 
 /// SQLite in a temporary directory.
@@ -64,6 +68,10 @@ impl Backend for Sqlite {
 
     async fn reopen(&mut self) {
         self.store = AnyStore::connect(&Self::url(&self.dir)).await.unwrap();
+    }
+
+    async fn another(&self) -> AnyStore {
+        AnyStore::connect(&Self::url(&self.dir)).await.unwrap()
     }
 }
 
@@ -124,6 +132,10 @@ impl Backend for Postgres {
     async fn reopen(&mut self) {
         self.store = AnyStore::connect(&self.url).await.unwrap();
     }
+
+    async fn another(&self) -> AnyStore {
+        AnyStore::connect(&self.url).await.unwrap()
+    }
 }
 
 /// One `#[tokio::test]` per contract for `$backend` (a [`Backend`]).
@@ -155,6 +167,9 @@ macro_rules! store_contracts {
             an_audit_begins_once_ends_once_and_counts_in_the_record,
             a_nodes_record_adds_up_its_work_and_lists_in_id_order,
             books_with_a_hold_and_a_payout_are_sound,
+            one_of_two_replicas_racing_for_a_lease_wins_it,
+            an_expired_lease_is_taken_over_under_a_higher_epoch,
+            a_stale_holders_fenced_write_is_refused_and_changes_nothing,
         );
     };
     (@each $backend:ty; $($name:ident),* $(,)?) => {
@@ -1326,4 +1341,113 @@ pub(crate) async fn books_with_a_hold_and_a_payout_are_sound<B: Backend>(b: B) {
     tx.commit().await.unwrap();
     assert_eq!(store.balance_mismatches().await.unwrap(), ["acct_a"]);
     assert_eq!(store.totals().await.unwrap().posted, 1);
+}
+
+// ---- leases ----
+
+pub(crate) async fn one_of_two_replicas_racing_for_a_lease_wins_it<B: Backend>(b: B) {
+    let (a, other) = (b.store().clone(), b.another().await);
+    for round in 0..12 {
+        let name = format!("duty-{round}");
+        let (x, y) = tokio::join!(
+            a.acquire_lease(&name, "replica-a", 1_000, 10),
+            other.acquire_lease(&name, "replica-b", 1_000, 10),
+        );
+        let won: Vec<Lease> = [x.unwrap(), y.unwrap()].into_iter().flatten().collect();
+        assert_eq!(won.len(), 1, "{name}: exactly one holder, got {won:?}");
+        assert_eq!((won[0].epoch, won[0].expires_at_ms), (1, 1_010));
+        assert_eq!(other.lease(&name).await.unwrap().as_ref(), Some(&won[0]));
+        // The loser keeps losing while the lease is live.
+        let loser = if won[0].holder == "replica-a" {
+            (&other, "replica-b")
+        } else {
+            (&a, "replica-a")
+        };
+        let again = loser.0.acquire_lease(&name, loser.1, 1_000, 1_009).await;
+        assert_eq!(again.unwrap(), None, "{name}");
+    }
+    other.close().await;
+}
+
+pub(crate) async fn an_expired_lease_is_taken_over_under_a_higher_epoch<B: Backend>(b: B) {
+    let (a, other) = (b.store().clone(), b.another().await);
+    let acquire = |s: &AnyStore, holder: &'static str, now: i64| {
+        let s = s.clone();
+        async move { s.acquire_lease("sweep", holder, 1_000, now).await.unwrap() }
+    };
+    let first = acquire(&a, "replica-a", 0).await.unwrap();
+    assert_eq!((first.epoch, first.expires_at_ms), (1, 1_000));
+    // Its holder renews it under the same epoch; nobody else gets it while it lives.
+    let renewed = acquire(&a, "replica-a", 500).await.unwrap();
+    assert_eq!((renewed.epoch, renewed.expires_at_ms), (1, 1_500));
+    assert_eq!(acquire(&other, "replica-b", 1_499).await, None);
+    // Expired: taken over under a higher epoch; the old holder cannot renew.
+    let taken = acquire(&other, "replica-b", 1_500).await.unwrap();
+    assert_eq!(
+        (taken.holder.as_str(), taken.epoch, taken.expires_at_ms),
+        ("replica-b", 2, 2_500)
+    );
+    assert_eq!(acquire(&a, "replica-a", 1_600).await, None);
+    // Only the holder under its epoch releases it; then anyone takes it at
+    // once, under a new epoch (its own holder too).
+    assert!(!a.release_lease(&renewed).await.unwrap(), "stale epoch");
+    assert!(other.release_lease(&taken).await.unwrap());
+    assert!(!other.release_lease(&taken).await.unwrap(), "released once");
+    let back = acquire(&a, "replica-a", 1_700).await.unwrap();
+    assert_eq!(back.epoch, 3);
+    assert!(a.release_lease(&back).await.unwrap());
+    assert_eq!(acquire(&a, "replica-a", 1_800).await.unwrap().epoch, 4);
+    other.close().await;
+}
+
+pub(crate) async fn a_stale_holders_fenced_write_is_refused_and_changes_nothing<B: Backend>(b: B) {
+    let (a, other) = (b.store().clone(), b.another().await);
+    let mine = a
+        .acquire_lease("rewards", "replica-a", 1_000, 0)
+        .await
+        .unwrap()
+        .unwrap();
+    // Under a live lease the write commits.
+    let mut tx = a.write().await.unwrap();
+    tx.fence(&mine, 999).await.unwrap();
+    tx.mark_epoch_paid(1, 999, 10).await.unwrap();
+    tx.commit().await.unwrap();
+    // Expired (nobody took it yet): refused, since its holder cannot know.
+    let mut tx = a.write().await.unwrap();
+    tx.mark_epoch_paid(2, 1_000, 10).await.unwrap();
+    let err = tx.fence(&mine, 1_000).await.unwrap_err();
+    assert!(
+        matches!(&err, StoreError::Fenced { name, epoch: 1 } if name == "rewards"),
+        "{err:?}"
+    );
+    drop(tx);
+    // Taken over: the stale holder's write is refused and changes nothing;
+    // the new holder's commits.
+    let theirs = other
+        .acquire_lease("rewards", "replica-b", 1_000, 1_000)
+        .await
+        .unwrap()
+        .unwrap();
+    let mut tx = a.write().await.unwrap();
+    tx.mark_epoch_paid(2, 1_001, 10).await.unwrap();
+    assert!(matches!(
+        tx.fence(&mine, 1_001).await,
+        Err(StoreError::Fenced { epoch: 1, .. })
+    ));
+    drop(tx);
+    let mut tx = a.write().await.unwrap();
+    assert!(tx.epoch_paid(1).await.unwrap());
+    assert!(
+        !tx.epoch_paid(2).await.unwrap(),
+        "the fenced write left nothing"
+    );
+    drop(tx);
+    let mut tx = other.write().await.unwrap();
+    tx.fence(&theirs, 1_001).await.unwrap();
+    tx.mark_epoch_paid(2, 1_001, 10).await.unwrap();
+    tx.commit().await.unwrap();
+    let mut tx = a.write().await.unwrap();
+    assert!(tx.epoch_paid(2).await.unwrap());
+    drop(tx);
+    other.close().await;
 }
