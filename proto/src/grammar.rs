@@ -17,8 +17,13 @@
 //! - `json_schema`: a JSON Schema (an object, at most [`MAX_SCHEMA_BYTES`] of
 //!   text; local `$ref` only: `llguidance` is built without its remote
 //!   resolver).
+//! - `lark`: a grammar in `llguidance`'s Lark dialect (at most
+//!   [`MAX_SCHEMA_BYTES`]; compiled with llguidance's own size limits): what
+//!   the coordinator builds for `tool_choice: "auto"` (free text or a tool
+//!   call), or a gRPC client's own; its `%json` parts carry their own
+//!   `x-guidance` (none is added).
 //!
-//! Either is compiled with compact separators and no free whitespace between
+//! The JSON kinds are compiled with compact separators and no free whitespace between
 //! tokens (`x-guidance: {whitespace_flexible: false}` set by us, replacing
 //! any the client sent): the output is `{"a":1}`, never an endless run of
 //! newlines that eats `max_tokens` (a small model at temperature > 0 would
@@ -43,10 +48,12 @@ const DIGEST_DOMAIN: &[u8] = b"mlxnet-grammar-v1\0";
 /// Why a grammar is refused.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum GrammarError {
-    #[error("grammar kind must be json_object or json_schema")]
+    #[error("grammar kind must be json_object, json_schema or lark")]
     NoKind,
     #[error("json_object takes no schema")]
     SchemaWithObject,
+    #[error("a grammar has one body: a schema or a Lark grammar")]
+    TwoBodies,
     #[error("the JSON schema is empty")]
     EmptySchema,
     #[error("the JSON schema is {0} bytes; the limit is {MAX_SCHEMA_BYTES}")]
@@ -66,17 +73,26 @@ pub enum Constraint {
     JsonObject,
     /// JSON matching this schema (its text, as the client sent it).
     JsonSchema(String),
+    /// Text matching this Lark grammar (llguidance's dialect).
+    Lark(String),
 }
 
 impl Constraint {
     /// The constraint of a job's wire grammar (checked: kind, size, JSON
     /// object; not compiled, see `check`).
     pub fn from_wire(g: &v1::Grammar) -> Result<Constraint, GrammarError> {
-        let c = match v1::grammar::Kind::try_from(g.kind) {
-            Ok(v1::grammar::Kind::JsonObject) if g.json_schema.is_empty() => Constraint::JsonObject,
-            Ok(v1::grammar::Kind::JsonObject) => return Err(GrammarError::SchemaWithObject),
-            Ok(v1::grammar::Kind::JsonSchema) => Constraint::JsonSchema(g.json_schema.clone()),
-            _ => return Err(GrammarError::NoKind),
+        use v1::grammar::Kind;
+        let kind = Kind::try_from(g.kind).map_err(|_| GrammarError::NoKind)?;
+        if kind != Kind::Lark && !g.lark.is_empty() {
+            return Err(GrammarError::TwoBodies);
+        }
+        let c = match kind {
+            Kind::JsonObject if g.json_schema.is_empty() => Constraint::JsonObject,
+            Kind::JsonObject => return Err(GrammarError::SchemaWithObject),
+            Kind::JsonSchema => Constraint::JsonSchema(g.json_schema.clone()),
+            Kind::Lark if g.json_schema.is_empty() => Constraint::Lark(g.lark.clone()),
+            Kind::Lark => return Err(GrammarError::TwoBodies),
+            Kind::Unspecified => return Err(GrammarError::NoKind),
         };
         c.schema_value()?;
         Ok(c)
@@ -87,17 +103,24 @@ impl Constraint {
         match self {
             Constraint::JsonObject => v1::Grammar {
                 kind: v1::grammar::Kind::JsonObject as i32,
-                json_schema: String::new(),
+                ..v1::Grammar::default()
             },
             Constraint::JsonSchema(s) => v1::Grammar {
                 kind: v1::grammar::Kind::JsonSchema as i32,
                 json_schema: s.clone(),
+                ..v1::Grammar::default()
+            },
+            Constraint::Lark(s) => v1::Grammar {
+                kind: v1::grammar::Kind::Lark as i32,
+                lark: s.clone(),
+                ..v1::Grammar::default()
             },
         }
     }
 
-    /// SHA-256 over the domain, the kind (1 byte: 1 object, 2 schema) and
-    /// the schema's text as sent: what a signed claim binds.
+    /// SHA-256 over the domain, the kind (1 byte: 1 object, 2 schema, 3
+    /// Lark) and the schema's or grammar's text as sent: what a signed claim
+    /// binds.
     pub fn digest(&self) -> [u8; 32] {
         let mut h = Sha256::new();
         h.update(DIGEST_DOMAIN);
@@ -107,14 +130,18 @@ impl Constraint {
                 h.update([2u8]);
                 h.update(s.as_bytes());
             }
+            Constraint::Lark(s) => {
+                h.update([3u8]);
+                h.update(s.as_bytes());
+            }
         }
         h.finalize().into()
     }
 
-    /// Checks size and shape; returns the schema text to parse (None for
-    /// `json_object`).
+    /// Checks size and shape; returns the schema (or Lark) text to parse
+    /// (None for `json_object`).
     fn schema_value(&self) -> Result<Option<&str>, GrammarError> {
-        let Constraint::JsonSchema(s) = self else {
+        let (Constraint::JsonSchema(s) | Constraint::Lark(s)) = self else {
             return Ok(None);
         };
         if s.trim().is_empty() {
@@ -144,8 +171,12 @@ mod compile {
 
     impl Constraint {
         /// The JSON schema `llguidance` compiles: the client's (or
-        /// `{"type": "object"}`), with our `x-guidance` options.
+        /// `{"type": "object"}`), with our `x-guidance` options (a Lark
+        /// grammar has none: `NotObject`).
         pub fn schema(&self) -> Result<Value, GrammarError> {
+            if let Constraint::Lark(_) = self {
+                return Err(GrammarError::NotObject);
+            }
             let mut v = match self.schema_value()? {
                 None => json!({"type": "object"}),
                 Some(text) => serde_json::from_str::<Value>(text)
@@ -163,7 +194,13 @@ mod compile {
         /// A matcher for one generation over `factory`'s vocabulary, at the
         /// start of the output.
         pub fn matcher(&self, factory: &ParserFactory) -> Result<Matcher, GrammarError> {
-            let grammar = TopLevelGrammar::from_json_schema(self.schema()?);
+            let grammar = match self {
+                Constraint::Lark(text) => {
+                    self.schema_value()?;
+                    TopLevelGrammar::from_lark(text.clone())
+                }
+                _ => TopLevelGrammar::from_json_schema(self.schema()?),
+            };
             let parser = factory
                 .create_parser(grammar)
                 .map_err(|e| GrammarError::Refused(short(&e.to_string())))?;

@@ -3,7 +3,8 @@
 Run by tests/tests/it/openai.rs (`openai_tool_calls`), never by hand in CI:
 the environment names the base URL, a key with the submit scope and the
 model. Every check asserts with a message; the last line printed is a JSON
-summary (job ids) the Rust test cross-checks against gRPC.
+summary (job ids) the Rust test cross-checks against gRPC (also written to
+the file MLXNET_TOOL_SUMMARY names, when set).
 """
 
 import concurrent.futures
@@ -68,7 +69,7 @@ def the_call(r, what):
     return call
 
 
-# Required: greedy, and 8 seeded runs at temperature 1 (sent together).
+# Required: greedy, and 4 seeded runs at temperature 1 (sent together).
 def required(seed, temperature):
     return client.chat.completions.create(
         model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required",
@@ -81,8 +82,8 @@ call = the_call(greedy, "required")
 summary["required_id"] = greedy.id
 summary["required_call"] = [call.function.name, call.function.arguments]
 with concurrent.futures.ThreadPoolExecutor(8) as pool:
-    for i, r in enumerate(pool.map(lambda s: required(s, 1.0), range(8))):
-        the_call(r, f"required seed {i}")
+    seeded = [the_call(r, f"required seed {i}") for i, r in enumerate(pool.map(lambda s: required(s, 1.0), range(4)))]
+summary["required_seeds"] = [[c.function.name, c.function.arguments] for c in seeded]
 
 # Named: that tool, whatever the question.
 named = client.chat.completions.create(
@@ -91,6 +92,7 @@ named = client.chat.completions.create(
 )
 ncall = the_call(named, "named")
 check(ncall.function.name == "get_time", f"named: {ncall}")
+summary["named_call"] = ncall.function.arguments
 
 # Streamed and reassembled by the client: the same call as not streamed.
 with client.chat.completions.stream(
@@ -129,6 +131,46 @@ loop = client.chat.completions.create(
 l0 = loop.choices[0]
 check(l0.finish_reason in ("stop", "length") and l0.message.content and not l0.message.tool_calls, f"loop {l0}")
 summary["loop_id"] = loop.id
+summary["loop_text"] = l0.message.content
+
+
+# Auto (tool_choice absent: OpenAI's default with tools): the model's choice
+# of text or a call; a call must be whole and valid, text is plain text.
+# Greedy, streamed (the same answer), and 3 seeds at temperature 1 (short:
+# a text answer runs to max_tokens).
+def answer(r, what):
+    c0 = r.choices[0]
+    if c0.finish_reason == "tool_calls":
+        c = the_call(r, what)
+        return ["call", c.function.name, c.function.arguments]
+    m = c0.message
+    check(c0.finish_reason in ("stop", "length") and m.content and not m.tool_calls, f"{what}: {c0}")
+    check(not m.content.startswith("{"), f"{what}: a text answer starting with {{: {m.content!r}")
+    return ["text", m.content]
+
+
+def auto(seed, temperature):
+    return client.chat.completions.create(
+        model=MODEL, messages=ASK, tools=TOOLS, max_tokens=24, temperature=temperature, seed=seed,
+    )
+
+
+summary["auto"] = answer(auto(7, 0), "auto")
+# Streamed (raw chunks: the client's stream helper refuses a "length" finish
+# when tools are given): the same text, or the same call.
+achunks = [ch for ch in client.chat.completions.create(
+    model=MODEL, messages=ASK, tools=TOOLS, max_tokens=24, temperature=0, seed=7, stream=True,
+) if ch.choices]
+afinish = [ch.choices[0].finish_reason for ch in achunks if ch.choices[0].finish_reason]
+acalls = [tc for ch in achunks for tc in (ch.choices[0].delta.tool_calls or [])]
+if afinish == ["tool_calls"]:
+    sauto = ["call", acalls[0].function.name, "".join(c.function.arguments or "" for c in acalls)]
+else:
+    check(not acalls, f"auto streamed: calls with finish {afinish}")
+    sauto = ["text", "".join(ch.choices[0].delta.content or "" for ch in achunks)]
+check(sauto == summary["auto"], f"auto streamed {sauto} vs {summary['auto']}")
+with concurrent.futures.ThreadPoolExecutor(3) as pool:
+    summary["auto_seeds"] = [answer(r, f"auto seed {i}") for i, r in enumerate(pool.map(lambda s: auto(s, 1.0), range(3)))]
 
 
 # Refused: OpenAI's error shape naming the parameter.
@@ -144,10 +186,12 @@ def refused(param, **kw):
     check(False, f"{param}: a 400 expected for {kw}")
 
 
-refused("tool_choice", tools=TOOLS, tool_choice="auto")
 refused("tool_choice", tools=TOOLS, tool_choice={"type": "function", "function": {"name": "nope"}})
 refused("tools", tools=[{"type": "function", "function": {"name": "bad name"}}], tool_choice="required")
 refused("tools", tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "array", "uniqueItems": True}}}], tool_choice="required")
 refused("messages", messages=ASK + [{"role": "tool", "tool_call_id": "call_nobody", "content": "1"}])
 
 print(json.dumps(summary))
+if os.environ.get("MLXNET_TOOL_SUMMARY"):  # to read what the model did
+    with open(os.environ["MLXNET_TOOL_SUMMARY"], "w") as f:
+        json.dump(summary, f, indent=1)

@@ -9,10 +9,10 @@
 //! `frequency_penalty` (-2 to 2), `logit_bias` (token id -> -100 to 100, at
 //! most 300, ids in the model's vocabulary), `response_format` (`text`,
 //! `json_object`, `json_schema`: enforced on the node by a token mask, see
-//! `mlxnet_proto::grammar`), `tools`, `tool_choice` (`none`, `required`, a
-//! named function; `auto` only without tools) and `parallel_tool_calls` (see
-//! [`super::tools`]: a forced call is generated under a grammar and answered
-//! as `tool_calls`), `logprobs` and `top_logprobs` (0-20, only with
+//! `mlxnet_proto::grammar`), `tools`, `tool_choice` (`none`, `auto`,
+//! `required`, a named function) and `parallel_tool_calls` (see
+//! [`super::tools`]: a call is generated under a grammar and answered as
+//! `tool_calls`), `logprobs` and `top_logprobs` (0-20, only with
 //! `logprobs: true`). Anything else, or a value this network cannot honour,
 //! is a 400 naming the parameter.
 
@@ -39,7 +39,8 @@ pub struct ChatRequest {
     pub submit: SubmitJobRequest,
     pub stream: bool,
     pub include_usage: bool,
-    /// The answer is a forced tool call: read back as `tool_calls`.
+    /// The answer may be a tool call: read back as `tool_calls` when it is
+    /// a whole one.
     pub tool_call: bool,
 }
 
@@ -292,7 +293,7 @@ pub fn parse(map: serde_json::Map<String, Value>) -> Result<ChatRequest, OpenAiE
     if let Some(f) = &forced {
         if grammar.is_some() {
             return Err(OpenAiError::invalid(
-                "response_format cannot be combined with a forced tool call (tool_choice required or a named function): the answer is the call",
+                "response_format cannot be combined with tools (unless tool_choice is \"none\"): the answer's grammar is the tools'",
                 Some("response_format"),
             ));
         }

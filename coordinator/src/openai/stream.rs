@@ -221,11 +221,11 @@ pub fn sse(
                 // when their text is held back (content "").
                 let lp = (!fresh.logprobs.is_empty()).then_some((&fresh.logprobs[..], offset));
                 if let Some(call) = call.as_mut() {
-                    let calls = fresh.text.as_deref().and_then(|t| call.push(t));
-                    if calls.is_some() || lp.is_some() {
+                    let more = fresh.text.as_deref().and_then(|t| call.push(t));
+                    if more.is_some() || lp.is_some() {
                         let mut delta = serde_json::Map::new();
-                        if let Some(c) = calls {
-                            delta.insert("tool_calls".into(), c);
+                        if let Some((field, v)) = more {
+                            delta.insert(field.into(), v);
                         }
                         let v = with_usage(shape.delta(&meta, delta, None, lp.map(|l| l.0)));
                         if tx.send(Ok(data(&v))).await.is_err() {

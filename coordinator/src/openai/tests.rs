@@ -517,6 +517,21 @@ fn a_required_or_named_tool_call_is_a_grammar_over_the_tools_and_a_prompt() {
     let named = ask(json!({"type": "function", "function": {"name": "get_time"}}));
     let g = grammar_of(&named).expect("a grammar");
     assert!(grammar_accepts(&g, time) && !grammar_accepts(&g, call));
+    // auto (and absent: OpenAI's default with tools): text, or a whole call.
+    for auto in [json!("auto"), Value::Null] {
+        let g = grammar_of(&ask(auto)).expect("a grammar");
+        assert!(grammar_accepts(&g, call) && grammar_accepts(&g, time));
+        assert!(grammar_accepts(&g, "Paris is sunny.\n{not a call}"));
+        for bad in [
+            r#"{"name":"get_weather","arguments":{}}"#,
+            r#"{"name":"nope","arguments":{}}"#,
+            r#"{"name":"get_weather","arguments":{"city":"Paris"}} and more"#,
+            "{Paris}",
+            "",
+        ] {
+            assert!(!grammar_accepts(&g, bad), "{bad}");
+        }
+    }
     // none: the tools are ignored (no grammar, no preamble).
     let none = ask(json!("none"));
     assert!(grammar_of(&none).is_none());
@@ -619,8 +634,6 @@ fn bad_tools_choices_and_tool_messages_are_refused_by_name() {
             json!("required"),
             "tools",
         ),
-        (f(json!({"name": "f"})), json!("auto"), "tool_choice"),
-        (f(json!({"name": "f"})), Value::Null, "tool_choice"),
         (f(json!({"name": "f"})), json!("sometimes"), "tool_choice"),
         (
             f(json!({"name": "f"})),
@@ -672,4 +685,30 @@ fn bad_tools_choices_and_tool_messages_are_refused_by_name() {
             "{msgs}: {e:?}"
         );
     }
+}
+
+#[test]
+fn a_lark_grammar_travels_with_one_body_and_its_own_digest() {
+    use mlxnet_proto::grammar::{Constraint, GrammarError};
+    let lark = Constraint::Lark("start: \"a\"".into());
+    let wire = lark.to_wire();
+    assert_eq!(Constraint::from_wire(&wire), Ok(lark.clone()));
+    assert!(wire.json_schema.is_empty());
+    let mut both = wire.clone();
+    both.json_schema = "{}".into();
+    assert_eq!(Constraint::from_wire(&both), Err(GrammarError::TwoBodies));
+    let mut schema_and_lark = Constraint::JsonSchema("{}".into()).to_wire();
+    schema_and_lark.lark = "start: \"a\"".into();
+    assert_eq!(
+        Constraint::from_wire(&schema_and_lark),
+        Err(GrammarError::TwoBodies)
+    );
+    assert_ne!(
+        lark.digest(),
+        Constraint::JsonSchema("start: \"a\"".into()).digest()
+    );
+    assert!(matches!(
+        Constraint::Lark("start: nowhere".into()).check(),
+        Err(GrammarError::Refused(_))
+    ));
 }

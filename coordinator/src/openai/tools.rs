@@ -22,12 +22,14 @@
 //! `tool_choice: "required"` (one of the tools) or a named function (that
 //! one): the output must be exactly one call, `{"name":"<name>",
 //! "arguments":<object>}` (compact, properties in that order), the
-//! arguments matching the tool's `parameters` schema. One call per answer
-//! whatever `parallel_tool_calls` says (OpenAI's `true` allows several calls,
-//! it does not require them). `"none"`: the tools are ignored (neither
-//! rendered nor enforced). `"auto"` with tools is refused (400 naming
-//! `tool_choice`): choosing between text and a call needs a grammar of
-//! either, not served yet.
+//! arguments matching the tool's `parameters` schema (a JSON-schema
+//! grammar). `"auto"` (OpenAI's default when tools are given): text OR one
+//! such call, the model's choice at its first token (a Lark grammar, see
+//! [`Forced::grammar`]): an answer that starts with `{` is a call and must
+//! be a whole valid one; any other answer is text (so a text answer cannot
+//! start with `{`). One call per answer whatever `parallel_tool_calls` says
+//! (OpenAI's `true` allows several calls, it does not require them).
+//! `"none"`: the tools are ignored (neither rendered nor enforced).
 //!
 //! # Invariants
 //! - Everything is checked before the job exists: a bad tool, choice or
@@ -61,12 +63,22 @@ pub struct Tool {
     pub parameters: Value,
 }
 
-/// A call the answer must be: one of `tools`.
+/// What `tool_choice` leaves the model.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mode {
+    /// A call of one of the tools.
+    Required,
+    /// A call of the one tool named.
+    Named,
+    /// Text or a call (the model's choice).
+    Auto,
+}
+
+/// The calls an answer may be: of `tools`, as `mode` says.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Forced {
     pub tools: Vec<Tool>,
-    /// `tool_choice` named this tool (the only one in `tools`).
-    pub named: bool,
+    pub mode: Mode,
 }
 
 fn bad(param: &str, m: String) -> OpenAiError {
@@ -241,7 +253,7 @@ fn choice(v: Option<Value>) -> Result<Option<Choice>, OpenAiError> {
     }
 }
 
-/// `tools` and `tool_choice` together: the call the answer must be, or
+/// `tools` and `tool_choice` together: the calls the answer may be, or
 /// `None` for a text answer (no tools, or `"none"`).
 pub fn forced(tools: Vec<Tool>, choice_v: Option<Value>) -> Result<Option<Forced>, OpenAiError> {
     const P: &str = "tool_choice";
@@ -252,18 +264,18 @@ pub fn forced(tools: Vec<Tool>, choice_v: Option<Value>) -> Result<Option<Forced
             P,
             "tool_choice asks for a tool call but tools is empty".into(),
         )),
-        (None | Some(Choice::Auto), false) => Err(OpenAiError::unsupported(
-            P,
-            "\"auto\" (the default with tools) is not served yet: the model cannot choose between text and a call here; send \"required\", a named function, or \"none\"",
-        )),
+        (None | Some(Choice::Auto), false) => Ok(Some(Forced {
+            tools,
+            mode: Mode::Auto,
+        })),
         (Some(Choice::Required), false) => Ok(Some(Forced {
             tools,
-            named: false,
+            mode: Mode::Required,
         })),
         (Some(Choice::Named(n)), false) => match tools.into_iter().find(|t| t.name == n) {
             Some(t) => Ok(Some(Forced {
                 tools: vec![t],
-                named: true,
+                mode: Mode::Named,
             })),
             None => Err(bad(
                 P,
@@ -292,14 +304,25 @@ fn call_schema(t: &Tool) -> Value {
 
 impl Forced {
     /// The grammar of the answer: one call of one of the tools (`anyOf`
-    /// over them when there are several). Compiled here, so a set of tools
-    /// the engine cannot enforce together (over the size limit) is a 400.
+    /// over them when there are several), a JSON schema; with `auto`, the
+    /// Lark grammar `start: TEXT | call` where `TEXT` is any text not
+    /// starting with `{` and `call` that schema (`%json`, compact). Compiled
+    /// here, so a set of tools the engine cannot enforce together (over the
+    /// size limit) is a 400.
     pub fn grammar(&self) -> Result<Constraint, OpenAiError> {
-        let schema = match &self.tools[..] {
+        let mut schema = match &self.tools[..] {
             [one] => call_schema(one),
             many => json!({"anyOf": many.iter().map(call_schema).collect::<Vec<_>>()}),
         };
-        let c = Constraint::JsonSchema(schema.to_string());
+        let c = match self.mode {
+            Mode::Required | Mode::Named => Constraint::JsonSchema(schema.to_string()),
+            Mode::Auto => {
+                schema["x-guidance"] = json!({"whitespace_flexible": false});
+                Constraint::Lark(format!(
+                    "start: TEXT | call\nTEXT: /[^{{](.|\\n)*/\ncall: %json {schema}\n"
+                ))
+            }
+        };
         c.check().map_err(|e| bad("tools", format!("tools: {e}")))?;
         Ok(c)
     }
@@ -322,8 +345,11 @@ impl Forced {
         s.push_str(
             "To call a tool, answer with only this JSON: {\"name\": <the tool's name>, \"arguments\": <its arguments as a JSON object>}. The tool's result comes back in a message starting \"Tool result\".\n",
         );
-        match (&self.tools[..], self.named) {
-            ([t], true) => s.push_str(&format!("Call the tool {} now.", t.name)),
+        match (&self.tools[..], self.mode) {
+            ([t], Mode::Named) => s.push_str(&format!("Call the tool {} now.", t.name)),
+            (_, Mode::Auto) => s.push_str(
+                "If a tool helps, call it; otherwise answer in plain text (not starting with \"{\").",
+            ),
             _ => s.push_str("Call one of these tools now."),
         }
         s
@@ -456,7 +482,8 @@ pub fn result_text(
 /// deltas: the first names the call (`id`, `type`, `function.name`, empty
 /// `arguments`) once the text has reached its arguments; the next carry the
 /// arguments' text as it comes, holding back the last character (the
-/// call's closing brace, dropped at the end).
+/// call's closing brace, dropped at the end). An output that does not start
+/// with `{` (a text answer under `auto`) streams as `content`.
 #[derive(Debug)]
 pub struct CallStream {
     id: String,
@@ -465,6 +492,8 @@ pub struct CallStream {
     args_at: Option<usize>,
     /// How much of `text` has been sent.
     sent: usize,
+    /// The output is text, not a call.
+    prose: bool,
 }
 
 impl CallStream {
@@ -474,6 +503,7 @@ impl CallStream {
             text: String::new(),
             args_at: None,
             sent: 0,
+            prose: false,
         }
     }
 
@@ -481,9 +511,22 @@ impl CallStream {
         json!([index_entry])
     }
 
-    /// The `tool_calls` delta for `more` text, if there is one to send.
-    pub fn push(&mut self, more: &str) -> Option<Value> {
+    /// The delta for `more` text (its field, `tool_calls` or `content`, and
+    /// value), if there is one to send.
+    pub fn push(&mut self, more: &str) -> Option<(&'static str, Value)> {
         self.text.push_str(more);
+        if self.args_at.is_none() && !self.text.is_empty() && !self.text.starts_with('{') {
+            self.prose = true;
+        }
+        if self.prose {
+            let t = &self.text[self.sent..];
+            self.sent = self.text.len();
+            return (!t.is_empty()).then(|| ("content", json!(t)));
+        }
+        self.call_delta().map(|d| ("tool_calls", d))
+    }
+
+    fn call_delta(&mut self) -> Option<Value> {
         let mut head = None;
         if self.args_at.is_none() {
             let rest = self.text.strip_prefix("{\"name\":\"")?;
@@ -556,7 +599,14 @@ mod tests {
             let Some(a) = text.get(..cut) else { continue };
             let b = &text[cut..];
             let mut s = CallStream::new("call_j_0".into());
-            let mut deltas: Vec<Value> = [s.push(a), s.push(b)].into_iter().flatten().collect();
+            let mut deltas: Vec<Value> = [s.push(a), s.push(b)]
+                .into_iter()
+                .flatten()
+                .map(|(field, d)| {
+                    assert_eq!(field, "tool_calls");
+                    d
+                })
+                .collect();
             let (is_call, last) = s.end();
             assert!(is_call);
             if let Some((field, d)) = last {
@@ -593,5 +643,10 @@ mod tests {
         let (whole, last) = s.end();
         assert!(!whole);
         assert_eq!(last, Some(("content", json!(r#"{"name":"get_wea"#))));
+        // A text answer (auto) streams as content, as it comes.
+        let mut s = CallStream::new("c".into());
+        assert_eq!(s.push("Par"), Some(("content", json!("Par"))));
+        assert_eq!(s.push("is {x}"), Some(("content", json!("is {x}"))));
+        assert_eq!(s.end(), (false, None));
     }
 }

@@ -597,10 +597,11 @@ async fn job_and_schema(
 
 /// Tool calls with the official client (tests/openai/tool_check.py): a
 /// required call and a named one whose `arguments` parse and validate
-/// against their tool's schema (greedy and 8 seeds at temperature 1), the
+/// against their tool's schema (greedy and 4 seeds at temperature 1), the
 /// streamed call reassembled by the client, the agent loop (the call and
-/// its result fed back), and the 400s. Then through gRPC: the call's job
-/// records the tools' grammar and its signed claim verifies.
+/// its result fed back), `auto` (text or a valid call; streamed the same;
+/// 3 seeds), and the 400s. Then through gRPC: the call's job records the
+/// tools' grammar and its signed claim verifies.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn openai_tool_calls() -> anyhow::Result<()> {
     test_model();

@@ -60,6 +60,7 @@ async fn bad_requests_are_refused_and_create_nothing() -> anyhow::Result<()> {
             grammar: Some(Grammar {
                 kind: kind as i32,
                 json_schema: json_schema.into(),
+                ..Grammar::default()
             }),
             ..Default::default()
         });
