@@ -19,7 +19,8 @@ use super::Dispatcher;
 use crate::{
     domain::Lease,
     ledger::{self, Swept},
-    store::Store,
+    metrics::Metrics,
+    store::{AnyStore, Store},
     util::{error_chain, now_ms},
 };
 
@@ -43,7 +44,8 @@ pub async fn sweep_loop(d: Arc<Dispatcher>) {
             _ = d.shutdown_token().cancelled() => break,
             _ = tokio::time::sleep(every) => {}
         }
-        held = renew(&d, held, ttl_ms).await;
+        let replica = &d.config.replica_id;
+        held = renew(&d.store, &d.metrics, replica, held, ttl_ms, now_ms()).await;
         if let Some(lease) = &held {
             sweep_once(&d, lease).await;
         }
@@ -55,17 +57,23 @@ pub async fn sweep_loop(d: Arc<Dispatcher>) {
     }
 }
 
-/// Takes or renews the sweep's lease; `None` (counted as a loss if it was
-/// held) when another replica holds it or the store failed.
-async fn renew(d: &Dispatcher, held: Option<Lease>, ttl_ms: i64) -> Option<Lease> {
-    let replica = &d.config.replica_id;
-    match d
-        .store
-        .acquire_lease(SWEEP_LEASE, replica, ttl_ms, now_ms())
+/// Takes or renews the sweep's lease for `replica` at `now_ms`; `None`
+/// (counted as a loss if `held` was a lease) when another replica holds it
+/// or the store failed.
+async fn renew(
+    store: &AnyStore,
+    metrics: &Metrics,
+    replica: &str,
+    held: Option<Lease>,
+    ttl_ms: i64,
+    now_ms: i64,
+) -> Option<Lease> {
+    match store
+        .acquire_lease(SWEEP_LEASE, replica, ttl_ms, now_ms)
         .await
     {
         Ok(Some(lease)) => {
-            d.metrics.lease_renewed(replica, SWEEP_LEASE);
+            metrics.lease_renewed(replica, SWEEP_LEASE);
             if held.as_ref().is_none_or(|h| h.epoch != lease.epoch) {
                 tracing::info!(replica, epoch = lease.epoch, "holding the sweep's lease");
             }
@@ -73,14 +81,14 @@ async fn renew(d: &Dispatcher, held: Option<Lease>, ttl_ms: i64) -> Option<Lease
         }
         Ok(None) => {
             if held.is_some() {
-                d.metrics.lease_lost(replica, SWEEP_LEASE);
+                metrics.lease_lost(replica, SWEEP_LEASE);
                 tracing::info!(replica, "the sweep's lease went to another replica");
             }
             None
         }
         Err(e) => {
             if held.is_some() {
-                d.metrics.lease_lost(replica, SWEEP_LEASE);
+                metrics.lease_lost(replica, SWEEP_LEASE);
             }
             tracing::warn!(error = %error_chain(&e), "renewing the sweep's lease failed");
             None
@@ -102,5 +110,60 @@ async fn sweep_once(d: &Arc<Dispatcher>, lease: &Lease) {
         Ok(s) if s != Swept::default() => tracing::info!(?s, "ledger sweep"),
         Ok(_) => {}
         Err(e) => tracing::warn!(error = %error_chain(&e), "ledger sweep failed"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::metrics::Gauges;
+
+    fn count(m: &Metrics, series: &str) -> String {
+        let text = m.render(Gauges::default());
+        let prefix = format!("mlxnet_{series}_total{{replica=");
+        text.lines()
+            .filter(|l| l.starts_with(&prefix))
+            .collect::<Vec<_>>()
+            .join("\n")
+    }
+
+    /// Two replicas' sweep loops on one database: the first to renew holds
+    /// the lease, the other skips; a holder that stops renewing past the
+    /// lease's end loses it to the other (a higher epoch) and counts the loss.
+    #[tokio::test]
+    async fn the_sweeps_lease_stays_with_one_replica_until_it_lapses_and_a_loss_is_counted() {
+        let dir = tempfile::tempdir().unwrap();
+        let url = format!("sqlite://{}", dir.path().join("c.db").display());
+        let (a, b) = (
+            AnyStore::connect(&url).await.unwrap(),
+            AnyStore::connect(&url).await.unwrap(),
+        );
+        let (ma, mb) = (Metrics::default(), Metrics::default());
+        let held_a = renew(&a, &ma, "replica-a", None, 1_000, 0).await;
+        assert_eq!(held_a.as_ref().map(|l| l.epoch), Some(1));
+        let held_b = renew(&b, &mb, "replica-b", None, 1_000, 10).await;
+        assert_eq!(held_b, None, "the other replica skips its pass");
+        let held_a = renew(&a, &ma, "replica-a", held_a, 1_000, 900).await;
+        assert_eq!(held_a.as_ref().map(|l| l.epoch), Some(1), "renewed");
+        // Replica a pauses past its lease's end; b takes it over.
+        let held_b = renew(&b, &mb, "replica-b", held_b, 1_000, 1_900).await;
+        assert_eq!(held_b.as_ref().map(|l| l.epoch), Some(2));
+        let held_a = renew(&a, &ma, "replica-a", held_a, 1_000, 2_000).await;
+        assert_eq!(held_a, None);
+        assert_eq!(
+            count(&ma, "lease_renewals"),
+            "mlxnet_lease_renewals_total{replica=\"replica-a\",lease=\"ledger-sweep\"} 2"
+        );
+        assert_eq!(
+            count(&ma, "lease_losses"),
+            "mlxnet_lease_losses_total{replica=\"replica-a\",lease=\"ledger-sweep\"} 1"
+        );
+        assert_eq!(
+            count(&mb, "lease_renewals"),
+            "mlxnet_lease_renewals_total{replica=\"replica-b\",lease=\"ledger-sweep\"} 1"
+        );
+        assert_eq!(count(&mb, "lease_losses"), "", "b never held it before");
+        a.close().await;
+        b.close().await;
     }
 }
