@@ -1,7 +1,9 @@
 //! `mlxnet`: the mlx-network client. Submits jobs and streams their tokens,
-//! checks every result's signed claim offline (signature, and that it is
-//! about the prompt that was sent; `mlxnet verify <job>` later, also against
-//! the catalogue's model digest), and shows jobs, models, the network, the
+//! checks every result offline (`claim::verify_chain`: each signed claim,
+//! that they are about the prompt that was sent, and for a job resumed after
+//! a hand-off that the drained nodes' partial claims and the result's cover
+//! every token in order; `mlxnet verify <job>` later, also against the
+//! catalogue's model digest), and shows jobs, models, the network, the
 //! account's balance and history; manages API keys; and, with an admin key,
 //! creates accounts and grants MLX tokens.
 //!
@@ -89,7 +91,9 @@ enum Command {
     /// Fetch a job's stored signed result and check it offline: the ed25519
     /// signature, that it names this job and the node that ran it, that its
     /// input digest is the job's input (or the prompt given here, built as
-    /// `submit` builds it), and that its model digest is the catalogue's.
+    /// `submit` builds it), and that its model digest is the catalogue's; for
+    /// a job resumed after a hand-off, each drained node's partial claim too,
+    /// and that the claims cover every token of the output in order.
     Verify {
         /// The job id.
         job: String,
@@ -291,10 +295,11 @@ async fn job(conn: &Conn, id: String) -> anyhow::Result<()> {
     if !job.output_text.is_empty() {
         println!("output: {}", job.output_text);
     }
-    if let Some(signed) = &job.result {
-        match claim::verify(signed) {
-            Ok(signer) => println!("verified: signed by {signer}"),
-            Err(e) => println!("NOT VERIFIED: {e}"),
+    if job.result.is_some() {
+        let input = job.input.clone().unwrap_or_default();
+        match verify_job(&job, &input, None) {
+            Ok(chain) => print_chain(&chain),
+            Err(e) => println!("{e:#}"),
         }
     }
     Ok(())
@@ -319,7 +324,7 @@ async fn verify(conn: &Conn, job: String, sent: Option<JobInput>) -> anyhow::Res
         .map(|m| m.sha256.clone());
     let sent = sent.unwrap_or_else(|| job.input.clone().unwrap_or_default());
     print_job(&job);
-    let signer = verify_job(&job, &sent, catalogue.as_deref())?;
+    let chain = verify_job(&job, &sent, catalogue.as_deref())?;
     let c = job.result.as_ref().and_then(|r| r.claim.as_ref());
     if let Some(c) = c {
         println!(
@@ -333,7 +338,7 @@ async fn verify(conn: &Conn, job: String, sent: Option<JobInput>) -> anyhow::Res
             job.model
         );
     }
-    println!("verified: signed by {signer}");
+    print_chain(&chain);
     Ok(())
 }
 
@@ -603,6 +608,8 @@ async fn submit(
     let mut done = None;
     // What was printed, chunk by chunk, to compare with the signed result.
     let mut shown: Vec<(u32, String)> = Vec::new();
+    // Whether the screen holds dropped text (the stream rewound).
+    let mut rewound = false;
     while let Some(event) = events.message().await? {
         match event.event {
             Some(job_event::Event::Tokens(t)) => {
@@ -610,6 +617,7 @@ async fn submit(
                     // An attempt's unsigned tokens were dropped (its node
                     // failed or was refused): the stream goes on from here.
                     shown.retain(|(i, _)| *i < t.index);
+                    rewound = true;
                     eprintln!(
                         "\n[the stream restarts at token {}: what followed it was not kept]",
                         t.index
@@ -643,23 +651,27 @@ async fn submit(
         None => bail!("the job's event stream ended before the job did"),
     };
     print_job(&done);
-    let signer = verify_job(&done, sent, None)?;
+    let chain = verify_job(&done, sent, None)?;
     let streamed: String = shown.into_iter().map(|(_, t)| t).collect();
-    if streamed != done.output_text {
-        // Only the result is signed: show it whole.
-        println!("result: {}", done.output_text);
+    if rewound || streamed != chain.text {
+        // The screen holds dropped or unsigned text: show the signed
+        // answer whole.
+        println!("result: {}", chain.text);
     }
-    println!("verified: signed by {signer}");
+    print_chain(&chain);
     Ok(())
 }
 
-/// Checks `job`'s signed result offline against the input the client sent
-/// and, when known, the catalogue's model digest.
+/// Checks `job` offline against the input the client sent and, when known,
+/// the catalogue's model digest: its hand-off segments' partial claims and
+/// its signed result are one unbroken chain covering every token
+/// (`claim::verify_chain`), and its output text is exactly the text they
+/// sign.
 fn verify_job(
     job: &Job,
     sent: &JobInput,
     model_sha256: Option<&[u8]>,
-) -> anyhow::Result<mlxnet_proto::ids::NodeId> {
+) -> anyhow::Result<claim::Chain> {
     let signed = job
         .result
         .as_ref()
@@ -670,7 +682,35 @@ fn verify_job(
         input: sent,
         model_sha256,
     };
-    claim::verify_result(signed, &facts).context("NOT VERIFIED")
+    let chain = claim::verify_chain(&job.segments, signed, &facts).context("NOT VERIFIED")?;
+    if chain.text != job.output_text {
+        bail!("NOT VERIFIED: the job's output text is not the text its signed claims cover");
+    }
+    Ok(chain)
+}
+
+/// Says who signed which tokens of a verified job: each drained node's
+/// segment, then the node that finished it.
+fn print_chain(chain: &claim::Chain) {
+    let Some(((finisher, first, count), segments)) = chain.parts.split_last() else {
+        return;
+    };
+    for (i, (node, from, n)) in segments.iter().enumerate() {
+        println!(
+            "segment {}: tokens {from}..{} signed by {node} (hand-off)",
+            i + 1,
+            from + n
+        );
+    }
+    if segments.is_empty() {
+        println!("verified: signed by {finisher}");
+    } else {
+        println!(
+            "verified: signed by {finisher} (tokens {first}..{}; with the {} segment(s) above, every token is signed)",
+            first + count,
+            segments.len()
+        );
+    }
 }
 
 /// A job's input as `submit` sends it: raw text, or a chat of an optional

@@ -686,7 +686,9 @@ impl Dispatcher {
             debug!(error = %e, "world map: job of a node it does not show");
         }
         if let Some(done) = self.store.get_job(job.id).await? {
-            if let Some(event) = terminal_event(&done).and_then(|e| e.event) {
+            // The segments, so a watcher verifies a resumed job whole.
+            let segments = self.store.segments(job.id).await?;
+            if let Some(event) = terminal_event(&done, &segments).and_then(|e| e.event) {
                 self.hub.publish(job.id, event);
             }
         }

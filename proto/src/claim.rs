@@ -13,19 +13,25 @@
 //! - The job input's digest ([`input_digest`]) binds a claim to the exact
 //!   prompt or chat messages the client submitted.
 //!
+//! A job resumed after hand-offs is a chain: each drained node's partial
+//! claim covers its segment of the output, bound to the input plus every
+//! token before it ([`resumed_input_digest`]), and the result's claim covers
+//! the rest. [`verify_chain`] checks the whole chain offline.
+//!
 //! An auditor's verdict on a claim ([`verdict_bytes`], [`sign_verdict`],
 //! [`verify_verdict`]) is encoded and signed the same way, under its own
 //! domain tag, and names the claim by its signature.
 //!
 //! # Failure
-//! [`verify`] returns [`ClaimError`] saying which check failed.
+//! [`verify`] returns [`ClaimError`] saying which check failed;
+//! [`verify_chain`] returns [`ChainError`] naming the broken segment.
 
 use ed25519_dalek::{Signature, Signer, SigningKey, Verifier};
 use sha2::{Digest, Sha256};
 
 use crate::{
     ids::{IdError, NodeId},
-    v1::{job_input, AuditVerdict, JobInput, ResultClaim, SignedClaim, SignedVerdict},
+    v1::{job_input, AuditVerdict, JobInput, JobSegment, ResultClaim, SignedClaim, SignedVerdict},
 };
 
 const CLAIM_DOMAIN: &[u8] = b"mlxnet/claim/v1\0";
@@ -169,6 +175,16 @@ pub enum ResultMismatch {
 /// Checks offline that `signed` is a valid claim about exactly the job
 /// `facts` describes; returns the signing node.
 pub fn verify_result(signed: &SignedClaim, facts: &JobFacts<'_>) -> Result<NodeId, ResultMismatch> {
+    check_claim(signed, facts, &input_digest(facts.input))
+}
+
+/// [`verify_result`] with the prompt digest the claim must bind given:
+/// the input's, or the input plus the tokens before a resumed attempt.
+fn check_claim(
+    signed: &SignedClaim,
+    facts: &JobFacts<'_>,
+    prompt_sha256: &[u8; 32],
+) -> Result<NodeId, ResultMismatch> {
     let signer = verify(signed)?;
     let c = signed.claim.as_ref().ok_or(ClaimError::Missing)?;
     if c.job_id != facts.job_id {
@@ -183,7 +199,7 @@ pub fn verify_result(signed: &SignedClaim, facts: &JobFacts<'_>) -> Result<NodeI
             ran_on: facts.node_id.to_owned(),
         });
     }
-    if c.prompt_sha256 != input_digest(facts.input) {
+    if c.prompt_sha256 != prompt_sha256 {
         return Err(ResultMismatch::OtherInput);
     }
     if facts
@@ -193,6 +209,174 @@ pub fn verify_result(signed: &SignedClaim, facts: &JobFacts<'_>) -> Result<NodeI
         return Err(ResultMismatch::OtherModel);
     }
     Ok(signer)
+}
+
+/// Why a job's chain of signed claims (its hand-off segments, then its
+/// result) does not cover the job. Names the segment (1-based, in stream
+/// order) that breaks it.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum ChainError {
+    #[error("segment {segment} (node {node}): {source}")]
+    Segment {
+        segment: usize,
+        node: String,
+        source: ResultMismatch,
+    },
+    #[error("segment {segment} carries no signed partial claim")]
+    Unsigned { segment: usize },
+    #[error("segment {segment} starts at token {first}, but the segments before it end at token {expected} (a gap)")]
+    Gap {
+        segment: usize,
+        first: u32,
+        expected: usize,
+    },
+    #[error("segment {segment} starts at token {first}, but the segments before it end at token {expected} (an overlap)")]
+    Overlap {
+        segment: usize,
+        first: u32,
+        expected: usize,
+    },
+    #[error("segment {segment}'s token ids are not the ones its claim signs")]
+    Tokens { segment: usize },
+    #[error("segment {segment}'s claim ends with {reason:?}, not a hand-off")]
+    NotHandoff { segment: usize, reason: String },
+    #[error("segment {segment} is attempt {attempt}, not after attempt {previous}")]
+    Order {
+        segment: usize,
+        attempt: u32,
+        previous: u32,
+    },
+    #[error("the result: {0}")]
+    Result(ResultMismatch),
+    #[error("the result is attempt {attempt}, not after the last segment's attempt {previous}")]
+    ResultOrder { attempt: u32, previous: u32 },
+    #[error("the result's claim ends with a hand-off: the job did not finish")]
+    ResultIsHandoff,
+}
+
+/// What a verified chain covers: every token of the job, in order, and its
+/// text, each signed by the node named beside it.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Chain {
+    /// `(signer, first token index, token count)` per signed part, the
+    /// segments first, the result last.
+    pub parts: Vec<(NodeId, usize, usize)>,
+    /// The job's whole output, segments' then the result's.
+    pub token_ids: Vec<u32>,
+    pub text: String,
+    /// The last claim's finish reason.
+    pub finish_reason: String,
+}
+
+impl Chain {
+    /// The node that signed the result (the last part).
+    pub fn finisher(&self) -> Option<&NodeId> {
+        self.parts.last().map(|(n, _, _)| n)
+    }
+}
+
+/// Checks offline that `segments` (a resumed job's hand-off segments, in
+/// stream order) and `result` (its finishing claim) are one unbroken chain
+/// of signed claims about exactly the job `facts` describes
+/// (`facts.node_id` is the node that finished it): every claim verifies,
+/// names the job, the model and the node it is listed under; each segment's
+/// claim is a hand-off covering exactly its token ids, bound to the input
+/// plus every token before it ([`resumed_input_digest`]); the segments
+/// cover the tokens from 0 without gap or overlap, in attempt order; and
+/// the result is bound to the input plus all of them and really finished.
+/// Without segments it is [`verify_result`].
+pub fn verify_chain(
+    segments: &[JobSegment],
+    result: &SignedClaim,
+    facts: &JobFacts<'_>,
+) -> Result<Chain, ChainError> {
+    let mut chain = Chain::default();
+    let mut previous = 0u32;
+    let mut model: Option<&[u8]> = facts.model_sha256;
+    for (i, s) in segments.iter().enumerate() {
+        let segment = i + 1;
+        let signed = s.claim.as_ref().ok_or(ChainError::Unsigned { segment })?;
+        let at = chain.token_ids.len();
+        if s.first_index as usize > at {
+            return Err(ChainError::Gap {
+                segment,
+                first: s.first_index,
+                expected: at,
+            });
+        }
+        if (s.first_index as usize) < at {
+            return Err(ChainError::Overlap {
+                segment,
+                first: s.first_index,
+                expected: at,
+            });
+        }
+        let on = JobFacts {
+            node_id: &s.node_id,
+            model_sha256: model,
+            ..facts.clone()
+        };
+        let expect = resumed_input_digest(facts.input, &chain.token_ids);
+        let signer = check_claim(signed, &on, &expect).map_err(|source| ChainError::Segment {
+            segment,
+            node: s.node_id.chars().take(64).collect(),
+            source,
+        })?;
+        let c = signed
+            .claim
+            .as_ref()
+            .ok_or(ChainError::Unsigned { segment })?;
+        if c.finish_reason != FINISH_HANDOFF {
+            return Err(ChainError::NotHandoff {
+                segment,
+                reason: c.finish_reason.chars().take(64).collect(),
+            });
+        }
+        if c.output_token_ids != s.token_ids || c.output_token_ids.is_empty() {
+            return Err(ChainError::Tokens { segment });
+        }
+        if c.attempt <= previous {
+            return Err(ChainError::Order {
+                segment,
+                attempt: c.attempt,
+                previous,
+            });
+        }
+        previous = c.attempt;
+        model = Some(&c.model_sha256);
+        chain.parts.push((signer, at, c.output_token_ids.len()));
+        chain.token_ids.extend_from_slice(&c.output_token_ids);
+        chain.text.push_str(&c.output_text);
+    }
+    let on = JobFacts {
+        model_sha256: model,
+        ..facts.clone()
+    };
+    let expect = resumed_input_digest(facts.input, &chain.token_ids);
+    let signer = check_claim(result, &on, &expect).map_err(ChainError::Result)?;
+    let c = result
+        .claim
+        .as_ref()
+        .ok_or(ChainError::Result(ResultMismatch::Claim(
+            ClaimError::Missing,
+        )))?;
+    if c.attempt <= previous {
+        return Err(ChainError::ResultOrder {
+            attempt: c.attempt,
+            previous,
+        });
+    }
+    if c.finish_reason == FINISH_HANDOFF {
+        return Err(ChainError::ResultIsHandoff);
+    }
+    chain
+        .parts
+        .push((signer, chain.token_ids.len(), c.output_token_ids.len()));
+    chain.token_ids.extend_from_slice(&c.output_token_ids);
+    chain.text.push_str(&c.output_text);
+    chain.finish_reason = c.finish_reason.clone();
+    Ok(chain)
 }
 
 /// SHA-256 over the canonical bytes of a job's input (prompt or chat
@@ -447,5 +631,274 @@ mod tests {
             input_digest(&prompt("user")),
             input_digest(&chat(&[("user", "")]))
         );
+    }
+
+    /// A resumed job's chain: node A signed tokens 1..=3 (attempt 1, a
+    /// hand-off), node B tokens 4..=5 (attempt 2, a hand-off), node C the
+    /// rest (attempt 4: attempt 3's node vanished and kept nothing).
+    struct Resumed {
+        keys: [SigningKey; 3],
+        input: JobInput,
+        segments: Vec<JobSegment>,
+        result: SignedClaim,
+    }
+
+    fn part(
+        key: &SigningKey,
+        input: &JobInput,
+        before: &[u32],
+        attempt: u32,
+        ids: &[u32],
+        finish: &str,
+    ) -> SignedClaim {
+        let mut c = sample(key);
+        c.attempt = attempt;
+        c.prompt_sha256 = resumed_input_digest(input, before).to_vec();
+        c.output_token_ids = ids.to_vec();
+        c.output_text = ids.iter().map(|i| format!("<{i}>")).collect();
+        c.completion_tokens = ids.len() as u32;
+        c.finish_reason = finish.into();
+        sign(c, key)
+    }
+
+    fn segment(key: &SigningKey, first_index: u32, claim: SignedClaim) -> JobSegment {
+        let c = claim.claim.clone().unwrap_or_default();
+        JobSegment {
+            node_id: hex_id(key),
+            attempt: c.attempt,
+            first_index,
+            token_ids: c.output_token_ids,
+            claim: Some(claim),
+        }
+    }
+
+    fn hex_id(key: &SigningKey) -> String {
+        NodeId::from_key(&key.verifying_key()).to_string()
+    }
+
+    fn resumed() -> Resumed {
+        let keys = [1u8, 2, 3].map(|b| SigningKey::from_bytes(&[b; 32]));
+        let input = JobInput {
+            kind: Some(job_input::Kind::Prompt("Once upon a time".into())),
+        };
+        let a = part(&keys[0], &input, &[], 1, &[1, 2, 3], FINISH_HANDOFF);
+        let b = part(&keys[1], &input, &[1, 2, 3], 2, &[4, 5], FINISH_HANDOFF);
+        let result = part(&keys[2], &input, &[1, 2, 3, 4, 5], 4, &[6, 7], "length");
+        Resumed {
+            segments: vec![segment(&keys[0], 0, a), segment(&keys[1], 3, b)],
+            keys,
+            input,
+            result,
+        }
+    }
+
+    impl Resumed {
+        /// Node C's result re-signed: tokens 6 and 7 after `before`.
+        fn refinish(&mut self, before: &[u32], attempt: u32, finish: &str) {
+            self.result = part(&self.keys[2], &self.input, before, attempt, &[6, 7], finish);
+        }
+
+        fn check(&self) -> Result<Chain, ChainError> {
+            let node = hex_id(&self.keys[2]);
+            let facts = JobFacts {
+                job_id: "0193a1b2-0000-7000-8000-000000000001",
+                node_id: &node,
+                input: &self.input,
+                model_sha256: Some(&[7; 32]),
+            };
+            verify_chain(&self.segments, &self.result, &facts)
+        }
+    }
+
+    #[test]
+    fn a_resumed_jobs_chain_verifies_whole_and_joins_every_signed_part() {
+        let r = resumed();
+        let chain = r.check().unwrap();
+        assert_eq!(chain.token_ids, [1, 2, 3, 4, 5, 6, 7]);
+        assert_eq!(chain.text, "<1><2><3><4><5><6><7>");
+        assert_eq!(chain.finish_reason, "length");
+        let signers: Vec<_> = r
+            .keys
+            .iter()
+            .map(|k| NodeId::from_key(&k.verifying_key()))
+            .collect();
+        assert_eq!(
+            chain.parts,
+            [(signers[0], 0, 3), (signers[1], 3, 2), (signers[2], 5, 2)]
+        );
+        assert_eq!(chain.finisher(), Some(&signers[2]));
+        // Without segments it is `verify_result` on a fresh job.
+        let fresh = part(&r.keys[2], &r.input, &[], 1, &[9], "eos");
+        let node = hex_id(&r.keys[2]);
+        let facts = JobFacts {
+            job_id: "0193a1b2-0000-7000-8000-000000000001",
+            node_id: &node,
+            input: &r.input,
+            model_sha256: None,
+        };
+        assert_eq!(verify_chain(&[], &fresh, &facts).unwrap().token_ids, [9]);
+        assert_eq!(
+            verify_chain(&[], &r.result, &facts),
+            Err(ChainError::Result(ResultMismatch::OtherInput)),
+            "a resumed claim alone is about another input"
+        );
+    }
+
+    /// The error of segment `segment`, listed under node `key` of [`resumed`].
+    fn in_segment(segment: usize, key: usize, source: ResultMismatch) -> ChainError {
+        ChainError::Segment {
+            segment,
+            node: hex_id(&resumed().keys[key]),
+            source,
+        }
+    }
+
+    #[test]
+    fn a_broken_chain_is_refused_naming_the_segment() {
+        let foreign = SigningKey::from_bytes(&[9; 32]);
+        type Edit = Box<dyn Fn(&mut Resumed)>;
+        let cases: Vec<(&str, Edit, ChainError)> = vec![
+            (
+                "a gap",
+                Box::new(|r| r.segments[1].first_index = 4),
+                ChainError::Gap {
+                    segment: 2,
+                    first: 4,
+                    expected: 3,
+                },
+            ),
+            (
+                "an overlap",
+                Box::new(|r| r.segments[1].first_index = 2),
+                ChainError::Overlap {
+                    segment: 2,
+                    first: 2,
+                    expected: 3,
+                },
+            ),
+            (
+                "a foreign signature",
+                Box::new(move |r| {
+                    let c = r.segments[1].claim.clone().unwrap().claim.unwrap();
+                    r.segments[1].claim = Some(sign(c, &foreign));
+                }),
+                in_segment(2, 1, ResultMismatch::Claim(ClaimError::BadSignature)),
+            ),
+            (
+                "a segment listed under another node than its signer",
+                Box::new(|r| r.segments[1].node_id = hex_id(&r.keys[0])),
+                in_segment(
+                    2,
+                    0,
+                    ResultMismatch::OtherNode {
+                        signer: hex_id(&resumed().keys[1]),
+                        ran_on: hex_id(&resumed().keys[0]),
+                    },
+                ),
+            ),
+            (
+                "reordered segments",
+                Box::new(|r| {
+                    r.segments.swap(0, 1);
+                    r.segments[0].first_index = 0;
+                    r.segments[1].first_index = 2;
+                }),
+                in_segment(1, 1, ResultMismatch::OtherInput),
+            ),
+            (
+                "a dropped segment",
+                Box::new(|r| {
+                    r.segments.remove(0);
+                    r.segments[0].first_index = 0;
+                }),
+                in_segment(1, 1, ResultMismatch::OtherInput),
+            ),
+            (
+                "a segment bound to the bare input",
+                Box::new(|r| {
+                    let k = r.keys[1].clone();
+                    let c = part(&k, &r.input, &[], 2, &[4, 5], FINISH_HANDOFF);
+                    r.segments[1] = segment(&k, 3, c);
+                }),
+                in_segment(2, 1, ResultMismatch::OtherInput),
+            ),
+            (
+                "another input than the job's",
+                Box::new(|r| {
+                    r.input = JobInput {
+                        kind: Some(job_input::Kind::Prompt("Once upon a time,".into())),
+                    }
+                }),
+                in_segment(1, 0, ResultMismatch::OtherInput),
+            ),
+            (
+                "a segment without its claim",
+                Box::new(|r| r.segments[0].claim = None),
+                ChainError::Unsigned { segment: 1 },
+            ),
+            (
+                "token ids beside the claim that are not the signed ones",
+                Box::new(|r| r.segments[0].token_ids[1] = 99),
+                ChainError::Tokens { segment: 1 },
+            ),
+            (
+                "a segment whose claim finished",
+                Box::new(|r| {
+                    let k = r.keys[0].clone();
+                    let c = part(&k, &r.input, &[], 1, &[1, 2, 3], "length");
+                    r.segments[0] = segment(&k, 0, c);
+                }),
+                ChainError::NotHandoff {
+                    segment: 1,
+                    reason: "length".into(),
+                },
+            ),
+            (
+                "a segment of a later attempt before an earlier one",
+                Box::new(|r| {
+                    let k = r.keys[1].clone();
+                    let c = part(&k, &r.input, &[1, 2, 3], 1, &[4, 5], FINISH_HANDOFF);
+                    r.segments[1] = segment(&k, 3, c);
+                }),
+                ChainError::Order {
+                    segment: 2,
+                    attempt: 1,
+                    previous: 1,
+                },
+            ),
+            (
+                "a segment of another model",
+                Box::new(|r| {
+                    let k = r.keys[1].clone();
+                    let mut c = r.segments[1].claim.clone().unwrap().claim.unwrap();
+                    c.model_sha256 = vec![8; 32];
+                    r.segments[1].claim = Some(sign(c, &k));
+                }),
+                in_segment(2, 1, ResultMismatch::OtherModel),
+            ),
+            (
+                "a result bound to the bare input",
+                Box::new(|r| r.refinish(&[], 4, "length")),
+                ChainError::Result(ResultMismatch::OtherInput),
+            ),
+            (
+                "a result that is itself a hand-off",
+                Box::new(|r| r.refinish(&[1, 2, 3, 4, 5], 4, FINISH_HANDOFF)),
+                ChainError::ResultIsHandoff,
+            ),
+            (
+                "a result of an earlier attempt than a segment",
+                Box::new(|r| r.refinish(&[1, 2, 3, 4, 5], 2, "length")),
+                ChainError::ResultOrder {
+                    attempt: 2,
+                    previous: 2,
+                },
+            ),
+        ];
+        for (what, edit, want) in cases {
+            let mut r = resumed();
+            edit(&mut r);
+            assert_eq!(r.check(), Err(want), "{what}");
+        }
     }
 }

@@ -24,10 +24,10 @@ use crate::{
     catalogue::Catalogue,
     domain::{
         job::{is_terminal_event, terminal_event, to_proto, MAX_BIAS, MAX_LOGIT_BIAS, MAX_PENALTY},
-        Caller, CancelOutcome, JobRecord, JobState, JobTerms, NewJob, Scope,
+        Caller, CancelOutcome, JobRecord, JobState, JobTerms, NewJob, Scope, Segment,
     },
     ledger::settle,
-    store::Store,
+    store::{AnyStore, Store, StoreError},
 };
 
 /// Chat roles a model template knows.
@@ -269,6 +269,15 @@ fn job_terms(
     })
 }
 
+/// A completed job's hand-off segments, which its Completed event carries so
+/// a watcher verifies it whole; none for a job in any other state.
+async fn completed_segments(store: &AnyStore, job: &JobRecord) -> Result<Vec<Segment>, StoreError> {
+    if job.state != JobState::Completed {
+        return Ok(Vec::new());
+    }
+    store.segments(job.id).await
+}
+
 /// The events of job `id` from its start (replayed) until it ends, as the
 /// gRPC Watch sends them (the caller has checked the job is theirs). The
 /// stream ends after the terminal event, or with an error when the
@@ -293,6 +302,14 @@ pub async fn watch_events(
             return Err(ApiError::from(e));
         }
     };
+    let segments = match completed_segments(&d.store, &job).await {
+        Ok(s) => s,
+        Err(e) => {
+            drop(sub);
+            d.hub.forget_if_idle(id);
+            return Err(ApiError::from(e));
+        }
+    };
     let (tx, rx) = mpsc::channel::<Result<JobEvent, Status>>(64);
     let d = Arc::clone(d);
     tokio::spawn(async move {
@@ -302,7 +319,7 @@ pub async fn watch_events(
                 event: Some(e),
             })
         };
-        if let Some(end) = terminal_event(&job) {
+        if let Some(end) = terminal_event(&job, &segments) {
             drop(sub);
             d.hub.forget_if_idle(id);
             let _ = tx.send(Ok(end)).await;
@@ -357,10 +374,16 @@ pub async fn watch_events(
                 Err(RecvError::Lagged(_)) | Err(RecvError::Closed) => {
                     // Fell behind, or the job ended and its channel closed:
                     // the store has the truth.
-                    let now = d.store.get_job(id).await;
+                    let now = match d.store.get_job(id).await {
+                        Ok(Some(job)) => completed_segments(&d.store, &job)
+                            .await
+                            .map(|s| Some((job, s))),
+                        Ok(None) => Ok(None),
+                        Err(e) => Err(e),
+                    };
                     match now {
-                        Ok(Some(job)) if job.state.is_terminal() => {
-                            if let Some(end) = terminal_event(&job) {
+                        Ok(Some((job, segments))) if job.state.is_terminal() => {
+                            if let Some(end) = terminal_event(&job, &segments) {
                                 let _ = tx.send(Ok(end)).await;
                             }
                         }
@@ -494,7 +517,7 @@ impl Jobs for JobsApi {
     async fn submit(&self, req: Request<SubmitJobRequest>) -> Result<Response<Job>, Status> {
         let me = caller(&req)?;
         let record = submit_job(&self.d, &me, req.into_inner(), false).await?;
-        Ok(Response::new(to_proto(&record)))
+        Ok(Response::new(to_proto(&record, &[])))
     }
 
     async fn get(&self, req: Request<GetJobRequest>) -> Result<Response<Job>, Status> {
@@ -508,7 +531,8 @@ impl Jobs for JobsApi {
             .await
             .map_err(ApiError::from)?
             .ok_or_else(|| not_found(id))?;
-        Ok(Response::new(to_proto(&job)))
+        let segments = self.d.store.segments(id).await.map_err(ApiError::from)?;
+        Ok(Response::new(to_proto(&job, &segments)))
     }
 
     type WatchStream = EventStream;
@@ -546,7 +570,8 @@ impl Jobs for JobsApi {
             .await
             .map_err(ApiError::from)?
             .ok_or_else(|| not_found(id))?;
-        Ok(Response::new(to_proto(&job)))
+        let segments = self.d.store.segments(id).await.map_err(ApiError::from)?;
+        Ok(Response::new(to_proto(&job, &segments)))
     }
 
     async fn list(
@@ -586,7 +611,7 @@ impl Jobs for JobsApi {
             jobs
         };
         Ok(Response::new(ListJobsResponse {
-            jobs: jobs.iter().map(to_proto).collect(),
+            jobs: jobs.iter().map(|j| to_proto(j, &[])).collect(),
         }))
     }
 }

@@ -255,8 +255,10 @@ pub struct StreamedEnd<'a> {
     pub max_attempts: u32,
 }
 
-/// The client-API view of a stored job.
-pub fn to_proto(job: &JobRecord) -> v1::Job {
+/// The client-API view of a stored job and its hand-off `segments` (in
+/// stream order; none for a job never handed off, or where the view leaves
+/// them out).
+pub fn to_proto(job: &JobRecord, segments: &[Segment]) -> v1::Job {
     v1::Job {
         id: job.id.to_string(),
         model: job.model.clone(),
@@ -271,14 +273,27 @@ pub fn to_proto(job: &JobRecord) -> v1::Job {
         sampling: Some(job.sampling.clone()),
         input: Some(job.input.clone()),
         priority: u32::from(job.priority),
+        segments: segments.iter().map(segment_to_proto).collect(),
     }
 }
 
-/// The event that ends a watch, for a job in a terminal state.
-pub fn terminal_event(job: &JobRecord) -> Option<JobEvent> {
+/// The client-API view of a hand-off segment.
+fn segment_to_proto(s: &Segment) -> v1::JobSegment {
+    v1::JobSegment {
+        node_id: s.node_id.clone(),
+        attempt: s.attempt,
+        first_index: s.first_index,
+        token_ids: s.token_ids.clone(),
+        claim: s.claim.clone(),
+    }
+}
+
+/// The event that ends a watch, for a job in a terminal state; a completed
+/// job's carries its hand-off `segments`.
+pub fn terminal_event(job: &JobRecord, segments: &[Segment]) -> Option<JobEvent> {
     let event = match job.state {
         JobState::Completed => job_event::Event::Completed(job_event::Completed {
-            job: Some(to_proto(job)),
+            job: Some(to_proto(job, segments)),
         }),
         JobState::Failed => job_event::Event::Failed(job_event::Failed {
             reason: job.error.clone().unwrap_or_default(),

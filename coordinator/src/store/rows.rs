@@ -276,6 +276,12 @@ pub(super) fn audit_record(row: Option<&impl Columns>) -> Result<AuditRecord> {
     })
 }
 
+/// `node_id` and [`RECORD_COLUMNS`]: one row of the list of every node's
+/// record.
+pub(super) fn node_audit_record(row: &impl Columns) -> Result<(String, AuditRecord)> {
+    Ok((row.text("node_id")?, audit_record(Some(row))?))
+}
+
 /// The `node_records` columns [`audit_record`] reads.
 pub(super) const RECORD_COLUMNS: &str =
     "clean_audits, failed_audits, banned_at_ms, jobs_done, failed_attempts, wrong_verdicts";

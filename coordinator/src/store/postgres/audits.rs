@@ -31,15 +31,7 @@ pub(super) async fn records(conn: &mut PgConnection) -> Result<Vec<(String, Audi
     ))
     .fetch_all(&mut *conn)
     .await?;
-    found
-        .iter()
-        .map(|r| {
-            Ok((
-                rows::Columns::text(r, "node_id")?,
-                rows::audit_record(Some(r))?,
-            ))
-        })
-        .collect()
+    found.iter().map(rows::node_audit_record).collect()
 }
 
 pub(super) async fn begin(
