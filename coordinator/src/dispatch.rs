@@ -77,7 +77,7 @@ use crate::{
         session::{Reservation, Session, Sessions, MAX_REASON_CHARS},
     },
     metrics::Metrics,
-    scheduler::{self, Queue, Target},
+    scheduler::{self, Evidence, Queue, Target},
     store::{AnyStore, Store, StoreError},
     util::{clip, error_chain, lock, now_ms, Tasks},
     world::World,
@@ -172,6 +172,11 @@ pub struct Dispatcher {
     /// (a hint, not a record), cleared when the job is placed or ends, and
     /// bounded by [`FAILED_ON_MAX`].
     failed_on: Mutex<HashMap<JobId, String>>,
+    /// What each node has shown (decayed reliability, observed decode
+    /// speed), which placement ranks it by instead of its Hello's figures
+    /// alone. In memory, per process, like `failed_on`; bounded by
+    /// [`EVIDENCE_MAX`] (past it, only connected nodes are kept).
+    evidence: Mutex<HashMap<NodeId, Evidence>>,
     shutdown: CancellationToken,
     tasks: Arc<Tasks>,
 }
@@ -179,6 +184,10 @@ pub struct Dispatcher {
 /// The most jobs [`Dispatcher`] remembers a failed node for (a job
 /// cancelled while queued leaves its entry; past this, all are dropped).
 const FAILED_ON_MAX: usize = 100_000;
+
+/// The most nodes [`Dispatcher`] keeps [`Evidence`] for (past this, the
+/// evidence of nodes not connected is dropped).
+const EVIDENCE_MAX: usize = 100_000;
 
 /// The backoff step between tries of recording an attempt's end after a
 /// store error, and the most it grows to.
@@ -244,6 +253,7 @@ impl Dispatcher {
             wake,
             running: Mutex::new(HashMap::new()),
             failed_on: Mutex::new(HashMap::new()),
+            evidence: Mutex::new(HashMap::new()),
             shutdown,
             tasks,
         })
@@ -467,7 +477,7 @@ impl Dispatcher {
         sessions: &[Arc<Session>],
         claimed: Vec<(JobRecord, Option<String>)>,
     ) -> Vec<Planned> {
-        let mut fleet = Sessions::fleet(sessions);
+        let mut fleet = Sessions::fleet(sessions, &lock(&self.evidence));
         let mut queue = Queue::new(claimed.len());
         let mut accounts: HashMap<JobId, Option<String>> = HashMap::new();
         for (job, account) in claimed {
@@ -535,7 +545,7 @@ impl Dispatcher {
         if sessions.is_empty() {
             return None;
         }
-        let fleet = Sessions::fleet(&sessions);
+        let fleet = Sessions::fleet(&sessions, &lock(&self.evidence));
         let shape = model.job(input_bytes(&job.input), job.sampling.max_tokens);
         if fleet.could_ever_hold(&shape) {
             return None;
@@ -561,6 +571,7 @@ impl Dispatcher {
             .world
             .set_status(&node_hex, crate::world::Status::Serving);
         let (outcome, mut segment) = self.drive(&job, &model, &session, &cancel).await;
+        self.learn(session.node_id, &job, &model, &outcome);
         // A job has one attempt at a time, so the entry (if a cancel did not
         // already take it) is this attempt's.
         lock(&self.running).remove(&job.id);
@@ -646,6 +657,34 @@ impl Dispatcher {
             let _ = self.world.set_status(&node_hex, crate::world::Status::Idle);
         }
         self.wake();
+    }
+
+    /// Adds an attempt's end to its node's [`Evidence`]: a verified claim
+    /// (a completion or a drained hand-off) counts as a success and shows
+    /// its decode speed; a failure counts against; a cancel or a shutdown
+    /// says nothing about the node.
+    fn learn(&self, node: NodeId, job: &JobRecord, model: &Model, outcome: &Outcome) {
+        let (ok, signed) = match outcome {
+            Outcome::Completed(signed) | Outcome::HandedOff(signed) => (true, Some(signed)),
+            Outcome::Failed { .. } => (false, None),
+            Outcome::Cancelled | Outcome::Shutdown => return,
+        };
+        let mut evidence = lock(&self.evidence);
+        if evidence.len() >= EVIDENCE_MAX && !evidence.contains_key(&node) {
+            evidence.retain(|id, _| self.sessions.get(id).is_some());
+        }
+        let shown = evidence.entry(node).or_default();
+        shown.attempt(ok);
+        if let Some(c) = signed.and_then(|s| s.claim.as_ref()) {
+            let bytes_per_token = model
+                .job(input_bytes(&job.input), job.sampling.max_tokens)
+                .bytes_per_token();
+            shown.decoded(
+                c.completion_tokens,
+                c.decode_micros as f64 / 1e6,
+                bytes_per_token,
+            );
+        }
     }
 
     async fn record_completion(

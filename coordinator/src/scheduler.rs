@@ -8,7 +8,8 @@
 //!
 //! # Layout
 //! - [`capability`]: what a node or pod can do; measured figures win over
-//!   the chip table ([`mlxnet_proto::chips`]).
+//!   the chip table ([`mlxnet_proto::chips`]), and what a node has shown
+//!   ([`Evidence`]: decayed reliability, observed speed) caps them.
 //! - [`cost`]: memory needed and estimated completion of a job on a target.
 //! - [`fleet`]: the indexed fleet and the decision rule (feasibility, cached
 //!   first, dedicated before idle-time for long jobs, lowest completion with
@@ -32,7 +33,7 @@ mod tests;
 
 use std::collections::HashMap;
 
-pub use capability::{Capability, Measured, Mode, NodeSpec, PodSpec};
+pub use capability::{Capability, Evidence, Measured, Mode, NodeSpec, PodSpec};
 pub use cost::{BatchCurve, Estimate, JobShape, ModelShape};
 pub use fleet::{Decision, Fleet, FleetError, Placement, Policy, Target};
 pub use queue::{Offer, Queue, QueueError};

@@ -586,6 +586,73 @@ async fn a_job_a_node_just_failed_goes_to_another_node() {
     app.stop().await;
 }
 
+/// Hole 5: placement learns from evidence. A node whose Hello reports a
+/// thousand times the honest node's bandwidth (registered first, so on a
+/// tie it wins) fails every attempt it gets; once it has failed one, the
+/// next jobs go to the honest node first, which is placed and paid for
+/// each (audits off: pay is immediate).
+#[tokio::test]
+async fn a_node_that_fails_its_jobs_stops_winning_placement_however_fast_its_hello() {
+    let app = spawn_app(|c| c.limits.max_attempts = 10).await;
+    let hostile = FakeNode::register_with(&app, NEW_KEYS[0], |h| {
+        if let Some(hw) = h.hardware.as_mut() {
+            hw.measured_memory_bandwidth_bytes_per_s = 100_000_000_000_000;
+        }
+    })
+    .await;
+    let mut honest = FakeNode::register(&app, NEW_KEYS[1]).await;
+    let hostile_operator = app.ledger.link_node(&hex_of(&hostile), "").await.unwrap();
+    let operator = app.ledger.link_node(&hex_of(&honest), "").await.unwrap();
+    let before = books(&app.ledger, &app.client_account, &hostile_operator).await;
+    let mut jobs = JobsClient::new(app.grpc().await);
+    let mut first_attempts = [0usize; 2];
+    for i in 0..4 {
+        let job = jobs
+            .submit(prompt_job(&format!("Count to {i}"), 8))
+            .await
+            .unwrap()
+            .into_inner()
+            .id;
+        let (mut which, mut send, mut _recv, mut a) = next_of_either([&hostile, &honest]).await;
+        first_attempts[which] += 1;
+        if which == 0 {
+            let failure = JobUpdate {
+                msg: Some(job_update::Msg::Failure(job_update::Failure {
+                    reason: "out of memory".into(),
+                    retryable: true,
+                })),
+            };
+            write_frame(&mut send, &failure).await.unwrap();
+            (which, send, _recv, a) = next_of_either([&hostile, &honest]).await;
+            assert_eq!(which, 1, "the retry went back to the failing node");
+        }
+        assert_eq!(a.job_id, job);
+        let mut served = Served {
+            signed: claim::sign(honest.claim(&a, vec![7, 8], " Paris"), &honest.key),
+            honest,
+            operator: operator.clone(),
+            job,
+            send,
+            before: books(&app.ledger, &app.client_account, &operator).await,
+        };
+        served.finish(&app).await;
+        honest = served.honest;
+    }
+    assert_eq!(
+        first_attempts,
+        [1, 3],
+        "[hostile, honest] first attempts: the failing node kept winning placement"
+    );
+    let paid = books(&app.ledger, &app.client_account, &operator).await;
+    assert!(paid.operator.balance() > 0, "the honest node was paid");
+    assert_eq!(paid.client.debits_pending, 0, "every hold was settled");
+    let after = books(&app.ledger, &app.client_account, &hostile_operator).await;
+    assert_eq!(after.operator, before.operator, "the failing node was paid");
+    let broken = app.ledger.violations(now_ms()).await.unwrap();
+    assert!(broken.is_empty(), "{broken:?}");
+    app.stop().await;
+}
+
 /// Probation's share of placement: a new key reporting a far faster chip
 /// than the established node beside it (the cost model alone would give
 /// it every job) runs one job at a time while the established node has

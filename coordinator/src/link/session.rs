@@ -21,7 +21,7 @@ use mlxnet_proto::ids::NodeId;
 
 use super::handshake::{PodMembership, Registration};
 use crate::{
-    scheduler::{BatchCurve, Fleet, Measured, Mode, NodeSpec, PodSpec, Policy},
+    scheduler::{BatchCurve, Evidence, Fleet, Measured, Mode, NodeSpec, PodSpec, Policy},
     util::clip,
 };
 
@@ -261,16 +261,19 @@ impl Sessions {
         self.with(|map| map.len())
     }
 
-    /// The scheduler's fleet of `sessions` (see [`Session::spec`]). Nodes do
-    /// not download models yet, so only cached models are placed.
-    pub fn fleet(sessions: &[Arc<Session>]) -> Fleet {
+    /// The scheduler's fleet of `sessions` (see [`Session::spec`]), each
+    /// ranked on what it has shown (`evidence`; a node absent from it has
+    /// shown nothing: see [`NodeSpec::with_evidence`]). Nodes do not
+    /// download models yet, so only cached models are placed.
+    pub fn fleet(sessions: &[Arc<Session>], evidence: &HashMap<NodeId, Evidence>) -> Fleet {
         let mut fleet = Fleet::new(Policy {
             downloads: false,
             ..Policy::default()
         });
         for s in sessions {
             // Ids are unique in the registry, so this cannot fail.
-            let _ = fleet.add_node(s.spec());
+            let shown = evidence.get(&s.node_id).copied().unwrap_or_default();
+            let _ = fleet.add_node(s.spec().with_evidence(&shown));
         }
         for leader in sessions {
             if let Some(spec) = Self::whole_pod(sessions, leader) {

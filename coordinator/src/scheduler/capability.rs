@@ -10,6 +10,13 @@
 //!   reason can too.
 //! - Figures are finite and positive (bad measurements are ignored, never
 //!   propagated as NaN or zero into the cost model).
+//! - Placement ranks a node on evidence, not its Hello alone
+//!   ([`NodeSpec::with_evidence`]): its memory bandwidth never ranks above
+//!   what its own verified claims showed ([`Evidence::bandwidth`]), and a
+//!   node that has shown nothing yet ranks at most at its chip table's
+//!   figure (the assumed default for a chip the table does not know), so
+//!   a self-measured figure alone never wins; its reliability is the
+//!   decayed share of its attempts that ended well.
 
 use mlxnet_proto::{chips, ids::NodeId};
 
@@ -56,6 +63,8 @@ pub enum Source {
     Measured,
     Table,
     Assumed,
+    /// Shown by the node's own verified claims' timings.
+    Observed,
 }
 
 impl Source {
@@ -64,6 +73,7 @@ impl Source {
             Source::Measured => "measured",
             Source::Table => "table",
             Source::Assumed => "assumed",
+            Source::Observed => "observed",
         }
     }
 }
@@ -158,7 +168,8 @@ pub struct NodeSpec {
     /// Its aggregate decode speed by concurrent streams (empty: unknown).
     pub batch: BatchCurve,
     pub mode: Mode,
-    /// Share of its past attempts that completed, in [0, 1]; 1 for a new node.
+    /// Share of its past attempts that completed, in [0, 1], recent ones
+    /// weighing most ([`Evidence::reliability`]); 1 for a new node.
     pub reliability: f64,
     /// SHA-256 digests of the model files it holds.
     pub cached: Vec<[u8; 32]>,
@@ -182,6 +193,77 @@ impl NodeSpec {
             cached: Vec::new(),
             capability: Capability::resolve(chip, measured),
         }
+    }
+}
+
+/// Weight of the latest attempt in [`Evidence`]'s moving averages: each
+/// older one counts half as much as the one after it.
+pub const EVIDENCE_WEIGHT: f64 = 0.5;
+
+/// What a node has shown, as exponentially weighted moving averages over
+/// its attempts (so old evidence decays): the share that ended well, and
+/// the memory bandwidth its verified claims' timings imply.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Evidence {
+    /// In [0, 1]; 1 for a node with no attempt yet.
+    pub reliability: f64,
+    /// Bytes/s: bytes read per token x its claims' tokens / decode time;
+    /// `None` until a claim showed it.
+    pub bandwidth: Option<f64>,
+}
+
+impl Default for Evidence {
+    fn default() -> Self {
+        Evidence {
+            reliability: 1.0,
+            bandwidth: None,
+        }
+    }
+}
+
+impl Evidence {
+    /// An attempt ended: completed (or handed off under a signed claim) or
+    /// failed.
+    pub fn attempt(&mut self, ok: bool) {
+        let outcome = if ok { 1.0 } else { 0.0 };
+        self.reliability += EVIDENCE_WEIGHT * (outcome - self.reliability);
+    }
+
+    /// A verified claim decoded `tokens` in `decode_s` seconds of a model
+    /// reading `bytes_per_token` per token. Unusable figures (no tokens, no
+    /// time, not finite) show nothing.
+    pub fn decoded(&mut self, tokens: u32, decode_s: f64, bytes_per_token: f64) {
+        let shown = f64::from(tokens) / decode_s * bytes_per_token;
+        if tokens == 0 || !shown.is_finite() || shown <= 0.0 {
+            return;
+        }
+        self.bandwidth = Some(match self.bandwidth {
+            Some(b) => b + EVIDENCE_WEIGHT * (shown - b),
+            None => shown,
+        });
+    }
+}
+
+impl NodeSpec {
+    /// The node ranked on `evidence`: its reliability, and its memory
+    /// bandwidth capped by what it showed (or, having shown nothing, by
+    /// its chip's table figure).
+    pub fn with_evidence(mut self, evidence: &Evidence) -> Self {
+        self.reliability = evidence.reliability;
+        let cap = match evidence.bandwidth {
+            Some(value) => Figure {
+                value,
+                source: Source::Observed,
+            },
+            None => Capability::resolve(&self.chip, &Measured::default()).memory_bandwidth,
+        };
+        if cap.value.is_finite()
+            && cap.value > 0.0
+            && cap.value < self.capability.memory_bandwidth.value
+        {
+            self.capability.memory_bandwidth = cap;
+        }
+        self
     }
 }
 

@@ -9,7 +9,10 @@
 //! 2. Tiers, best first: cached model on a dedicated node; cached on an
 //!    idle-time node for a long job (> `Policy::long_job_s`); then the same
 //!    two without the model cached. Cached is strongly preferred: any cached
-//!    candidate beats every download.
+//!    candidate beats every download. All of these come before any
+//!    unreliable candidate (reliability under [`RELIABLE`]: most of its
+//!    recent attempts failed), which takes a job only when no reliable one
+//!    can.
 //! 3. Within the best tier, the lowest expected completion (estimate /
 //!    reliability; on a node already running jobs, the estimate of a
 //!    stream sharing its batch, by the node's speed curve: so a second job
@@ -218,6 +221,10 @@ struct Candidate {
     load: u32,
 }
 
+/// Below this reliability (after rounding to quarters) a node or pod ranks
+/// after every more reliable candidate, however fast it claims to be.
+pub const RELIABLE: f64 = 0.5;
+
 /// Nodes of a class looked at past a busy best fit for an idle one.
 pub const IDLE_SCAN: usize = 32;
 
@@ -226,7 +233,7 @@ const SPEED_GRID: f64 = 0.048_790_164_169_432;
 const LINK_GRID: f64 = 0.223_143_551_314_209_8;
 
 fn grid(f: &Figure, step: f64) -> f64 {
-    if f.source == Source::Measured {
+    if matches!(f.source, Source::Measured | Source::Observed) {
         ((f.value.ln() / step).round() * step).exp()
     } else {
         f.value
@@ -476,8 +483,9 @@ impl Fleet {
                 .any(|p| job.memory_per_member(p.members.len()) <= p.min_member_total)
     }
 
-    fn tier(&self, cached: bool, mode: Mode, total_s: f64) -> u8 {
-        (u8::from(!cached) << 1)
+    fn tier(&self, reliability: f64, cached: bool, mode: Mode, total_s: f64) -> u8 {
+        (u8::from(reliability < RELIABLE) << 2)
+            | (u8::from(!cached) << 1)
             | u8::from(mode == Mode::IdleTime && total_s > self.policy.long_job_s)
     }
 
@@ -527,7 +535,7 @@ impl Fleet {
             alone.shared(job, curve.slowdown(load.saturating_add(1)))
         };
         Candidate {
-            tier: self.tier(cached, c.mode, estimate.total_s),
+            tier: self.tier(c.reliability, cached, c.mode, estimate.total_s),
             time: estimate.total_s / c.reliability.max(0.05),
             leftover: free - need,
             order: (0, slot),
@@ -569,7 +577,7 @@ impl Fleet {
         // Best-fit compares the job's memory, not the members' rounded shares.
         let need = job.memory_needed();
         Some(Candidate {
-            tier: self.tier(cached, p.mode, estimate.total_s),
+            tier: self.tier(p.reliability, cached, p.mode, estimate.total_s),
             time: estimate.total_s / p.reliability.max(0.05),
             leftover: free.saturating_sub(need),
             order: (1, pod),

@@ -800,3 +800,92 @@ fn a_second_job_goes_to_a_busy_node_when_its_batch_is_faster_than_an_idle_slow_n
     );
     assert!(second.estimate.per_token_s > first.estimate.per_token_s);
 }
+
+/// Hole 5: placement learns from evidence, not the Hello alone. Two M4 Max
+/// nodes holding the model; the liar's Hello reports a thousand times the
+/// chip's bandwidth. Unshown, neither ranks above its chip's table figure;
+/// once the liar has failed attempts (or its claims showed it slow) and
+/// the honest node showed its speed, the honest node wins every time.
+#[test]
+fn a_node_ranks_by_what_it_has_shown_not_by_its_hello() {
+    let models = models();
+    let job = JobShape {
+        model: &models[1],
+        prompt_tokens: 200,
+        max_tokens: 400,
+    };
+    let (honest, liar) = (id(901), id(902));
+    let spec = |node: NodeId, bandwidth: Option<f64>| {
+        let mut s = NodeSpec::new(
+            node,
+            "Apple M4 Max",
+            128 * GIB,
+            Mode::Dedicated,
+            &Measured {
+                memory_bandwidth: bandwidth,
+                ..Measured::default()
+            },
+        );
+        s.cached = vec![models[1].sha256];
+        s
+    };
+    let table = spec(honest, None).capability.memory_bandwidth.value;
+    let pick = |shown_honest: &Evidence, shown_liar: &Evidence| {
+        let mut fleet = Fleet::new(Policy::default());
+        // The liar is added first: on a tie it would win.
+        fleet
+            .add_node(spec(liar, Some(table * 1000.0)).with_evidence(shown_liar))
+            .unwrap();
+        fleet
+            .add_node(spec(honest, Some(table)).with_evidence(shown_honest))
+            .unwrap();
+        match fleet.decide(&job) {
+            Decision::Place(p) => {
+                println!("{}", p.reason);
+                p.target
+            }
+            other => panic!("not placed: {other:?}"),
+        }
+    };
+    // Nothing shown: the liar's Hello figure is capped at the table's.
+    let new = Evidence::default();
+    let capped = spec(liar, Some(table * 1000.0)).with_evidence(&new);
+    assert_eq!(capped.capability.memory_bandwidth.value, table);
+
+    // The honest node completed one job at its chip's speed.
+    let bytes_per_token = job.bytes_per_token();
+    let mut shown = Evidence::default();
+    shown.attempt(true);
+    shown.decoded(400, 400.0 * bytes_per_token / table, bytes_per_token);
+    assert!((shown.bandwidth.unwrap() / table - 1.0).abs() < 1e-9);
+
+    // The liar failed its last two attempts.
+    let mut failing = Evidence::default();
+    failing.attempt(false);
+    failing.attempt(false);
+    assert_eq!(pick(&shown, &failing), Target::Node(honest));
+
+    // The liar completes, but its own claims show it at a tenth of the
+    // chip's speed: it ranks at that, not at its Hello.
+    let mut slow = Evidence::default();
+    slow.attempt(true);
+    slow.decoded(
+        400,
+        400.0 * bytes_per_token / (table / 10.0),
+        bytes_per_token,
+    );
+    assert_eq!(pick(&shown, &slow), Target::Node(honest));
+
+    // Alone, the failing liar still runs the job (a fleet of one runs).
+    let mut fleet = Fleet::new(Policy::default());
+    fleet
+        .add_node(spec(liar, Some(table * 1000.0)).with_evidence(&failing))
+        .unwrap();
+    assert!(matches!(fleet.decide(&job), Decision::Place(_)));
+
+    // Old evidence decays: after two clean attempts the failures weigh a
+    // sixteenth, and the node is reliable again.
+    failing.attempt(true);
+    failing.attempt(true);
+    assert!(failing.reliability >= 0.75, "{}", failing.reliability);
+}
