@@ -552,6 +552,21 @@ mod tests {
         }
     }
 
+    /// A coordinator started without a replica id is the same replica at
+    /// each restart on its data directory, and another on another one.
+    #[test]
+    fn the_default_replica_id_is_made_once_per_data_dir_and_kept() {
+        let dir = tempfile::tempdir().unwrap();
+        let first = default_replica_id(dir.path()).unwrap();
+        assert!(
+            first.starts_with("replica-") && first.len() == 20,
+            "{first}"
+        );
+        assert_eq!(default_replica_id(dir.path()).unwrap(), first);
+        let other = tempfile::tempdir().unwrap();
+        assert_ne!(default_replica_id(other.path()).unwrap(), first);
+    }
+
     #[tokio::test]
     async fn restarts_on_the_same_data_dir_and_ports_with_jobs_and_certificate_kept() {
         let dir = tempfile::tempdir().unwrap();
