@@ -25,6 +25,7 @@ use crate::{
     catalogue::{Catalogue, CatalogueError},
     config::CoordinatorConfig,
     dispatch::{self, Dispatcher},
+    domain::liveness_lease,
     http,
     http::{HttpConfig, HttpContext},
     jobs::EventHub,
@@ -100,17 +101,15 @@ impl Application {
         config
             .validate()
             .map_err(|e| AppError::Config(format!("{e:#}")))?;
-        let replica = config
-            .replica_id
-            .get_or_insert_with(|| {
-                let id = uuid::Uuid::new_v4().simple().to_string();
-                format!("replica-{}", &id[..12])
-            })
-            .clone();
         std::fs::create_dir_all(&config.data_dir).map_err(|source| AppError::DataDir {
             path: config.data_dir.display().to_string(),
             source,
         })?;
+        let replica = match &config.replica_id {
+            Some(id) => id.clone(),
+            None => default_replica_id(&config.data_dir)?,
+        };
+        config.replica_id = Some(replica.clone());
         let catalogue = Arc::new(Catalogue::new(&config.catalogue_models()?)?);
         let identity = Identity::load_or_create(&config.data_dir)?;
         let server_config = identity.server_config(
@@ -143,7 +142,20 @@ impl Application {
         // it (its writer lock and key cache).
         let ledger = Ledger::new(store.clone(), config.ledger_config());
         let recovered = async {
-            let (requeued, swept) = recover(&store, &ledger, config.limits.max_attempts).await?;
+            let (requeued, swept) =
+                recover(&store, &ledger, config.limits.max_attempts, &replica).await?;
+            // Live from here on: the orphan sweep of the other replicas
+            // leaves this replica's nodes and attempts alone while it
+            // renews this lease (`dispatch::sweep`).
+            let ttl = dispatch::sweep::lease_ttl_ms(config.ledger.sweep_interval_ms);
+            store
+                .acquire_lease(
+                    &liveness_lease(&replica),
+                    &replica,
+                    ttl,
+                    crate::util::now_ms(),
+                )
+                .await?;
             if swept != ledger::Swept::default() {
                 info!(?swept, "ledger recovered at start-up");
             }
@@ -350,6 +362,33 @@ impl Application {
     }
 }
 
+/// The file in the data directory that keeps the default replica id.
+pub const REPLICA_ID_FILE: &str = "replica-id";
+
+/// The replica id of a coordinator started without one: the id kept in
+/// `data_dir`'s [`REPLICA_ID_FILE`], made (a random `replica-<12 hex>`)
+/// the first time. So a restart on the same data directory is the same
+/// replica, and its start-up recovery takes back at once what its earlier
+/// incarnation held; replicas sharing a data directory must each be given
+/// an id of their own.
+fn default_replica_id(data_dir: &std::path::Path) -> Result<String, AppError> {
+    let path = data_dir.join(REPLICA_ID_FILE);
+    let failed = |source| AppError::DataDir {
+        path: path.display().to_string(),
+        source,
+    };
+    match std::fs::read_to_string(&path) {
+        Ok(id) if !id.trim().is_empty() => return Ok(id.trim().to_string()),
+        Ok(_) => {}
+        Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+        Err(e) => return Err(failed(e)),
+    }
+    let id = uuid::Uuid::new_v4().simple().to_string();
+    let id = format!("replica-{}", &id[..12]);
+    std::fs::write(&path, &id).map_err(failed)?;
+    Ok(id)
+}
+
 /// Loads the node-link certificate from `config`'s data directory, creating
 /// the directory and the pair if absent, and returns its fingerprint: what
 /// `Application::build` on the same data directory serves and nodes pin.
@@ -383,19 +422,23 @@ pub async fn bootstrap_admin_key(
     key.map_err(|e: LedgerError| AppError::Ledger(Box::new(e)))
 }
 
-/// Start-up recovery, before anything is served: every node marked
-/// offline, the attempts the last stop interrupted requeued, what a crash
-/// left unsettled settled and overdue holds expired (their jobs cancelled).
-/// Returns how many jobs went back to the queue and what the sweep did. The
-/// simulator (`mlxnet-sim`) runs this after each coordinator crash it
-/// injects.
+/// Start-up recovery of `replica`, before anything is served: the orphan
+/// sweep with `replica` counted dead (its earlier incarnation's nodes
+/// offline, their attempts requeued; so are those of every replica whose
+/// liveness lease is not live, and nothing of a live replica's), then what
+/// a crash left unsettled settled and overdue holds expired (their jobs
+/// cancelled). Returns how many jobs went back to the queue and what the
+/// sweep did. The simulator (`mlxnet-sim`) runs this after each
+/// coordinator crash it injects.
 pub async fn recover(
     store: &AnyStore,
     ledger: &Ledger,
     max_attempts: u32,
+    replica: &str,
 ) -> Result<(u64, ledger::Swept), AppError> {
-    store.mark_all_nodes_offline().await?;
-    let requeued = store.requeue_orphans(max_attempts).await?;
+    let requeued = store
+        .requeue_orphans(max_attempts, Some(replica), crate::util::now_ms())
+        .await?;
     let swept = ledger::sweep(ledger, crate::util::now_ms(), |job| {
         let store = store.clone();
         async move { store.cancel(job).await.map(|_| ()) }
@@ -507,6 +550,21 @@ mod tests {
                 let _ = stopped.await;
             })),
         }
+    }
+
+    /// A coordinator started without a replica id is the same replica at
+    /// each restart on its data directory, and another on another one.
+    #[test]
+    fn the_default_replica_id_is_made_once_per_data_dir_and_kept() {
+        let dir = tempfile::tempdir().unwrap();
+        let first = default_replica_id(dir.path()).unwrap();
+        assert!(
+            first.starts_with("replica-") && first.len() == 20,
+            "{first}"
+        );
+        assert_eq!(default_replica_id(dir.path()).unwrap(), first);
+        let other = tempfile::tempdir().unwrap();
+        assert_ne!(default_replica_id(other.path()).unwrap(), first);
     }
 
     #[tokio::test]

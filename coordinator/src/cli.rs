@@ -45,7 +45,7 @@ pub struct Cli {
     #[arg(long)]
     pub database_url: Option<String>,
     /// This replica's name among those sharing the database (default: a
-    /// random one per process).
+    /// random one kept in the data directory's `replica-id` file).
     #[arg(long)]
     pub replica_id: Option<String>,
     #[command(subcommand)]

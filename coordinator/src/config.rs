@@ -72,7 +72,8 @@ pub struct CoordinatorConfig {
     pub audit: crate::audit::AuditConfig,
     /// This replica's name among those sharing the database: the holder
     /// of the leases it takes, and the `replica` label of its metrics.
-    /// Default: a random `replica-<12 hex>` per process.
+    /// Default: a random `replica-<12 hex>` made once per data directory
+    /// and kept there (`app::REPLICA_ID_FILE`).
     pub replica_id: Option<String>,
 }
 
@@ -190,6 +191,7 @@ impl CoordinatorConfig {
             heartbeat_timeout_ms: self.heartbeat_timeout_ms,
             handshake_timeout_ms: self.handshake_timeout_ms,
             max_node_connections: self.limits.max_node_connections,
+            replica_id: self.replica_id.clone().unwrap_or_default(),
         }
     }
 

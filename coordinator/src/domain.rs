@@ -25,7 +25,7 @@ pub use job::{
     Streamed, StreamedEnd, UnknownState,
 };
 pub use key::{Caller, InvalidScopes, KeyInfo, KeyLimits, Scope, Scopes, StoredKey};
-pub use lease::Lease;
+pub use lease::{liveness_lease, Lease, LIVENESS_PREFIX};
 pub use money::{
     hold_id, Account, AccountKind, Applied, JobTerms, NewTransfer, NodeEarnings, Price, Totals,
     Transfer, TransferKind,

@@ -73,6 +73,9 @@ pub struct LinkConfig {
     pub handshake_timeout_ms: u64,
     /// Node connections (handshakes included) at once.
     pub max_node_connections: usize,
+    /// This replica's name: recorded as the owner of its nodes' sessions
+    /// (and so of the attempts assigned to them).
+    pub replica_id: String,
 }
 
 impl LinkConfig {
@@ -166,7 +169,11 @@ async fn serve_connection(conn: quinn::Connection, d: &LinkContext) {
         mut send,
         mut recv,
     } = admitted;
-    if let Err(e) = d.store.upsert_node(&registration.record).await {
+    if let Err(e) = d
+        .store
+        .upsert_node(&registration.record, &d.config.replica_id)
+        .await
+    {
         warn!(error = %error_chain(&e), "recording the node failed");
         reject(&conn, Some(send), "coordinator unavailable").await;
         return;

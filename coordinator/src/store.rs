@@ -257,14 +257,27 @@ pub trait Store: Clone + Send + Sync + 'static {
     async fn segments(&self, job: JobId) -> Result<Vec<Segment>>;
     /// Cancels a job that has not finished.
     async fn cancel(&self, id: JobId) -> Result<CancelOutcome>;
-    /// At start-up no node session exists: every assigned or running job
-    /// lost its node and is requeued (bounded by `max_attempts`). How many.
-    async fn requeue_orphans(&self, max_attempts: u32) -> Result<u64>;
+    /// The orphan sweep: every assigned or running job whose attempt is
+    /// owned by a dead replica is requeued (bounded by `max_attempts`), and
+    /// every node online on a dead replica goes offline, in one
+    /// transaction. A replica is dead when it is `me` (this replica's
+    /// earlier incarnation, at start-up), when its liveness lease
+    /// (`replica/<id>`) is not held by it until after `now_ms` (expired,
+    /// released, never taken), or when the row names none. A job requeued
+    /// is no longer assigned, so a second sweep requeues it no more. How
+    /// many jobs.
+    async fn requeue_orphans(
+        &self,
+        max_attempts: u32,
+        me: Option<&str>,
+        now_ms: i64,
+    ) -> Result<u64>;
 
     // ---- nodes ----
 
-    /// Records a node that completed the handshake, online.
-    async fn upsert_node(&self, node: &NodeRecord) -> Result<()>;
+    /// Records a node that completed the handshake, online on `replica`
+    /// (the owner its attempts are recorded with when assigned).
+    async fn upsert_node(&self, node: &NodeRecord, replica: &str) -> Result<()>;
     async fn touch_node(&self, id: &str) -> Result<()>;
     async fn set_node_offline(&self, id: &str) -> Result<()>;
     /// At start-up no session exists yet.
@@ -611,12 +624,17 @@ impl Store for AnyStore {
         on_backend!(self, s => s.cancel(id).await)
     }
 
-    async fn requeue_orphans(&self, max_attempts: u32) -> Result<u64> {
-        on_backend!(self, s => s.requeue_orphans(max_attempts).await)
+    async fn requeue_orphans(
+        &self,
+        max_attempts: u32,
+        me: Option<&str>,
+        now_ms: i64,
+    ) -> Result<u64> {
+        on_backend!(self, s => s.requeue_orphans(max_attempts, me, now_ms).await)
     }
 
-    async fn upsert_node(&self, node: &NodeRecord) -> Result<()> {
-        on_backend!(self, s => s.upsert_node(node).await)
+    async fn upsert_node(&self, node: &NodeRecord, replica: &str) -> Result<()> {
+        on_backend!(self, s => s.upsert_node(node, replica).await)
     }
 
     async fn touch_node(&self, id: &str) -> Result<()> {

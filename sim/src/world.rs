@@ -64,6 +64,10 @@ use sha2::{Digest, Sha256};
 
 use crate::{Mutation, Options, Report, SimError};
 
+/// The simulated coordinator's replica id: its nodes' and attempts' owner,
+/// the same across its injected restarts (so each recovery takes them back).
+const SIM_REPLICA: &str = "sim";
+
 /// Where simulated time starts (2027-01-15, ms since the epoch).
 const START_MS: i64 = 1_800_000_000_000;
 /// The dispatcher's constants (`dispatch.rs`).
@@ -1294,7 +1298,7 @@ impl Sim {
             self.nodes[node].conn = 0;
             return;
         }
-        if let Err(e) = self.store.upsert_node(&record).await {
+        if let Err(e) = self.store.upsert_node(&record, SIM_REPLICA).await {
             self.trace(&format!("upsert node failed: {e}"));
         }
         let _ = self.ledger.link_node(&hex, "").await;
@@ -1923,7 +1927,7 @@ impl Sim {
         };
         self.store = store.clone();
         self.ledger = Ledger::new(store.clone(), self.knobs.ledger.clone());
-        match app::recover(&store, &self.ledger, self.knobs.max_attempts).await {
+        match app::recover(&store, &self.ledger, self.knobs.max_attempts, SIM_REPLICA).await {
             Ok((requeued, swept)) => {
                 self.trace(&format!("recovered: requeued {requeued}, {swept:?}"))
             }

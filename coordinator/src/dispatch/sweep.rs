@@ -1,23 +1,45 @@
-//! The ledger's periodic sweep: settles what a crash or an error left
-//! unsettled, cancels (then settles) jobs whose hold's deadline passed, and
-//! pays availability rewards; every `ledger.sweep_interval_ms` until shutdown.
+//! The periodic sweep, every `ledger.sweep_interval_ms` until shutdown:
+//! renews this replica's liveness lease, then (on one replica at a time)
+//! requeues the attempts of dead replicas (the orphan sweep), settles what
+//! a crash or an error left unsettled, cancels (then settles) jobs whose
+//! hold's deadline passed, and pays availability rewards.
 //!
-//! With several replicas on one database it is a singleton duty: each pass
-//! first takes or renews the lease [`SWEEP_LEASE`] (for three intervals) and
-//! runs only while this replica holds it; every settlement and reward
-//! payment it makes is fenced by the lease's epoch, so a replica that lost
-//! the lease (paused, partitioned) writes nothing under it. The lease is
-//! released at shutdown, so another replica takes over at its next pass.
+//! Liveness: every replica holds the lease `replica/<replica_id>`
+//! ([`crate::domain::liveness_lease`]), taken at start-up (after its own
+//! recovery), renewed by each pass for [`LEASE_INTERVALS`] intervals, and
+//! released at shutdown. The nodes and attempts a replica owns carry its
+//! id (`nodes.replica`, `jobs.replica`). The rule: a replica is dead when
+//! its liveness lease is not live (expired, released, never taken); the
+//! orphan sweep requeues exactly the assigned/running attempts of dead
+//! replicas and offlines their nodes (`Store::requeue_orphans`), and at
+//! start-up a replica also counts its own earlier incarnation (same id)
+//! dead. So a replica starting beside live ones touches nothing of theirs,
+//! and a dead replica's jobs go back to the queue within about
+//! `LEASE_INTERVALS + 1` sweep intervals of its last renewal (at once after
+//! a clean stop, which releases the lease). A requeue is one guarded
+//! statement (only assigned/running rows), so two sweeps never requeue an
+//! attempt twice, and it moves no money: the job's hold stays open until
+//! the job ends.
+//!
+//! The singleton part is guarded by the lease [`SWEEP_LEASE`] (for three
+//! intervals): it runs only while this replica holds it; every settlement
+//! and reward payment it makes is fenced by the lease's epoch, so a replica
+//! that lost the lease (paused, partitioned) writes nothing under it. The
+//! lease is released at shutdown, so another replica takes over at its
+//! next pass.
 //!
 //! # Failure
 //! A failed pass is logged; the next one retries. A failed renewal counts
-//! as a loss: the pass is skipped.
+//! as a loss: the pass is skipped. A replica paused past its liveness
+//! lease has its attempts requeued by another; their later results are
+//! refused by the jobs' guarded transitions (the attempt is no longer
+//! assigned), and its next pass takes its liveness lease again.
 
 use std::{sync::Arc, time::Duration};
 
 use super::Dispatcher;
 use crate::{
-    domain::Lease,
+    domain::{liveness_lease, Lease},
     ledger::{self, Swept},
     metrics::Metrics,
     store::{AnyStore, Store},
@@ -28,7 +50,12 @@ use crate::{
 pub const SWEEP_LEASE: &str = "ledger-sweep";
 
 /// How many sweep intervals a lease lasts without renewal.
-const LEASE_INTERVALS: u64 = 3;
+pub const LEASE_INTERVALS: u64 = 3;
+
+/// A lease's time to live for sweep interval `interval_ms`.
+pub fn lease_ttl_ms(interval_ms: u64) -> i64 {
+    i64::try_from(interval_ms.saturating_mul(LEASE_INTERVALS)).unwrap_or(i64::MAX)
+}
 
 /// Runs [`ledger::sweep_under`] and the reward payments every
 /// `sweep_interval_ms` until shutdown, while this replica holds the sweep's
@@ -37,22 +64,57 @@ const LEASE_INTERVALS: u64 = 3;
 pub async fn sweep_loop(d: Arc<Dispatcher>) {
     let interval_ms = d.ledger.config().sweep_interval_ms;
     let every = Duration::from_millis(interval_ms);
-    let ttl_ms = i64::try_from(interval_ms.saturating_mul(LEASE_INTERVALS)).unwrap_or(i64::MAX);
+    let ttl_ms = lease_ttl_ms(interval_ms);
+    let replica = &d.config.replica_id;
+    let alive = liveness_lease(replica);
     let mut held: Option<Lease> = None;
+    let mut live: Option<Lease> = None;
     loop {
         tokio::select! {
             _ = d.shutdown_token().cancelled() => break,
             _ = tokio::time::sleep(every) => {}
         }
-        let replica = &d.config.replica_id;
-        held = renew(&d.store, &d.metrics, replica, held, ttl_ms, now_ms()).await;
+        let now = now_ms();
+        live = match d.store.acquire_lease(&alive, replica, ttl_ms, now).await {
+            Ok(lease) => lease,
+            Err(e) => {
+                tracing::warn!(error = %error_chain(&e), "renewing the liveness lease failed");
+                None
+            }
+        };
+        held = renew(&d.store, &d.metrics, replica, held, ttl_ms, now).await;
         if let Some(lease) = &held {
+            if orphan_sweep(&d.store, d.config.max_attempts, now).await > 0 {
+                d.wake();
+            }
             sweep_once(&d, lease).await;
         }
     }
-    if let Some(lease) = held {
+    for lease in [held, live].into_iter().flatten() {
         if let Err(e) = d.store.release_lease(&lease).await {
-            tracing::warn!(error = %error_chain(&e), "releasing the sweep's lease failed");
+            tracing::warn!(error = %error_chain(&e), lease = lease.name, "releasing a lease failed");
+        }
+    }
+}
+
+/// The orphan sweep at `now_ms`: requeues the attempts of dead replicas
+/// and offlines their nodes (see the module header). Returns how many jobs
+/// went back to the queue (0 when the store failed: logged, retried at the
+/// next pass).
+async fn orphan_sweep(store: &AnyStore, max_attempts: u32, now_ms: i64) -> u64 {
+    match store.requeue_orphans(max_attempts, None, now_ms).await {
+        Ok(n) => {
+            if n > 0 {
+                tracing::info!(
+                    requeued = n,
+                    "jobs of a dead replica went back to the queue"
+                );
+            }
+            n
+        }
+        Err(e) => {
+            tracing::warn!(error = %error_chain(&e), "the orphan sweep failed");
+            0
         }
     }
 }

@@ -19,3 +19,12 @@ pub struct Lease {
     /// Wall-clock ms after which another replica may take it over.
     pub expires_at_ms: i64,
 }
+
+/// The prefix of a replica's liveness lease: `replica/<replica_id>`, held
+/// by the replica itself while it runs (see `dispatch::sweep`).
+pub const LIVENESS_PREFIX: &str = "replica/";
+
+/// The name of `replica`'s liveness lease.
+pub fn liveness_lease(replica: &str) -> String {
+    format!("{LIVENESS_PREFIX}{replica}")
+}

@@ -1402,3 +1402,92 @@ async fn a_replica_that_lost_the_sweeps_lease_settles_and_pays_nothing() {
         "the cancelled job's hold went back to the client"
     );
 }
+
+/// A replica dies with a job running on its node: while its liveness lease
+/// lives the orphan sweep leaves the job alone; once it lapsed, two
+/// replicas' sweeps racing requeue it once; it runs again on the live
+/// replica's node and is paid once, the dead replica's late result is
+/// refused, and the hold is resolved once (no ledger violation).
+#[tokio::test]
+async fn a_dead_replicas_job_is_requeued_once_and_its_hold_resolved_once() {
+    use crate::domain::{liveness_lease, NodeRecord};
+    let (dir, store, ledger) = fresh(LedgerConfig::default()).await;
+    let url = format!("sqlite://{}", dir.path().join("l.db").display());
+    let other = AnyStore::connect(&url).await.unwrap();
+    let client = account(&ledger, "client", AccountKind::Client).await;
+    ledger.grant("c", &client.id, 1_000_000, "").await.unwrap();
+    let op = account(&ledger, "op", AccountKind::Operator).await;
+    let now = crate::util::now_ms();
+    for (s, node, replica, ttl) in [
+        (&store, "n-a", "replica-a", 1_000),
+        (&other, "n-b", "replica-b", 60_000),
+    ] {
+        ledger.link_node(node, &op.id).await.unwrap();
+        s.acquire_lease(&liveness_lease(replica), replica, ttl, now)
+            .await
+            .unwrap()
+            .unwrap();
+        let record = NodeRecord {
+            id: node.into(),
+            name: node.into(),
+            hardware: "{}".into(),
+            models: "[]".into(),
+            version: "1".into(),
+        };
+        s.upsert_node(&record, replica).await.unwrap();
+    }
+    let job = prompt_job("hello there", 100);
+    let terms = JobTerms {
+        account: client.id.clone(),
+        price: PRICE,
+        max_price: 10_000,
+    };
+    ledger.submit_job(&job, &terms, now).await.unwrap();
+    assert!(store.assign(job.id, 1, "n-a").await.unwrap());
+    assert!(store.mark_running(job.id, 1, "n-a").await.unwrap());
+
+    assert_eq!(other.requeue_orphans(3, None, now + 999).await.unwrap(), 0);
+    let (x, y) = tokio::join!(
+        other.requeue_orphans(3, None, now + 1_000),
+        store.requeue_orphans(3, None, now + 1_000)
+    );
+    assert_eq!(x.unwrap() + y.unwrap(), 1, "requeued once");
+    let done = |attempt: u32, node: &str| Completion {
+        job_id: job.id,
+        attempt,
+        node_id: node.into(),
+        result: SignedClaim {
+            claim: Some(ResultClaim {
+                prompt_tokens: 12,
+                completion_tokens: 20,
+                finish_reason: "stop".into(),
+                ..Default::default()
+            }),
+            signature: vec![1; 64],
+        },
+    };
+    assert!(other.assign(job.id, 2, "n-b").await.unwrap());
+    assert!(
+        !store.complete(&done(1, "n-a")).await.unwrap(),
+        "late result"
+    );
+    assert!(other.complete(&done(2, "n-b")).await.unwrap());
+    match ledger.settle_job(job.id, now + 1_001).await.unwrap() {
+        Settlement::Paid { price, .. } => assert_eq!(price, PRICE.of(12, 20)),
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(
+        ledger.settle_job(job.id, now + 1_002).await.unwrap(),
+        Settlement::NothingOpen,
+        "paid once"
+    );
+    assert_eq!(
+        other.requeue_orphans(3, None, now + 2_000).await.unwrap(),
+        0
+    );
+    assert_eq!(
+        ledger.violations(now + 2_000).await.unwrap(),
+        Vec::<String>::new()
+    );
+    other.close().await;
+}

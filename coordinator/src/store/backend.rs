@@ -113,15 +113,20 @@ macro_rules! store_methods {
             Ok(outcome)
         }
 
-        async fn requeue_orphans(&self, max_attempts: u32) -> Result<u64> {
+        async fn requeue_orphans(
+            &self,
+            max_attempts: u32,
+            me: Option<&str>,
+            now_ms: i64,
+        ) -> Result<u64> {
             let mut tx = self.begin().await?;
-            let n = jobs::requeue_orphans(&mut tx, max_attempts, now_ms()).await?;
+            let n = leases::requeue_orphans(&mut tx, max_attempts, me, now_ms).await?;
             tx.commit().await?;
             Ok(n)
         }
 
-        async fn upsert_node(&self, node: &NodeRecord) -> Result<()> {
-            nodes::upsert(&mut *self.conn().await?, node, now_ms()).await
+        async fn upsert_node(&self, node: &NodeRecord, replica: &str) -> Result<()> {
+            nodes::upsert(&mut *self.conn().await?, node, replica, now_ms()).await
         }
 
         async fn touch_node(&self, id: &str) -> Result<()> {
@@ -498,6 +503,65 @@ macro_rules! lease_queries {
             .execute(&mut *conn)
             .await?;
             Ok(done.rows_affected() == 1)
+        }
+
+        /// Whether the replica named by `{t}.replica` is dead (see
+        /// `Store::requeue_orphans`): binds `$1` = this replica (or NULL),
+        /// `$2` = now, `$3` = the liveness prefix.
+        fn dead(t: &str) -> String {
+            format!(
+                "({t}.replica IS NULL OR {t}.replica = $1 OR NOT EXISTS (\
+                   SELECT 1 FROM leases l WHERE l.name = $3 || {t}.replica \
+                   AND l.holder = {t}.replica AND l.expires_at_ms > $2))"
+            )
+        }
+
+        /// The orphan sweep (see `Store::requeue_orphans`), on the caller's
+        /// transaction: the jobs first (their ids returned), then their
+        /// open attempt rows, then the dead replicas' nodes.
+        pub(super) async fn requeue_orphans(
+            conn: &mut $conn,
+            max_attempts: u32,
+            me: Option<&str>,
+            now: i64,
+        ) -> Result<u64> {
+            let requeued: Vec<String> = sqlx::query_scalar(&format!(
+                "UPDATE jobs SET \
+                   state = CASE WHEN attempt < $4 THEN 'queued' ELSE 'failed' END, \
+                   attempt = CASE WHEN attempt < $4 THEN attempt + 1 ELSE attempt END, \
+                   node_id = CASE WHEN attempt < $4 THEN NULL ELSE node_id END, \
+                   replica = NULL, \
+                   error = 'coordinator restarted while the job ran', updated_at_ms = $2 \
+                 WHERE state IN ('assigned', 'running') AND {} RETURNING id",
+                dead("jobs")
+            ))
+            .bind(me)
+            .bind(now)
+            .bind(crate::domain::LIVENESS_PREFIX)
+            .bind(i64::from(max_attempts))
+            .fetch_all(&mut *conn)
+            .await?;
+            for id in &requeued {
+                sqlx::query(
+                    "UPDATE job_attempts SET outcome = 'failed', \
+                       error = 'coordinator restarted', ended_at_ms = $1 \
+                     WHERE job_id = $2 AND outcome IN ('assigned', 'running')",
+                )
+                .bind(now)
+                .bind(id)
+                .execute(&mut *conn)
+                .await?;
+            }
+            sqlx::query(&format!(
+                "UPDATE nodes SET status = 'offline' WHERE status = 'online' AND {}",
+                dead("nodes")
+            ))
+            .bind(me)
+            .bind(now)
+            .bind(crate::domain::LIVENESS_PREFIX)
+            .execute(&mut *conn)
+            .await?;
+            Ok(requeued.len() as u64)
         }
 
         pub(super) async fn get(conn: &mut $conn, name: &str) -> Result<Option<Lease>> {

@@ -22,6 +22,7 @@ use mlxnet_proto::{
 };
 
 use super::{Anomaly, AnyStore, NewKey, OpenHold, Side, Store, StoreError, StoreTx};
+use crate::domain::liveness_lease;
 use crate::domain::{
     Account, AccountKind, AttemptEnd, AuditRecord, CancelOutcome, Completion, JobRecord, JobState,
     JobTerms, KeyLimits, Lease, NewJob, NodeRecord, Price, RecordDelta, Scopes, Segment, Streamed,
@@ -147,6 +148,8 @@ macro_rules! store_contracts {
             failed_attempts_requeue_until_the_bound_then_fail,
             cancel_stops_unfinished_jobs_and_blocks_later_results,
             restart_requeues_orphans_and_keeps_finished_jobs,
+            a_starting_replica_leaves_a_live_replicas_attempts_and_nodes_alone,
+            a_dead_replicas_attempts_are_requeued_once_when_its_liveness_lease_lapses,
             ended_attempts_leave_their_tokens_and_the_result_joins_them,
             a_batch_of_assignments_takes_each_queued_job_once,
             a_claim_assigns_what_is_placed_and_frees_the_rest,
@@ -475,21 +478,29 @@ pub(crate) async fn restart_requeues_orphans_and_keeps_finished_jobs<B: Backend>
     let orphan = queued(&store).await;
     assert!(store.assign(orphan.id, 1, "n1").await.unwrap());
     store
-        .upsert_node(&NodeRecord {
-            id: "n1".into(),
-            name: "mac".into(),
-            hardware: "{}".into(),
-            models: "[]".into(),
-            version: "0.1.0".into(),
-        })
+        .upsert_node(
+            &NodeRecord {
+                id: "n1".into(),
+                name: "mac".into(),
+                hardware: "{}".into(),
+                models: "[]".into(),
+                version: "0.1.0".into(),
+            },
+            "replica-a",
+        )
         .await
         .unwrap();
     store.close().await;
 
     b.reopen().await;
     let store = b.store().clone();
-    store.mark_all_nodes_offline().await.unwrap();
-    assert_eq!(store.requeue_orphans(3).await.unwrap(), 1);
+    assert_eq!(
+        store
+            .requeue_orphans(3, Some("replica-a"), 1_000)
+            .await
+            .unwrap(),
+        1
+    );
     let o = store.get_job(orphan.id).await.unwrap().unwrap();
     assert_eq!((o.state, o.attempt), (JobState::Queued, 2));
     let d = store.get_job(done.id).await.unwrap().unwrap();
@@ -693,6 +704,139 @@ pub(crate) async fn queued_jobs_come_oldest_first_with_their_paying_accounts<B: 
 
 // ---- nodes ----
 
+/// A node online on `replica`, with an attempt of a fresh job assigned
+/// to it (and running when `running`).
+async fn attempt_on(store: &AnyStore, node: &str, replica: &str, running: bool) -> JobRecord {
+    store
+        .upsert_node(
+            &NodeRecord {
+                id: node.into(),
+                name: node.into(),
+                hardware: "{}".into(),
+                models: "[]".into(),
+                version: "1".into(),
+            },
+            replica,
+        )
+        .await
+        .unwrap();
+    let job = queued(store).await;
+    assert!(store.assign(job.id, 1, node).await.unwrap());
+    if running {
+        assert!(store.mark_running(job.id, 1, node).await.unwrap());
+    }
+    job
+}
+
+async fn state_of(store: &AnyStore, job: &JobRecord) -> (JobState, u32) {
+    let j = store.get_job(job.id).await.unwrap().unwrap();
+    (j.state, j.attempt)
+}
+
+async fn status_of(store: &AnyStore, node: &str) -> String {
+    store.get_node(node).await.unwrap().unwrap().1
+}
+
+/// Replica b starts (its start-up recovery) beside a live replica a: a's
+/// running and assigned attempts and a's node are left as they are; only
+/// what b's own earlier incarnation held is requeued and offlined.
+pub(crate) async fn a_starting_replica_leaves_a_live_replicas_attempts_and_nodes_alone<
+    B: Backend,
+>(
+    b: B,
+) {
+    let a = b.store().clone();
+    let other = b.another().await;
+    let live = a
+        .acquire_lease(&liveness_lease("replica-a"), "replica-a", 1_000, 0)
+        .await
+        .unwrap()
+        .unwrap();
+    let running = attempt_on(&a, "n-a", "replica-a", true).await;
+    let assigned = attempt_on(&a, "n-a2", "replica-a", false).await;
+    // What replica b held before it restarted (its lease still live).
+    b_lease(&other, 0).await;
+    let mine = attempt_on(&other, "n-b", "replica-b", true).await;
+
+    let n = other
+        .requeue_orphans(3, Some("replica-b"), 500)
+        .await
+        .unwrap();
+    assert_eq!(n, 1, "only b's own earlier attempt");
+    assert_eq!(state_of(&a, &running).await, (JobState::Running, 1));
+    assert_eq!(state_of(&a, &assigned).await, (JobState::Assigned, 1));
+    assert_eq!(status_of(&a, "n-a").await, "online");
+    assert_eq!(status_of(&a, "n-a2").await, "online");
+    assert_eq!(state_of(&a, &mine).await, (JobState::Queued, 2));
+    assert_eq!(status_of(&a, "n-b").await, "offline");
+    // a's attempt still completes: nothing of it was touched.
+    assert!(a
+        .complete(&completion(&running, 1, "n-a", "done"))
+        .await
+        .unwrap());
+    assert_eq!(a.lease(&live.name).await.unwrap(), Some(live));
+    other.close().await;
+}
+
+async fn b_lease(store: &AnyStore, now: i64) -> Lease {
+    store
+        .acquire_lease(&liveness_lease("replica-b"), "replica-b", 1_000, now)
+        .await
+        .unwrap()
+        .unwrap()
+}
+
+/// Replica a stops renewing its liveness lease: the orphan sweep leaves
+/// its attempts alone while the lease lives, requeues them (and offlines
+/// its nodes) once it lapsed, exactly once even with two sweeps racing,
+/// and never touches the live replica b's; a released lease is dead at
+/// once.
+pub(crate) async fn a_dead_replicas_attempts_are_requeued_once_when_its_liveness_lease_lapses<
+    B: Backend,
+>(
+    b: B,
+) {
+    let a = b.store().clone();
+    let other = b.another().await;
+    a.acquire_lease(&liveness_lease("replica-a"), "replica-a", 1_000, 0)
+        .await
+        .unwrap()
+        .unwrap();
+    let running = attempt_on(&a, "n-a", "replica-a", true).await;
+    let assigned = attempt_on(&a, "n-a2", "replica-a", false).await;
+    b_lease(&other, 0).await;
+    let bs = attempt_on(&other, "n-b", "replica-b", true).await;
+
+    assert_eq!(other.requeue_orphans(3, None, 999).await.unwrap(), 0);
+    assert_eq!(state_of(&a, &running).await, (JobState::Running, 1));
+    // b renews; a does not. At 1_000 a's lease has ended.
+    b_lease(&other, 900).await;
+    let (x, y) = tokio::join!(
+        other.requeue_orphans(3, None, 1_000),
+        b.store().requeue_orphans(3, None, 1_000)
+    );
+    assert_eq!(x.unwrap() + y.unwrap(), 2, "each of a's attempts once");
+    assert_eq!(state_of(&a, &running).await, (JobState::Queued, 2));
+    assert_eq!(state_of(&a, &assigned).await, (JobState::Queued, 2));
+    assert_eq!(status_of(&a, "n-a").await, "offline");
+    assert_eq!(status_of(&a, "n-a2").await, "offline");
+    assert_eq!(state_of(&a, &bs).await, (JobState::Running, 1));
+    assert_eq!(status_of(&a, "n-b").await, "online");
+    assert_eq!(other.requeue_orphans(3, None, 1_100).await.unwrap(), 0);
+    // a's late result for the requeued attempt is refused.
+    assert!(!a
+        .complete(&completion(&running, 1, "n-a", "late"))
+        .await
+        .unwrap());
+
+    // b stops cleanly: its released lease is dead at once.
+    let held = b_lease(&other, 1_200).await;
+    assert!(other.release_lease(&held).await.unwrap());
+    assert_eq!(a.requeue_orphans(3, None, 1_300).await.unwrap(), 1);
+    assert_eq!(state_of(&a, &bs).await, (JobState::Queued, 2));
+    other.close().await;
+}
+
 pub(crate) async fn nodes_register_beat_go_offline_and_count<B: Backend>(b: B) {
     let store = b.store().clone();
     let node = |name: &str| NodeRecord {
@@ -703,13 +847,19 @@ pub(crate) async fn nodes_register_beat_go_offline_and_count<B: Backend>(b: B) {
         version: "1".into(),
     };
     assert!(store.get_node("n1").await.unwrap().is_none());
-    store.upsert_node(&node("first")).await.unwrap();
+    store
+        .upsert_node(&node("first"), "replica-a")
+        .await
+        .unwrap();
     store.touch_node("n1").await.unwrap();
     let (got, status) = store.get_node("n1").await.unwrap().unwrap();
     assert_eq!((got, status.as_str()), (node("first"), "online"));
     store.set_node_offline("n1").await.unwrap();
     assert_eq!(store.get_node("n1").await.unwrap().unwrap().1, "offline");
-    store.upsert_node(&node("renamed")).await.unwrap();
+    store
+        .upsert_node(&node("renamed"), "replica-a")
+        .await
+        .unwrap();
     let (got, status) = store.get_node("n1").await.unwrap().unwrap();
     assert_eq!((got.name.as_str(), status.as_str()), ("renamed", "online"));
     store.mark_all_nodes_offline().await.unwrap();

@@ -143,7 +143,8 @@ pub(super) async fn assign(
     now: i64,
 ) -> Result<bool> {
     let n = sqlx::query(
-        "WITH a AS (UPDATE jobs SET state = 'assigned', node_id = $1, error = NULL, updated_at_ms = $2 \
+        "WITH a AS (UPDATE jobs SET state = 'assigned', node_id = $1, error = NULL, updated_at_ms = $2, \
+           replica = (SELECT replica FROM nodes WHERE id = $1) \
            WHERE id = $3 AND state = 'queued' AND attempt = $4 RETURNING id, attempt) \
          INSERT INTO job_attempts (job_id, attempt, node_id, outcome, started_at_ms) \
          SELECT id, attempt, $1, 'assigned', $2 FROM a \
@@ -326,34 +327,6 @@ pub(super) async fn cancel(conn: &mut PgConnection, id: JobId, now: i64) -> Resu
         None => CancelOutcome::NotFound,
         Some(s) => CancelOutcome::AlreadyFinished(rows::parse_state(&id.to_string(), &s)?),
     })
-}
-
-/// Requeues every assigned or running job (see `Store::requeue_orphans`).
-pub(super) async fn requeue_orphans(
-    conn: &mut PgConnection,
-    max_attempts: u32,
-    now: i64,
-) -> Result<u64> {
-    sqlx::query(
-        "UPDATE job_attempts SET outcome = 'failed', error = 'coordinator restarted', \
-         ended_at_ms = $1 WHERE outcome IN ('assigned', 'running')",
-    )
-    .bind(now)
-    .execute(&mut *conn)
-    .await?;
-    Ok(sqlx::query(
-        "UPDATE jobs SET \
-           state = CASE WHEN attempt < $1 THEN 'queued' ELSE 'failed' END, \
-           attempt = CASE WHEN attempt < $1 THEN attempt + 1 ELSE attempt END, \
-           node_id = CASE WHEN attempt < $1 THEN NULL ELSE node_id END, \
-           error = 'coordinator restarted while the job ran', updated_at_ms = $2 \
-         WHERE state IN ('assigned', 'running')",
-    )
-    .bind(i64::from(max_attempts))
-    .bind(now)
-    .execute(&mut *conn)
-    .await?
-    .rows_affected())
 }
 
 /// Tokens a job's segments hold.

@@ -180,8 +180,9 @@ pub(super) async fn assign(
     now: i64,
 ) -> Result<bool> {
     let done = sqlx::query(
-        "UPDATE jobs SET state = 'assigned', node_id = ?, error = NULL, updated_at_ms = ? \
-         WHERE id = ? AND state = 'queued' AND attempt = ?",
+        "UPDATE jobs SET state = 'assigned', node_id = ?1, error = NULL, updated_at_ms = ?2, \
+           replica = (SELECT replica FROM nodes WHERE id = ?1) \
+         WHERE id = ?3 AND state = 'queued' AND attempt = ?4",
     )
     .bind(node_id)
     .bind(now)
@@ -409,35 +410,6 @@ pub(super) async fn cancel(
             }
         }
     })
-}
-
-/// Requeues every assigned or running job (see `Store::requeue_orphans`),
-/// on the caller's transaction.
-pub(super) async fn requeue_orphans(
-    conn: &mut SqliteConnection,
-    max_attempts: u32,
-    now: i64,
-) -> Result<u64> {
-    sqlx::query(
-        "UPDATE job_attempts SET outcome = 'failed', error = 'coordinator restarted', ended_at_ms = ? \
-         WHERE outcome IN ('assigned', 'running')",
-    )
-    .bind(now)
-    .execute(&mut *conn)
-    .await?;
-    Ok(sqlx::query(
-        "UPDATE jobs SET \
-           state = CASE WHEN attempt < ?1 THEN 'queued' ELSE 'failed' END, \
-           attempt = CASE WHEN attempt < ?1 THEN attempt + 1 ELSE attempt END, \
-           node_id = CASE WHEN attempt < ?1 THEN NULL ELSE node_id END, \
-           error = 'coordinator restarted while the job ran', updated_at_ms = ?2 \
-         WHERE state IN ('assigned', 'running')",
-    )
-    .bind(i64::from(max_attempts))
-    .bind(now)
-    .execute(&mut *conn)
-    .await?
-    .rows_affected())
 }
 
 /// Tokens a job's segments hold.

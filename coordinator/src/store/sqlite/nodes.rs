@@ -5,12 +5,17 @@ use sqlx::SqliteConnection;
 use super::super::{rows, Result};
 use crate::domain::NodeRecord;
 
-pub(super) async fn upsert(conn: &mut SqliteConnection, node: &NodeRecord, now: i64) -> Result<()> {
+pub(super) async fn upsert(
+    conn: &mut SqliteConnection,
+    node: &NodeRecord,
+    replica: &str,
+    now: i64,
+) -> Result<()> {
     sqlx::query(
-        "INSERT INTO nodes (id, name, hardware, models, version, status, first_seen_ms, last_seen_ms) \
-         VALUES (?1, ?2, ?3, ?4, ?5, 'online', ?6, ?6) \
+        "INSERT INTO nodes (id, name, hardware, models, version, status, first_seen_ms, last_seen_ms, replica) \
+         VALUES (?1, ?2, ?3, ?4, ?5, 'online', ?6, ?6, ?7) \
          ON CONFLICT (id) DO UPDATE SET name = ?2, hardware = ?3, models = ?4, version = ?5, \
-           status = 'online', last_seen_ms = ?6",
+           status = 'online', last_seen_ms = ?6, replica = ?7",
     )
     .bind(&node.id)
     .bind(&node.name)
@@ -18,6 +23,7 @@ pub(super) async fn upsert(conn: &mut SqliteConnection, node: &NodeRecord, now: 
     .bind(&node.models)
     .bind(&node.version)
     .bind(now)
+    .bind(replica)
     .execute(&mut *conn)
     .await?;
     Ok(())
