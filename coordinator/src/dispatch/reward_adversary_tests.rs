@@ -21,6 +21,7 @@ use mlxnet_proto::{
 use crate::{
     audit::AuditConfig,
     ledger::REWARD_POOL,
+    store::{Store, StoreTx},
     test_utils::{books_once, node_hex, prompt_job, spawn_app, tokens_of, FakeNode, TestApp},
     util::now_ms,
 };
@@ -80,9 +81,16 @@ async fn balance(app: &TestApp, account: &str) -> i64 {
         .map_or(0, |a| a.balance())
 }
 
-/// `node` serves one job honestly (streams its tokens, signs its claim);
-/// returns once the job completed.
-async fn serve_a_job(app: &TestApp, node: &FakeNode) {
+/// A job taken by a node and not answered yet.
+struct Taken {
+    job: String,
+    send: quinn::SendStream,
+    _recv: quinn::RecvStream,
+    a: mlxnet_proto::v1::Assignment,
+}
+
+/// Submits a job and has `node` take it (it must be the one placed).
+async fn take_a_job(app: &TestApp, node: &FakeNode) -> Taken {
     let mut jobs = JobsClient::new(app.grpc().await);
     let job = jobs
         .submit(prompt_job("The capital of France is", 8))
@@ -90,27 +98,47 @@ async fn serve_a_job(app: &TestApp, node: &FakeNode) {
         .unwrap()
         .into_inner()
         .id;
+    let (send, _recv, a) = node.next_assignment().await;
+    assert_eq!(a.job_id, job);
+    Taken {
+        job,
+        send,
+        _recv,
+        a,
+    }
+}
+
+/// `node` answers the job it took honestly (streams its tokens, signs its
+/// claim); returns once the job completed.
+async fn finish(app: &TestApp, node: &FakeNode, mut taken: Taken) {
+    let mut jobs = JobsClient::new(app.grpc().await);
     let mut watch = jobs
         .watch(WatchJobRequest {
-            job_id: job.clone(),
+            job_id: taken.job.clone(),
         })
         .await
         .unwrap()
         .into_inner();
-    let (mut send, _recv, a) = node.next_assignment().await;
-    assert_eq!(a.job_id, job);
-    let signed = claim::sign(node.claim(&a, vec![7, 8], " Paris"), &node.key);
+    let signed = claim::sign(node.claim(&taken.a, vec![7, 8], " Paris"), &node.key);
     let c = signed.claim.clone().unwrap();
-    write_frame(&mut send, &tokens_of(0, &c)).await.unwrap();
+    write_frame(&mut taken.send, &tokens_of(0, &c))
+        .await
+        .unwrap();
     let result = JobUpdate {
         msg: Some(job_update::Msg::Result(signed)),
     };
-    write_frame(&mut send, &result).await.unwrap();
+    write_frame(&mut taken.send, &result).await.unwrap();
     while let Some(e) = watch.message().await.unwrap() {
         if let Some(job_event::Event::Failed(f)) = e.event {
             panic!("the job failed: {}", f.reason);
         }
     }
+}
+
+/// `node` serves one job honestly; returns once the job completed.
+async fn serve_a_job(app: &TestApp, node: &FakeNode) {
+    let taken = take_a_job(app, node).await;
+    finish(app, node, taken).await;
 }
 
 /// Two heartbeats, both acknowledged (the control loop reads one frame at
@@ -129,25 +157,33 @@ async fn beat(node: &mut FakeNode) {
 }
 
 /// Hole 6: two established dedicated nodes report `i64::MAX` bytes of
-/// memory; one drains at once and only heartbeats, the other heartbeats
-/// and never serves. Neither earns any reward; the honest dedicated node
-/// beside them, which served a job, earns its reward (not scaled down by
-/// the liars' claims) and its job's pay, and the pool pays nobody else.
+/// memory. One served a job (so it has shown the model) and then drains
+/// and only heartbeats; the other heartbeats and never serves. Neither
+/// earns any reward. The honest dedicated node beside them (64 GiB, served
+/// a job) earns its reward for the capacity it showed (the model's, not
+/// its 64 GiB), not scaled down by the liars' claims, and its job's pay;
+/// the pool pays nobody else.
 #[tokio::test]
 async fn a_dedicated_node_lying_about_its_memory_takes_no_reward_pool() {
     let app = app().await;
+    let started = now_ms();
+    let huge = i64::MAX as u64;
+    // The drainer takes the first job; the honest node (the drainer busy)
+    // the second; both answer honestly.
+    let mut drainer = FakeNode::register_with(&app, DRAINER, dedicated("Apple M1", huge)).await;
+    let drainers_job = take_a_job(&app, &drainer).await;
     let mut honest =
         FakeNode::register_with(&app, HONEST, dedicated("Apple M2 Max", 64 << 30)).await;
     let honest_op = app.ledger.link_node(&hex_of(&honest), "").await.unwrap();
-    serve_a_job(&app, &honest).await;
+    let honests_job = take_a_job(&app, &honest).await;
+    finish(&app, &drainer, drainers_job).await;
+    finish(&app, &honest, honests_job).await;
     let paid = books_once(&app.ledger, &app.client_account, &honest_op, |b| {
         b.operator.balance() > 0
     })
     .await;
     assert!(paid.operator.balance() > 0, "the honest node was paid");
 
-    let huge = i64::MAX as u64;
-    let mut drainer = FakeNode::register_with(&app, DRAINER, dedicated("Apple M1", huge)).await;
     let mut hoarder =
         FakeNode::register_with(&app, HOARDER, dedicated("Apple M5 Ultra", huge)).await;
     let drainer_op = app.ledger.link_node(&hex_of(&drainer), "").await.unwrap();
@@ -163,6 +199,22 @@ async fn a_dedicated_node_lying_about_its_memory_takes_no_reward_pool() {
     tokio::time::sleep(std::time::Duration::from_millis(20)).await;
     for node in [&mut honest, &mut drainer, &mut hoarder] {
         beat(node).await;
+    }
+    // What was recorded: never more than the model's capacity.
+    let capacity = crate::catalogue::smollm2_135m_instruct();
+    let capacity = crate::catalogue::Catalogue::new(&[capacity])
+        .unwrap()
+        .models()[0]
+        .capacity_bytes();
+    let mut recorded = Vec::new();
+    for epoch in started / 1_000..=now_ms() / 1_000 {
+        let mut tx = app.ledger.store().write().await.unwrap();
+        recorded.extend(tx.availability(epoch).await.unwrap());
+    }
+    assert!(!recorded.is_empty(), "the honest node's time was recorded");
+    for row in &recorded {
+        assert_eq!(row.node_id, hex_of(&honest), "{row:?}");
+        assert_eq!(row.memory_bytes, capacity, "{row:?}");
     }
 
     let before = [
