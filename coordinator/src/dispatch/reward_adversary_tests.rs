@@ -301,3 +301,51 @@ async fn nodes_reporting_u64_max_memory_break_no_total() {
     assert!(broken.is_empty(), "{broken:?}");
     app.stop().await;
 }
+
+/// Hole 10 (Sybil rows): a Hello near the 1 MiB frame cap, its strings and
+/// model list made as long as the frame allows, leaves a bounded row in the
+/// store (every string clipped, the model list capped), and the node is
+/// still a node: placed and paid.
+#[tokio::test]
+async fn a_hello_of_megabyte_strings_leaves_a_bounded_node_row() {
+    let app = spawn_app(|_| {}).await;
+    let long = "y".repeat(100_000);
+    let node = FakeNode::register_with(&app, HONEST, |h| {
+        if let Some(hw) = h.hardware.as_mut() {
+            hw.chip = long.clone();
+            hw.os = long.clone();
+            hw.arch = long.clone();
+            hw.model_name = long.clone();
+        }
+        h.version = long.clone();
+        h.name = long.clone();
+        for i in 0..2_000 {
+            h.models.push(mlxnet_proto::v1::CachedModel {
+                model: format!("{i}{}", "z".repeat(100)),
+                sha256: vec![7; 32],
+                size_bytes: 1,
+            });
+        }
+    })
+    .await;
+    let (row, _) = app
+        .ledger
+        .store()
+        .get_node(&hex_of(&node))
+        .await
+        .unwrap()
+        .expect("the node's row");
+    let size = row.name.len() + row.hardware.len() + row.models.len() + row.version.len();
+    assert!(size <= 16 << 10, "the node's row holds {size} bytes");
+    // Still a node: placed and paid.
+    let operator = app.ledger.link_node(&hex_of(&node), "").await.unwrap();
+    serve_a_job(&app, &node).await;
+    let paid = books_once(&app.ledger, &app.client_account, &operator, |b| {
+        b.operator.balance() > 0
+    })
+    .await;
+    assert!(paid.operator.balance() > 0, "the node was paid");
+    let broken = app.ledger.violations(now_ms()).await.unwrap();
+    assert!(broken.is_empty(), "{broken:?}");
+    app.stop().await;
+}

@@ -24,7 +24,12 @@ use mlxnet_proto::{
 };
 use rand::RngCore;
 
-use crate::{catalogue::Catalogue, domain::NodeRecord};
+use crate::{catalogue::Catalogue, domain::NodeRecord, util::clip};
+
+/// At most the first `max` bytes of `b`.
+fn clip_bytes(b: &[u8], max: usize) -> &[u8] {
+    &b[..b.len().min(max)]
+}
 
 /// Why a node was not admitted.
 #[derive(Debug, thiserror::Error)]
@@ -48,6 +53,11 @@ pub enum HandshakeError {
 
 /// Points of a node's batch curve read from its Hello (the rest ignored).
 const MAX_BATCH_POINTS: usize = 32;
+/// The longest Hello string (name, chip, OS, ...) kept, in characters.
+const MAX_HELLO_CHARS: usize = 64;
+/// The most reported model files kept in the node's row (a node holds a
+/// few; a Hello may list thousands).
+const MAX_REPORTED_MODELS: usize = 64;
 
 /// What a verified Hello tells us about the node.
 #[derive(Clone, Debug)]
@@ -184,16 +194,21 @@ pub fn verify_proof(
 
 fn registration(node_id: NodeId, hello: &Hello, catalogue: &Catalogue) -> Registration {
     let hw = hello.hardware.clone().unwrap_or_default();
-    let models: Vec<[u8; 32]> = hello
+    let mut models: Vec<[u8; 32]> = hello
         .models
         .iter()
         .filter_map(|m| <[u8; 32]>::try_from(m.sha256.as_slice()).ok())
         .filter(|digest| catalogue.models().iter().any(|c| &c.sha256 == digest))
         .collect();
+    models.sort_unstable();
+    models.dedup();
+    // Every string is clipped and the model list capped before the row is
+    // written: a Sybil's Hello (up to a 1 MiB frame) leaves a small row.
+    let short = |s: &str| clip(s, MAX_HELLO_CHARS).to_owned();
     let hardware = serde_json::json!({
-        "chip": hw.chip,
-        "os": hw.os,
-        "arch": hw.arch,
+        "chip": short(&hw.chip),
+        "os": short(&hw.os),
+        "arch": short(&hw.arch),
         "cpu_cores": hw.cpu_cores,
         "performance_cores": hw.performance_cores,
         "gpu_cores": hw.gpu_cores,
@@ -202,15 +217,16 @@ fn registration(node_id: NodeId, hello: &Hello, catalogue: &Catalogue) -> Regist
         "thunderbolt5": hw.thunderbolt5,
         "measured_memory_bandwidth_bytes_per_s": hw.measured_memory_bandwidth_bytes_per_s,
         "measured_compute_flops": hw.measured_compute_flops,
-        "model_name": hw.model_name,
+        "model_name": short(&hw.model_name),
     });
     let reported: Vec<_> = hello
         .models
         .iter()
+        .take(MAX_REPORTED_MODELS)
         .map(|m| {
             serde_json::json!({
-                "model": m.model,
-                "sha256": hex::encode(&m.sha256),
+                "model": short(&m.model),
+                "sha256": hex::encode(clip_bytes(&m.sha256, 32)),
                 "size_bytes": m.size_bytes,
             })
         })
