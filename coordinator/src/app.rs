@@ -310,9 +310,21 @@ impl Application {
             quic_addr,
             ..
         } = self;
-        let placement = tokio::spawn(Arc::clone(&d).placement_loop());
-        d.spawn(dispatch::sweep::sweep_loop(Arc::clone(&d)));
-        let accept = tokio::spawn(link::accept_loop(endpoint.clone(), link));
+        // The loops run supervised: one that panics (or ends before
+        // shutdown) is logged and started again, so a panic never stops
+        // placement silently while Submit keeps taking holds.
+        let placement = tokio::spawn(supervise("placement", token.clone(), {
+            let d = Arc::clone(&d);
+            move || Arc::clone(&d).placement_loop()
+        }));
+        d.spawn(supervise("ledger sweep", token.clone(), {
+            let d = Arc::clone(&d);
+            move || dispatch::sweep::sweep_loop(Arc::clone(&d))
+        }));
+        let accept = tokio::spawn(supervise("node accept", token.clone(), {
+            let endpoint = endpoint.clone();
+            move || link::accept_loop(endpoint.clone(), link.clone())
+        }));
         let mut grpc_task = tokio::spawn(api::serve(grpc, api, token.clone().cancelled_owned()));
         let mut http_task = tokio::spawn(http::serve(
             http,
@@ -359,6 +371,37 @@ impl Application {
         wait_udp_released(quic_addr).await;
         info!("stopped");
         result
+    }
+}
+
+/// How long a supervised loop that ended waits before it starts again (so
+/// one that fails at once does not spin).
+const RESTART_PAUSE: Duration = Duration::from_secs(1);
+
+/// Runs the loop `start` makes until `shutdown`: a loop that panics, or
+/// returns while the coordinator still runs, is logged and started again
+/// after [`RESTART_PAUSE`]. Returns once `shutdown` is cancelled and the
+/// running loop has ended.
+pub async fn supervise<F, Fut>(name: &'static str, shutdown: CancellationToken, start: F)
+where
+    F: Fn() -> Fut,
+    Fut: Future<Output = ()> + Send + 'static,
+{
+    loop {
+        let ended = tokio::spawn(start()).await;
+        if shutdown.is_cancelled() {
+            return;
+        }
+        match ended {
+            Err(e) if e.is_panic() => {
+                tracing::error!(task = name, "loop panicked; restarting it");
+            }
+            _ => warn!(task = name, "loop ended before shutdown; restarting it"),
+        }
+        tokio::select! {
+            _ = shutdown.cancelled() => return,
+            _ = tokio::time::sleep(RESTART_PAUSE) => {}
+        }
     }
 }
 
@@ -509,6 +552,31 @@ async fn stop_signal() {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A supervised loop that panics is started again (the second run
+    /// reports in); at shutdown the supervisor returns.
+    #[tokio::test]
+    async fn a_supervised_loop_that_panics_is_started_again() {
+        let token = CancellationToken::new();
+        let runs = Arc::new(std::sync::atomic::AtomicU32::new(0));
+        let (again_tx, mut again) = tokio::sync::mpsc::unbounded_channel::<u32>();
+        let supervisor = tokio::spawn(supervise("test", token.clone(), {
+            let (runs, token) = (Arc::clone(&runs), token.clone());
+            move || {
+                let n = runs.fetch_add(1, std::sync::atomic::Ordering::SeqCst) + 1;
+                let (again_tx, token) = (again_tx.clone(), token.clone());
+                async move {
+                    assert!(n > 1, "the first run panics");
+                    let _ = again_tx.send(n);
+                    token.cancelled().await;
+                }
+            }
+        }));
+        assert_eq!(again.recv().await, Some(2), "the loop was started again");
+        token.cancel();
+        supervisor.await.unwrap();
+        assert_eq!(runs.load(std::sync::atomic::Ordering::SeqCst), 2);
+    }
     use mlxnet_proto::v1::{
         job_input, jobs_client::JobsClient, GetJobRequest, JobInput, SubmitJobRequest,
     };

@@ -40,7 +40,9 @@
 //! - it is never drawn as an auditor: auditors are drawn among
 //!   established nodes only, weighted by reputation ([`draw`],
 //!   [`AuditConfig::reputation`]);
-//! - it earns no availability reward (`link::control_loop`);
+//! - it earns no availability reward (`link::control_loop`; an
+//!   established dedicated node earns only for the models it has shown it
+//!   serves, [`Audits::shown`]);
 //! - it is placed only while it runs fewer than `probation_running` jobs,
 //!   unless no established node can take the job now
 //!   (`Dispatcher::place_queued`): a network of new nodes still runs.
@@ -342,7 +344,16 @@ pub struct Audits {
     pub config: AuditConfig,
     banned: Mutex<HashSet<NodeId>>,
     records: Mutex<HashMap<String, NodeRecord>>,
+    /// The model files (SHA-256) each node has shown it serves: a claim of
+    /// its own verified (a completion or a drained hand-off). In
+    /// memory, per process (a restart forgets it: a node shows it again
+    /// with its next job), bounded by [`SHOWN_MAX`] nodes.
+    shown: Mutex<HashMap<NodeId, HashSet<[u8; 32]>>>,
 }
+
+/// The most nodes [`Audits`] remembers shown models for (past it, all are
+/// forgotten and shown again).
+const SHOWN_MAX: usize = 100_000;
 
 impl Audits {
     /// Loads the banned nodes from the store.
@@ -355,7 +366,27 @@ impl Audits {
             config,
             banned: Mutex::new(banned),
             records: Mutex::new(records),
+            shown: Mutex::new(HashMap::new()),
         })
+    }
+
+    /// `node` has shown it serves the model file `model`: a claim of its
+    /// own verified. (An auditor's verdict shows nothing: one that passes
+    /// every claim agrees with every honest decision without running it.)
+    pub fn showed(&self, node: NodeId, model: [u8; 32]) {
+        let mut shown = lock(&self.shown);
+        if shown.len() >= SHOWN_MAX && !shown.contains_key(&node) {
+            shown.clear();
+        }
+        shown.entry(node).or_default().insert(model);
+    }
+
+    /// The model files `node` has shown it serves (see [`Audits::showed`]).
+    pub fn shown(&self, node: &NodeId) -> Vec<[u8; 32]> {
+        lock(&self.shown)
+            .get(node)
+            .map(|m| m.iter().copied().collect())
+            .unwrap_or_default()
     }
 
     /// The audits in `store`'s database (tools and tests that open it).

@@ -141,6 +141,13 @@ impl Model {
     pub fn memory_needed(&self, prompt_bytes: usize, max_tokens: u32) -> u64 {
         self.job(prompt_bytes, max_tokens).memory_needed()
     }
+
+    /// The memory a node serving this model offers the network: one job
+    /// using the model's whole context (what availability rewards pay for,
+    /// once the node has shown it serves the model).
+    pub fn capacity_bytes(&self) -> u64 {
+        self.memory_needed(0, self.info.context_length)
+    }
 }
 
 /// The cost model's shape of a catalogue entry. Without the architecture
@@ -211,6 +218,11 @@ impl Catalogue {
 
     pub fn models(&self) -> &[Model] {
         &self.models
+    }
+
+    /// The model whose file has SHA-256 `digest`.
+    pub fn by_digest(&self, digest: &[u8; 32]) -> Option<&Model> {
+        self.models.iter().find(|m| m.sha256 == *digest)
     }
 }
 

@@ -58,6 +58,8 @@ mod adversary_tests;
 mod audit;
 #[cfg(test)]
 mod audit_adversary_tests;
+#[cfg(test)]
+mod reward_adversary_tests;
 pub mod sweep;
 
 use crate::{
@@ -665,15 +667,20 @@ impl Dispatcher {
     }
 
     /// Adds an attempt's end to its node's [`Evidence`]: a verified claim
-    /// (a completion or a drained hand-off) counts as a success and shows
-    /// its decode speed; a failure counts against; a cancel or a shutdown
-    /// says nothing about the node.
+    /// (a completion or a drained hand-off) counts as a success, shows its
+    /// decode speed and that the node serves the model (its availability
+    /// rewards' capacity: [`Audits::showed`]); a failure counts against; a
+    /// cancel or a shutdown says nothing about the node.
     fn learn(&self, node: NodeId, job: &JobRecord, model: &Model, outcome: &Outcome) {
         let (ok, signed) = match outcome {
             Outcome::Completed(signed) | Outcome::HandedOff(signed) => (true, Some(signed)),
             Outcome::Failed { .. } => (false, None),
             Outcome::Cancelled | Outcome::Shutdown => return,
         };
+        if ok {
+            // Capacity shown: availability rewards pay for this model.
+            self.audits.showed(node, model.sha256);
+        }
         let mut evidence = lock(&self.evidence);
         if evidence.len() >= EVIDENCE_MAX && !evidence.contains_key(&node) {
             evidence.retain(|id, _| self.sessions.get(id).is_some());

@@ -1,7 +1,8 @@
 //! The node link: the QUIC endpoint nodes dial, one session per node.
 //!
 //! Per connection: the handshake ([`handshake`]) within the handshake
-//! timeout; then the session is registered (replacing any older session of
+//! timeout (a node banned after failed audits is refused); then the
+//! session is registered (replacing any older session of
 //! the same node, whose connection is closed), the node is recorded online,
 //! `Welcome` is sent, and the control stream is served: heartbeats are
 //! acknowledged and refresh the node's free memory; a node silent for longer
@@ -43,6 +44,7 @@ use crate::{
     catalogue::Catalogue,
     ledger::{Ledger, LedgerError},
     metrics::Metrics,
+    scheduler::memory_cap,
     store::{AnyStore, Store},
     util::{clip, error_chain, now_ms, Tasks},
     world::{Status, World},
@@ -60,6 +62,8 @@ pub const CLOSE_SILENT: u32 = 3;
 pub const CLOSE_PROTOCOL: u32 = 4;
 /// Connection close code: the coordinator is shutting down.
 pub const CLOSE_SHUTDOWN: u32 = 5;
+/// Connection close code: the node is banned after failed audits.
+pub const CLOSE_BANNED: u32 = 6;
 
 /// The node link's settings (top-level keys of the coordinator's config
 /// file, and `limits.max_node_connections`; gathered by `config`).
@@ -95,7 +99,8 @@ pub struct LinkContext {
     pub store: AnyStore,
     /// Operator links and availability rewards.
     pub ledger: Ledger,
-    /// Node records: a node on probation earns no availability reward.
+    /// Node records and the models each node has shown it serves: a node
+    /// earns availability rewards only for those, and none on probation.
     pub audits: Arc<Audits>,
     /// Which of a node's model files count.
     pub catalogue: Arc<Catalogue>,
@@ -169,6 +174,12 @@ async fn serve_connection(conn: quinn::Connection, d: &LinkContext) {
         mut send,
         mut recv,
     } = admitted;
+    if d.audits.is_banned(&registration.node_id) {
+        d.metrics.handshakes_refused.inc();
+        info!(node = %registration.node_id.short(), "banned node refused");
+        reject(&conn, Some(send), "this node is banned after failed audits").await;
+        return;
+    }
     if let Err(e) = d
         .store
         .upsert_node(&registration.record, &d.config.replica_id)
@@ -311,16 +322,20 @@ async fn control_loop(
                 }
                 // A dedicated node earns availability rewards for the time
                 // since its last written heartbeat (at most the timeout: it
-                // answered), once off probation (verified work first; a
-                // banned node is never off it).
+                // answered), for the capacity it has shown.
                 let online = beat.duration_since(last_beat).min(silence);
                 last_beat = beat;
-                if dedicated && !d.audits.on_probation(&session.node_id) {
+                let offered = if dedicated {
+                    rewarded_memory(d, session)
+                } else {
+                    0
+                };
+                if offered > 0 {
                     if let Err(e) = d
                         .ledger
                         .record_online(
                             &session.node_id.to_string(),
-                            session.memory_bytes,
+                            offered,
                             online.as_millis() as u64,
                             now_ms(),
                         )
@@ -345,6 +360,32 @@ async fn control_loop(
             }
         }
     }
+}
+
+/// The memory a dedicated node earns availability rewards for now: the
+/// capacity it has shown, never what it merely reports. Zero while it
+/// drains, is banned or on probation (verified work first). Otherwise the
+/// capacity ([`Model::capacity_bytes`](crate::catalogue::Model::capacity_bytes))
+/// of the models it holds and has served verified work for
+/// ([`Audits::shown`]), capped by the memory it reports and that by its
+/// chip's largest configuration ([`memory_cap`]): a node reporting
+/// `i64::MAX` bytes earns for what it served, never for the figure.
+fn rewarded_memory(d: &LinkContext, session: &Session) -> u64 {
+    let id = &session.node_id;
+    if session.is_draining() || d.audits.is_banned(id) || d.audits.on_probation(id) {
+        return 0;
+    }
+    let shown = d
+        .audits
+        .shown(id)
+        .iter()
+        .filter(|m| session.models.contains(m))
+        .filter_map(|m| d.catalogue.by_digest(m))
+        .map(crate::catalogue::Model::capacity_bytes)
+        .fold(0u64, u64::saturating_add);
+    shown
+        .min(session.memory_bytes)
+        .min(memory_cap(&session.chip))
 }
 
 /// Tells the node why it was refused, gives the frame a moment to arrive,

@@ -33,7 +33,7 @@ mod tests;
 
 use std::collections::HashMap;
 
-pub use capability::{Capability, Evidence, Measured, Mode, NodeSpec, PodSpec};
+pub use capability::{memory_cap, Capability, Evidence, Measured, Mode, NodeSpec, PodSpec};
 pub use cost::{BatchCurve, Estimate, JobShape, ModelShape};
 pub use fleet::{Decision, Fleet, FleetError, Placement, Policy, Target};
 pub use queue::{Offer, Queue, QueueError};

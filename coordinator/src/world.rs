@@ -403,7 +403,7 @@ impl World {
                 continue;
             }
             t.macs_online += 1;
-            t.memory_online_bytes += n.memory_bytes;
+            t.memory_online_bytes = t.memory_online_bytes.saturating_add(n.memory_bytes);
             if n.is_visible() {
                 t.macs_on_map += 1;
             }

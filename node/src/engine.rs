@@ -707,7 +707,12 @@ impl TextSide {
     ) -> Result<Result<audit::AuditPass, audit::Verdict>, EngineError> {
         // As `begin` validates it: the job would have been refused the same way.
         sampler::validate(&req.sampling, self.tokenizer.vocab_len())?;
-        let prompt = self.prompt_tokens(&req.input)?;
+        let resumed = &req.resume.token_ids;
+        if let Some(&id) = resumed.iter().find(|&&t| t as usize >= vocab) {
+            return Err(EngineError::ResumeToken { id, vocab });
+        }
+        let mut prompt = self.prompt_tokens(&req.input)?;
+        prompt.extend_from_slice(resumed);
         let output = &req.output_token_ids;
         if let Some((i, &t)) = output
             .iter()
@@ -723,19 +728,43 @@ impl TextSide {
                 max: ctx,
             });
         }
-        // As `begin` compiles it: a grammar the job could not have run with
-        // is refused the same way.
+        // As `begin` compiles it (and replays the resumed tokens through
+        // it): a grammar the job could not have run with is refused the
+        // same way.
         let grammar = match &req.sampling.grammar {
             None => None,
-            Some(c) => Some(self.grammar.mask(c, &self.tokenizer)?),
+            Some(c) => {
+                let mut mask = self.grammar.mask(c, &self.tokenizer)?;
+                for &t in resumed {
+                    mask.consume(t)?;
+                }
+                Some(mask)
+            }
+        };
+        // A resumed claim may have only what is left of `max_tokens`, and
+        // its text is what follows the text the client already had.
+        let sampling = Sampling {
+            max_tokens: req.sampling.max_tokens.saturating_sub(resumed.len()),
+            ..req.sampling.clone()
+        };
+        let decoded_text = if resumed.is_empty() {
+            self.tokenizer.decode(output)
+        } else {
+            let mut all = resumed.clone();
+            all.extend_from_slice(output);
+            match self.tokenizer.decode(&all).strip_prefix(&req.resume.text) {
+                Some(rest) => rest.to_owned(),
+                None => self.tokenizer.decode(output),
+            }
         };
         Ok(Ok(audit::AuditPass::new(audit::AuditInput {
             prompt,
+            resumed: resumed.len(),
             output,
-            sampling: &req.sampling,
+            sampling: &sampling,
             facts: &req.facts,
             eog: self.tokenizer.eog.iter().copied().collect(),
-            decoded_text: self.tokenizer.decode(output),
+            decoded_text,
             context_length: ctx,
             grammar,
         })))
@@ -743,11 +772,14 @@ impl TextSide {
 }
 
 /// A claimed generation to audit: the job's input and parameters, and what
-/// the node claimed.
+/// the node claimed (after the job's earlier attempts' tokens, `resume`,
+/// when the claim continues a handed-off job).
 #[derive(Debug, Clone, PartialEq)]
 pub struct AuditRequest {
     pub input: PromptInput,
     pub sampling: Sampling,
+    /// The tokens (and the text the client had) before the claimed ones.
+    pub resume: Resume,
     pub output_token_ids: Vec<u32>,
     pub facts: audit::ClaimFacts,
 }

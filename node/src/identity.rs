@@ -2,7 +2,9 @@
 //!
 //! The secret is created on first run in the data directory as
 //! `node.key` (64 lowercase hex digits of the 32-byte secret seed and a
-//! newline), written with mode 0600 in a directory created with mode 0700.
+//! newline), written with mode 0600 in a directory created with mode 0700,
+//! atomically (a fsynced temporary file linked in under the name, then the
+//! directory fsynced): a crash never leaves an empty or torn key file.
 //! Losing the file means becoming a new node (new id, no earnings history).
 //!
 //! # Invariants
@@ -131,12 +133,23 @@ impl Identity {
         })
     }
 
-    /// Writes the key to a file that must not exist yet, mode 0600.
+    /// Writes the key to a file that must not exist yet, mode 0600,
+    /// atomically: the key goes to a temporary file beside it (written and
+    /// fsynced), which is then linked in under `path` (failing if `path`
+    /// exists, so another process's key is never replaced) and the
+    /// directory fsynced. A crash leaves either no key file or a whole one,
+    /// never an empty or torn one (which would stop every later start).
     fn write_new(&self, path: &Path) -> Result<(), IdentityError> {
         let write_err = |source| IdentityError::Write {
             path: path.to_owned(),
             source,
         };
+        let dir = path.parent().unwrap_or(Path::new("."));
+        let tmp = dir.join(format!(
+            ".{KEY_FILE}.{}.{:016x}.tmp",
+            std::process::id(),
+            rand::random::<u64>()
+        ));
         let mut opts = std::fs::OpenOptions::new();
         opts.write(true).create_new(true);
         #[cfg(unix)]
@@ -144,11 +157,20 @@ impl Identity {
             use std::os::unix::fs::OpenOptionsExt;
             opts.mode(0o600);
         }
-        let mut file = opts.open(path).map_err(write_err)?;
-        let mut text = Zeroizing::new(hex::encode(self.key.to_bytes()));
-        text.push('\n');
-        file.write_all(text.as_bytes()).map_err(write_err)?;
-        file.sync_all().map_err(write_err)?;
+        let written = (|| {
+            let mut file = opts.open(&tmp)?;
+            let mut text = Zeroizing::new(hex::encode(self.key.to_bytes()));
+            text.push('\n');
+            file.write_all(text.as_bytes())?;
+            file.sync_all()?;
+            std::fs::hard_link(&tmp, path)
+        })();
+        let _ = std::fs::remove_file(&tmp);
+        written.map_err(write_err)?;
+        #[cfg(unix)]
+        std::fs::File::open(dir)
+            .and_then(|d| d.sync_all())
+            .map_err(write_err)?;
         Ok(())
     }
 
@@ -259,6 +281,38 @@ mod tests {
         std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600)).unwrap();
         assert_eq!(
             Identity::load_or_create(dir.path()).unwrap().node_id(),
+            id.node_id()
+        );
+    }
+
+    /// The key is published whole by a link from a fsynced temporary
+    /// file: after a first run the directory holds the key file only, and
+    /// a temporary file a crash left behind stops nothing.
+    #[test]
+    fn the_key_file_appears_whole_and_a_crashed_writes_leftover_is_ignored() {
+        let dir = tempfile::tempdir().unwrap();
+        let leftover = dir
+            .path()
+            .join(format!(".{KEY_FILE}.1.0000000000000000.tmp"));
+        std::fs::write(&leftover, b"").unwrap();
+        let id = Identity::load_or_create(dir.path()).unwrap();
+        let mut names: Vec<String> = std::fs::read_dir(dir.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        names.sort();
+        let mut expected = vec![
+            KEY_FILE.to_string(),
+            leftover.file_name().unwrap().to_string_lossy().into_owned(),
+        ];
+        expected.sort();
+        assert_eq!(names, expected, "only the key file was added");
+        let text = std::fs::read_to_string(dir.path().join(KEY_FILE)).unwrap();
+        assert_eq!(text.len(), 65, "64 hex digits and a newline");
+        assert_eq!(
+            Identity::load(&dir.path().join(KEY_FILE))
+                .unwrap()
+                .node_id(),
             id.node_id()
         );
     }

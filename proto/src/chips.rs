@@ -14,6 +14,10 @@
 //! generation's GPU clock (M1 1.28, M2 1.40, M3 1.38, M4 1.58, M5 1.60 GHz);
 //! e.g. M3 Ultra 80 cores = 28.3 FP32 TFLOPS. Thunderbolt 5: M3 Ultra, M4 Pro, M4 Max and the M5 Pro, Max
 //! and Ultra; base M4 and M5 have Thunderbolt 4, earlier chips Thunderbolt 3/4.
+//! Memory is the largest configuration Apple sells per chip (e.g. M1 16 GB,
+//! M2 Max 96 GB, M3 Ultra 512 GB); the M5 Pro / Max / Ultra follow the M4
+//! Pro / Max and M3 Ultra. The coordinator caps a node's reported memory at
+//! it (availability rewards).
 //!
 //! # Failure
 //! An unknown chip name gives `None`; callers report 0 bandwidth ("unknown").
@@ -31,12 +35,20 @@ pub struct ChipSpec {
     pub gpu_cores: u32,
     /// GPU clock of the generation, MHz (for the compute estimate).
     pub gpu_clock_mhz: u32,
+    /// The most unified memory any Mac with this chip ships with, in the
+    /// "GB" Apple sells (binary: 2^30 bytes each, as the OS reports them).
+    pub max_memory_gb: u32,
 }
 
 impl ChipSpec {
     /// Bandwidth in bytes per second.
     pub fn memory_bandwidth_bytes_per_s(&self) -> u64 {
         u64::from(self.memory_bandwidth_gb_s) * 1_000_000_000
+    }
+
+    /// The most unified memory a Mac with this chip has, in bytes.
+    pub fn max_memory_bytes(&self) -> u64 {
+        u64::from(self.max_memory_gb) << 30
     }
 
     /// Estimated peak GPU compute, FLOP/s (FP32 fused multiply-adds).
@@ -51,6 +63,7 @@ const fn chip(
     thunderbolt5: bool,
     gpu_cores: u32,
     gpu_clock_mhz: u32,
+    max_memory_gb: u32,
 ) -> ChipSpec {
     ChipSpec {
         name,
@@ -58,6 +71,7 @@ const fn chip(
         thunderbolt5,
         gpu_cores,
         gpu_clock_mhz,
+        max_memory_gb,
     }
 }
 
@@ -69,25 +83,25 @@ const M5: u32 = 1600;
 
 /// Every known Apple silicon Mac chip.
 pub const CHIPS: &[ChipSpec] = &[
-    chip("Apple M1", 68, false, 8, M1),
-    chip("Apple M1 Pro", 200, false, 16, M1),
-    chip("Apple M1 Max", 400, false, 32, M1),
-    chip("Apple M1 Ultra", 800, false, 64, M1),
-    chip("Apple M2", 100, false, 10, M2),
-    chip("Apple M2 Pro", 200, false, 19, M2),
-    chip("Apple M2 Max", 400, false, 38, M2),
-    chip("Apple M2 Ultra", 800, false, 76, M2),
-    chip("Apple M3", 100, false, 10, M3),
-    chip("Apple M3 Pro", 150, false, 18, M3),
-    chip("Apple M3 Max", 400, false, 40, M3),
-    chip("Apple M3 Ultra", 819, true, 80, M3),
-    chip("Apple M4", 120, false, 10, M4),
-    chip("Apple M4 Pro", 273, true, 20, M4),
-    chip("Apple M4 Max", 546, true, 40, M4),
-    chip("Apple M5", 153, false, 10, M5),
-    chip("Apple M5 Pro", 307, true, 20, M5),
-    chip("Apple M5 Max", 614, true, 40, M5),
-    chip("Apple M5 Ultra", 1228, true, 80, M5),
+    chip("Apple M1", 68, false, 8, M1, 16),
+    chip("Apple M1 Pro", 200, false, 16, M1, 32),
+    chip("Apple M1 Max", 400, false, 32, M1, 64),
+    chip("Apple M1 Ultra", 800, false, 64, M1, 128),
+    chip("Apple M2", 100, false, 10, M2, 24),
+    chip("Apple M2 Pro", 200, false, 19, M2, 32),
+    chip("Apple M2 Max", 400, false, 38, M2, 96),
+    chip("Apple M2 Ultra", 800, false, 76, M2, 192),
+    chip("Apple M3", 100, false, 10, M3, 24),
+    chip("Apple M3 Pro", 150, false, 18, M3, 36),
+    chip("Apple M3 Max", 400, false, 40, M3, 128),
+    chip("Apple M3 Ultra", 819, true, 80, M3, 512),
+    chip("Apple M4", 120, false, 10, M4, 32),
+    chip("Apple M4 Pro", 273, true, 20, M4, 64),
+    chip("Apple M4 Max", 546, true, 40, M4, 128),
+    chip("Apple M5", 153, false, 10, M5, 32),
+    chip("Apple M5 Pro", 307, true, 20, M5, 64),
+    chip("Apple M5 Max", 614, true, 40, M5, 128),
+    chip("Apple M5 Ultra", 1228, true, 80, M5, 512),
 ];
 
 /// Looks a chip up by the name macOS reports ("Apple M3 Ultra"); case and
@@ -126,6 +140,8 @@ mod tests {
         assert!(lookup("Intel(R) Core(TM) i9-9880H").is_none());
         assert!(lookup("Apple M9 Hyper").is_none());
         assert_eq!(ultra.gpu_cores, 80);
+        assert_eq!(ultra.max_memory_bytes(), 512 << 30);
+        assert_eq!(lookup("Apple M1").unwrap().max_memory_bytes(), 16 << 30);
         let tflops = ultra.compute_flops() / 1e12;
         assert!((28.0..29.0).contains(&tflops), "{tflops}");
     }

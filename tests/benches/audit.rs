@@ -229,6 +229,7 @@ fn audit(engine: &mut Engine, c: &Claim) -> (Verdict, f64) {
     let req = AuditRequest {
         input: input(c.job),
         sampling: c.sampling.clone(),
+        resume: Default::default(),
         output_token_ids: c.ids.clone(),
         facts: ClaimFacts {
             finish_reason: c.finish.clone(),

@@ -30,7 +30,10 @@ impl Network for NetworkApi {
         Ok(Response::new(NetworkStats {
             nodes_online: sessions.len() as u32,
             nodes_total: nodes_total as u32,
-            memory_bytes_online: sessions.iter().map(|s| s.memory_bytes).sum(),
+            memory_bytes_online: sessions
+                .iter()
+                .map(|s| s.memory_bytes)
+                .fold(0, u64::saturating_add),
             jobs_queued: jobs.queued,
             jobs_running: jobs.running,
             jobs_completed: jobs.completed,

@@ -2,6 +2,16 @@
 //! auditors to re-score it, send them the audit assignment and count their
 //! signed verdicts once they settle it.
 //!
+//! A resumed job is audited like any other: its claims form a chain (each
+//! drained node's hand-off segment under its partial claim, then the
+//! result), each picked by its own node's audit rate, and one of those
+//! picked is audited ([`audit_chain`]). The audit assignment carries that
+//! claim and, as its resumed prefix, every token before it: the auditor
+//! replays input + prefix and scores the claim's own tokens, which are
+//! bound to that prefix (`claim::resumed_input_digest`). So a node that
+//! fabricates a segment and hands off is audited at its own rate, and a
+//! confirmed failure voids the job's pay and counts against that node.
+//!
 //! # Invariants
 //! - Each auditor is drawn at random ([`draw`], seeded per audit from the
 //!   coordinator's own randomness, never from anything a node sent),
@@ -30,7 +40,7 @@ use mlxnet_proto::{
     claim,
     frame::FrameError,
     ids::NodeId,
-    v1::{job_update, Assignment, AuditTask, SignedClaim, SignedVerdict},
+    v1::{job_update, Assignment, AuditTask, JobInput, Resume, SignedClaim, SignedVerdict},
 };
 use rand::{rngs::StdRng, SeedableRng};
 use tracing::{debug, info, warn};
@@ -39,11 +49,13 @@ use super::{input_bytes, Dispatcher};
 use crate::{
     audit::{audit_rate, draw, Candidate, Ended, Verdict},
     catalogue::Model,
-    domain::JobRecord,
+    domain::{JobRecord, Segment},
     link::{
         job::{JobStream, CODE_REFUSED},
         session::{Session, MAX_REASON_CHARS},
+        CLOSE_BANNED,
     },
+    store::Store,
     util::{clip, error_chain, now_ms},
 };
 
@@ -62,29 +74,44 @@ impl Dispatcher {
         let Some(model) = self.catalogue.get(&job.model).cloned() else {
             return;
         };
-        // A resumed attempt's claim covers only the tokens after the ones
-        // earlier attempts streamed (its prompt digest binds those too); an
-        // audit re-scores a whole answer from the job's input, so jobs that
-        // were handed off are not audited.
-        let whole = signed
-            .claim
-            .as_ref()
-            .is_some_and(|c| c.prompt_sha256 == claim::input_digest(&job.input));
-        if !whole {
-            return;
-        }
-        let record = match self.audits.record(node).await {
-            Ok(r) => r,
+        // A resumed job is a chain of claims: each drained node's hand-off
+        // segment, then the result. Each is picked by its own node's audit
+        // rate, and one of those picked is audited, bound to the tokens
+        // before it (the auditor replays input + those and scores its own).
+        let segments = match self.store.segments(job.id).await {
+            Ok(s) => s,
             Err(e) => {
-                warn!(error = %error_chain(&e), "reading the node's audit record failed");
+                warn!(error = %error_chain(&e), "reading the job's segments for its audit failed");
                 return;
             }
         };
-        let rate = audit_rate(&self.audits.config, &record);
-        if rate <= 0.0 || rand::random::<f64>() >= rate {
+        let Some(chain) = audit_chain(&job.input, &segments, node, signed) else {
+            warn!(job_id = %job.id, "a claim of the job is not bound to the tokens before it; not audited");
+            return;
+        };
+        let mut picked = Vec::new();
+        for part in chain {
+            let record = match self.audits.record(&part.node).await {
+                Ok(r) => r,
+                Err(e) => {
+                    warn!(error = %error_chain(&e), "reading the node's audit record failed");
+                    return;
+                }
+            };
+            let rate = audit_rate(&self.audits.config, &record);
+            if rate > 0.0 && rand::random::<f64>() < rate {
+                picked.push((part, rate));
+            }
+        }
+        if picked.is_empty() {
             return;
         }
-        match self.audits.begin(&job.id.to_string(), node, now_ms()).await {
+        let (part, rate) = picked.swap_remove(rand::random::<usize>() % picked.len());
+        match self
+            .audits
+            .begin(&job.id.to_string(), &part.node, now_ms())
+            .await
+        {
             Ok(true) => {}
             Ok(false) => return,
             Err(e) => {
@@ -92,16 +119,16 @@ impl Dispatcher {
                 return;
             }
         }
-        let Ok(served_by) = node.parse::<NodeId>() else {
+        let Ok(served_by) = part.node.parse::<NodeId>() else {
             return;
         };
         // The auditors' draw: the coordinator's own randomness, per audit
         // (logged, so a draw can be replayed).
         let seed = rand::random::<u64>();
-        debug!(job_id = %job.id, node = %served_by.short(), rate, seed, "job picked for audit");
+        debug!(job_id = %job.id, node = %served_by.short(), rate, seed, resumed = part.resume.token_ids.len(), "job picked for audit");
         let this = Arc::clone(self);
-        let (job, signed) = (job.clone(), signed.clone());
-        self.spawn(async move { this.run_audit(job, model, signed, served_by, seed).await });
+        let job = job.clone();
+        self.spawn(async move { this.run_audit(job, model, part, served_by, seed).await });
     }
 
     /// Draws auditors and sends them the audit until their verdicts
@@ -110,7 +137,7 @@ impl Dispatcher {
         self: Arc<Self>,
         job: JobRecord,
         model: Model,
-        signed: SignedClaim,
+        part: ChainPart,
         served_by: NodeId,
         seed: u64,
     ) {
@@ -156,7 +183,7 @@ impl Dispatcher {
             let reservation = auditor.reserve(shape.memory_needed());
             let verdict = tokio::select! {
                 _ = self.shutdown_token().cancelled() => return,
-                v = self.ask(&job, &model, &signed, &auditor) => v,
+                v = self.ask(&job, &model, &part, &auditor) => v,
             };
             drop(reservation);
             self.wake();
@@ -194,6 +221,11 @@ impl Dispatcher {
                     info!(job_id = %job.id, node = %served_by.short(), passed, ?record, verdicts = verdicts.len(), "audit ended");
                     for (a, r) in &against {
                         warn!(job_id = %job.id, auditor = %a, record = ?r, "auditor in the minority counted against");
+                        if r.banned {
+                            if let Ok(id) = a.parse::<NodeId>() {
+                                self.close_banned(&id);
+                            }
+                        }
                     }
                     if !passed {
                         // Voids the hold now; a passed audit's pay waits for
@@ -202,6 +234,7 @@ impl Dispatcher {
                     }
                     if record.banned {
                         warn!(node = %served_by, "node banned from placement after failed audits");
+                        self.close_banned(&served_by);
                     }
                 }
                 Ok(Ended::AlreadyEnded) => {}
@@ -213,6 +246,16 @@ impl Dispatcher {
             warn!(error = %error_chain(&e), "recording the missed audit failed");
         }
         info!(job_id = %job.id, verdicts = verdicts.len(), "audit undecided within the window; missed");
+    }
+
+    /// Closes a banned node's session: it is never placed, audits nothing
+    /// and earns nothing, so it holds no connection either (the link
+    /// refuses it at its next handshake).
+    fn close_banned(&self, node: &NodeId) {
+        if let Some(s) = self.sessions.get(node) {
+            s.connection
+                .close(CLOSE_BANNED.into(), b"banned after failed audits");
+        }
     }
 
     /// The operator account `node` earns for: its session's, or (gone) the
@@ -230,15 +273,17 @@ impl Dispatcher {
         }
     }
 
-    /// Sends the audit of `signed` to `auditor` and returns its verdict, if
-    /// it is one that counts.
+    /// Sends the audit of `part` to `auditor` (the claim, and the tokens
+    /// before it as the resumed prefix) and returns its verdict, if it is
+    /// one that counts.
     async fn ask(
         &self,
         job: &JobRecord,
         model: &Model,
-        signed: &SignedClaim,
+        part: &ChainPart,
         auditor: &Session,
     ) -> Result<SignedVerdict, String> {
+        let signed = &part.signed;
         let assignment = Assignment {
             job_id: job.id.to_string(),
             attempt: job.attempt,
@@ -246,7 +291,7 @@ impl Dispatcher {
             model_sha256: model.sha256.to_vec(),
             input: Some(job.input.clone()),
             sampling: Some(job.sampling.clone()),
-            resume: None,
+            resume: (!part.resume.token_ids.is_empty()).then(|| part.resume.clone()),
             audit: Some(AuditTask {
                 claim: Some(signed.clone()),
             }),
@@ -291,5 +336,125 @@ impl Dispatcher {
         }
         stream.finish();
         Ok(verdict)
+    }
+}
+
+/// One claim of a job's chain, as an audit sends it: the node that signed
+/// it, the claim, and the tokens (and text) before it in the job's stream.
+#[derive(Clone, Debug, PartialEq)]
+pub(crate) struct ChainPart {
+    pub node: String,
+    pub signed: SignedClaim,
+    pub resume: Resume,
+}
+
+/// Every claim of a job whose `segments` (in stream order) were handed off
+/// and whose result `signed` (by `node`, hex) completed it: each segment's
+/// partial claim, then the result, each with the tokens before it. None
+/// when a segment is unsigned or a claim is not bound to the input plus
+/// the tokens before it (`claim::resumed_input_digest`): such a chain was
+/// never accepted, and an auditor could not replay it.
+pub(crate) fn audit_chain(
+    input: &JobInput,
+    segments: &[Segment],
+    node: &str,
+    signed: &SignedClaim,
+) -> Option<Vec<ChainPart>> {
+    let mut parts = Vec::with_capacity(segments.len() + 1);
+    let mut before = Resume::default();
+    let bound = |c: &SignedClaim, before: &Resume| {
+        c.claim.as_ref().is_some_and(|c| {
+            c.prompt_sha256 == claim::resumed_input_digest(input, &before.token_ids)
+        })
+    };
+    for s in segments {
+        let c = s.claim.as_ref()?;
+        if !bound(c, &before) {
+            return None;
+        }
+        parts.push(ChainPart {
+            node: s.node_id.clone(),
+            signed: c.clone(),
+            resume: before.clone(),
+        });
+        before.token_ids.extend_from_slice(&s.token_ids);
+        before.text.push_str(&s.text);
+    }
+    if !bound(signed, &before) {
+        return None;
+    }
+    parts.push(ChainPart {
+        node: node.to_owned(),
+        signed: signed.clone(),
+        resume: before,
+    });
+    Some(parts)
+}
+
+#[cfg(test)]
+mod tests {
+    use mlxnet_proto::v1::{job_input, ResultClaim};
+
+    use super::*;
+
+    fn signed(input: &JobInput, before: &[u32]) -> SignedClaim {
+        SignedClaim {
+            claim: Some(ResultClaim {
+                prompt_sha256: claim::resumed_input_digest(input, before).to_vec(),
+                ..Default::default()
+            }),
+            signature: Vec::new(),
+        }
+    }
+
+    fn segment(node: &str, ids: Vec<u32>, text: &str, claim: Option<SignedClaim>) -> Segment {
+        Segment {
+            node_id: node.into(),
+            token_ids: ids,
+            text: text.into(),
+            claim,
+            ..Segment::default()
+        }
+    }
+
+    #[test]
+    fn each_claim_of_a_resumed_job_is_audited_after_the_tokens_before_it() {
+        let input = JobInput {
+            kind: Some(job_input::Kind::Prompt("The capital of France is".into())),
+        };
+        let segments = [
+            segment("a", vec![7], " Par", Some(signed(&input, &[]))),
+            segment("b", vec![8, 9], "is.", Some(signed(&input, &[7]))),
+        ];
+        let result = signed(&input, &[7, 8, 9]);
+        let chain = audit_chain(&input, &segments, "c", &result).unwrap();
+        let seen: Vec<(&str, Vec<u32>, &str)> = chain
+            .iter()
+            .map(|p| {
+                (
+                    p.node.as_str(),
+                    p.resume.token_ids.clone(),
+                    p.resume.text.as_str(),
+                )
+            })
+            .collect();
+        assert_eq!(
+            seen,
+            vec![
+                ("a", vec![], ""),
+                ("b", vec![7], " Par"),
+                ("c", vec![7, 8, 9], " Paris."),
+            ]
+        );
+        assert_eq!(chain[2].signed, result);
+        // A job never resumed: its one claim, with no prefix.
+        let whole = audit_chain(&input, &[], "c", &signed(&input, &[])).unwrap();
+        assert_eq!(whole.len(), 1);
+        assert!(whole[0].resume.token_ids.is_empty());
+        // An unsigned segment, or a claim bound to other tokens: not audited.
+        let unsigned = [segment("a", vec![7], " Par", None)];
+        assert!(audit_chain(&input, &unsigned, "c", &signed(&input, &[7])).is_none());
+        assert!(audit_chain(&input, &segments, "c", &signed(&input, &[7, 8])).is_none());
+        assert!(audit_chain(&input, &segments[1..], "c", &result).is_none());
     }
 }

@@ -454,7 +454,8 @@ async fn two_colluding_new_keys_that_fail_every_audit_cannot_ban_an_honest_estab
 }
 
 /// Probation: a dedicated new key that heartbeats earns no availability
-/// reward; a dedicated trusted node beside it, online as long, does.
+/// reward; a dedicated trusted node beside it, online as long, does. Both
+/// served a job (a node earns only for a model it has shown it serves).
 #[tokio::test]
 async fn a_node_on_probation_earns_no_availability_reward() {
     let trusted = vec![node_hex(TRUSTED[1])];
@@ -480,6 +481,44 @@ async fn a_node_on_probation_earns_no_availability_reward() {
     let mut old = FakeNode::register_with(&app, TRUSTED[1], dedicated).await;
     let new_op = app.ledger.link_node(&hex_of(&new), "").await.unwrap();
     let old_op = app.ledger.link_node(&hex_of(&old), "").await.unwrap();
+    // Each serves one job: the first goes to one, the second (that one
+    // busy) to the other.
+    let mut jobs = JobsClient::new(app.grpc().await);
+    let mut held = Vec::new();
+    for _ in 0..2 {
+        let job = jobs
+            .submit(prompt_job("The capital of France is", 8))
+            .await
+            .unwrap()
+            .into_inner()
+            .id;
+        let (which, send, _recv, a) = next_of_either([&new, &old]).await;
+        assert_eq!(a.job_id, job);
+        held.push((which, send, a));
+    }
+    assert_ne!(held[0].0, held[1].0, "one job each");
+    for (which, mut send, a) in held {
+        let node = if which == 0 { &new } else { &old };
+        let signed = claim::sign(node.claim(&a, vec![7, 8], " Paris"), &node.key);
+        let c = signed.claim.clone().unwrap();
+        let mut watch = jobs
+            .watch(WatchJobRequest {
+                job_id: a.job_id.clone(),
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        write_frame(&mut send, &tokens_of(0, &c)).await.unwrap();
+        let result = JobUpdate {
+            msg: Some(job_update::Msg::Result(signed)),
+        };
+        write_frame(&mut send, &result).await.unwrap();
+        while let Some(e) = watch.message().await.unwrap() {
+            if let Some(job_event::Event::Failed(f)) = e.event {
+                panic!("the job failed: {}", f.reason);
+            }
+        }
+    }
     // Some online time to be paid for (the reward counts milliseconds).
     tokio::time::sleep(std::time::Duration::from_millis(20)).await;
     let beat = mlxnet_proto::v1::NodeControl {
@@ -498,8 +537,6 @@ async fn a_node_on_probation_earns_no_availability_reward() {
         node.control_reply().await;
         node.control_reply().await;
     }
-    let before = books(&app.ledger, &app.client_account, &new_op).await;
-    assert!(app.ledger.pay_rewards(now_ms() + 10_000).await.unwrap() > 0);
     let balance = |op: String| {
         let ledger = app.ledger.clone();
         async move {
@@ -510,8 +547,11 @@ async fn a_node_on_probation_earns_no_availability_reward() {
                 .map_or(0, |a| a.balance())
         }
     };
+    let before = books(&app.ledger, &app.client_account, &new_op).await;
+    let old_before = balance(old_op.clone()).await;
+    assert!(app.ledger.pay_rewards(now_ms() + 10_000).await.unwrap() > 0);
     assert!(
-        balance(old_op).await > 0,
+        balance(old_op).await > old_before,
         "the trusted node earned its reward"
     );
     assert_eq!(
@@ -689,5 +729,294 @@ async fn a_new_key_takes_one_job_at_a_time_while_an_established_node_has_room() 
     let broken = app.ledger.violations(now_ms()).await.unwrap();
     assert!(broken.is_empty(), "{broken:?}");
     drop(held);
+    app.stop().await;
+}
+
+/// What an honest node's task saw: the node (hex) and the assignment.
+type Seen = (String, Assignment);
+
+/// An honest node's work, done by a task on `node`'s connection: it
+/// answers every job with the honest tokens `[8]` " Paris" (streamed after
+/// any resumed prefix, its claim bound to that prefix), and every audit
+/// with the truth about it: a claim signed by `liar` is fabricated (fails),
+/// any other passes. It reports each assignment on `seen`.
+fn honest_actor(
+    node: &FakeNode,
+    liar: Vec<u8>,
+    seen: tokio::sync::mpsc::UnboundedSender<Seen>,
+) -> tokio::task::JoinHandle<()> {
+    let key = node.key.clone();
+    let conn = node.conn.clone();
+    let me = hex_of(node);
+    tokio::spawn(async move {
+        while let Ok((mut send, mut recv)) = conn.accept_bi().await {
+            let Ok(a) = read_frame::<_, Assignment>(&mut recv).await else {
+                continue;
+            };
+            let _ = seen.send((me.clone(), a.clone()));
+            let update = if let Some(audited) = a.audit.as_ref().and_then(|t| t.claim.clone()) {
+                let passed = audited.claim.as_ref().map(|c| &c.node_id) != Some(&liar);
+                let verdict = AuditVerdict {
+                    job_id: a.job_id.clone(),
+                    claim_signature: audited.signature,
+                    passed,
+                    auditor_id: key.verifying_key().to_bytes().to_vec(),
+                    ..Default::default()
+                };
+                job_update::Msg::Verdict(claim::sign_verdict(verdict, &key))
+            } else {
+                let resumed = a.resume.clone().unwrap_or_default().token_ids;
+                let mut c = crate::test_utils::claim_for(&key, &a, vec![8], " Paris");
+                c.prompt_sha256 =
+                    claim::resumed_input_digest(&a.input.clone().unwrap_or_default(), &resumed)
+                        .to_vec();
+                let _ = write_frame(&mut send, &tokens_of(resumed.len() as u32, &c)).await;
+                job_update::Msg::Result(claim::sign(c, &key))
+            };
+            let _ = write_frame(&mut send, &JobUpdate { msg: Some(update) }).await;
+            let _ = send.finish();
+            let mut buf = [0u8; 64];
+            while let Ok(Some(_)) = recv.read(&mut buf).await {}
+        }
+    })
+}
+
+/// `node` drains and hands attempt `a` off after streaming `ids` / `text`
+/// (after `resumed` tokens), under a partial claim bound to the input and
+/// `resumed`.
+async fn drain_and_hand_off(
+    node: &mut FakeNode,
+    mut send: quinn::SendStream,
+    a: &Assignment,
+    (resumed, ids, text): (&[u32], Vec<u32>, &str),
+) {
+    node.control(&mlxnet_proto::v1::NodeControl {
+        msg: Some(mlxnet_proto::v1::node_control::Msg::Drain(
+            mlxnet_proto::v1::Drain {
+                reason: "owner is back".into(),
+            },
+        )),
+    })
+    .await;
+    let mut c = node.claim(a, ids, text);
+    c.finish_reason = claim::FINISH_HANDOFF.into();
+    c.prompt_sha256 =
+        claim::resumed_input_digest(&a.input.clone().unwrap_or_default(), resumed).to_vec();
+    write_frame(&mut send, &tokens_of(resumed.len() as u32, &c))
+        .await
+        .unwrap();
+    let result = JobUpdate {
+        msg: Some(job_update::Msg::Result(claim::sign(c, &node.key))),
+    };
+    write_frame(&mut send, &result).await.unwrap();
+    let _ = send.finish();
+}
+
+/// Resumed jobs and hand-off segments are audited like any other claim.
+/// An honest node drains and hands off after one token; a new key takes
+/// the rest, fabricates two tokens, drains and hands off too; an honest
+/// node finishes. The segments' nodes and the finisher have clean records
+/// (audit rate about 0), the liar is new (rate 1): its segment is audited,
+/// sent with the tokens before it as the resumed prefix and its claim
+/// bound to that prefix; two honest auditors fail it, so the job's pay is
+/// voided (the client gets its whole hold back, the liar nothing) and the
+/// liar is banned (`ban_after = 1`). The honest nodes are placed and paid
+/// again.
+#[tokio::test]
+async fn a_node_that_fabricates_a_segment_and_hands_off_is_audited_and_caught() {
+    const FIRST: u64 = 64;
+    const FINISHER: u64 = 61;
+    const AUDITORS: [u64; 2] = [63, 62];
+    let trusted = [FIRST, FINISHER, AUDITORS[0], AUDITORS[1]]
+        .iter()
+        .map(|&s| node_hex(s))
+        .collect();
+    let app = spawn_app(|c| {
+        c.audit = AuditConfig {
+            rate_new: 1.0,
+            rate_floor: 0.0,
+            halve_every: 1,
+            window_ms: WINDOW_MS,
+            ban_after: 1,
+            trusted,
+            ..AuditConfig::default()
+        };
+        c.ledger.sweep_interval_ms = 3_600_000;
+        c.limits.max_attempts = 10;
+    })
+    .await;
+    // Clean records: their claims are audited at 0.5^64.
+    for seed in [FIRST, FINISHER] {
+        let clean = crate::domain::RecordDelta {
+            clean: 64,
+            ..Default::default()
+        };
+        crate::store::Store::count_record(app.ledger.store(), &node_hex(seed), &clean)
+            .await
+            .unwrap();
+    }
+    let mut jobs = JobsClient::new(app.grpc().await);
+
+    // Attempt 1: the honest first node streams one token and drains.
+    let mut first = FakeNode::register(&app, FIRST).await;
+    let job = jobs
+        .submit(prompt_job("The capital of France is", 8))
+        .await
+        .unwrap()
+        .into_inner()
+        .id;
+    let mut watch = jobs
+        .watch(WatchJobRequest {
+            job_id: job.clone(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let (send, _recv1, a) = first.next_assignment().await;
+    assert_eq!(a.job_id, job);
+    drain_and_hand_off(&mut first, send, &a, (&[], vec![7], " Par")).await;
+
+    // Attempt 2: the liar, resumed after [7], fabricates two tokens.
+    let mut liar = FakeNode::register(&app, NEW_KEYS[0]).await;
+    let liar_id = liar.key.verifying_key().to_bytes().to_vec();
+    let liar_op = app.ledger.link_node(&hex_of(&liar), "").await.unwrap();
+    let (send, _recv2, a) = liar.next_assignment().await;
+    assert_eq!(a.job_id, job);
+    assert_eq!(
+        a.resume.as_ref().map(|r| r.token_ids.clone()),
+        Some(vec![7])
+    );
+    let before = books(&app.ledger, &app.client_account, &liar_op).await;
+    drain_and_hand_off(&mut liar, send, &a, (&[7], vec![9000, 9001], "junk")).await;
+
+    // Attempt 3: the finisher, then the auditors; every honest node
+    // answers what it is sent.
+    let (seen_tx, mut seen) = tokio::sync::mpsc::unbounded_channel::<Seen>();
+    let finisher = FakeNode::register(&app, FINISHER).await;
+    let mut actors = vec![honest_actor(&finisher, liar_id.clone(), seen_tx.clone())];
+    let (who, a) = tokio::time::timeout(WAIT, seen.recv())
+        .await
+        .expect("the job was resumed")
+        .unwrap();
+    assert_eq!(
+        (who.as_str(), a.job_id.as_str()),
+        (hex_of(&finisher).as_str(), job.as_str())
+    );
+    assert_eq!(a.resume.map(|r| r.token_ids), Some(vec![7, 9000, 9001]));
+    while let Some(e) = watch.message().await.unwrap() {
+        if let Some(job_event::Event::Failed(f)) = e.event {
+            panic!("the job failed: {}", f.reason);
+        }
+    }
+    let mut auditors = Vec::new();
+    for seed in AUDITORS {
+        let node = FakeNode::register(&app, seed).await;
+        actors.push(honest_actor(&node, liar_id.clone(), seen_tx.clone()));
+        auditors.push(node);
+    }
+
+    // The liar's segment is what is audited, with the tokens before it.
+    let (_, audit) = tokio::time::timeout(WAIT, seen.recv())
+        .await
+        .expect("the resumed job was never audited")
+        .unwrap();
+    assert_eq!(audit.job_id, job);
+    let audited = audit
+        .audit
+        .and_then(|t| t.claim)
+        .and_then(|s| s.claim)
+        .expect("an audit assignment");
+    assert_eq!(audited.node_id, liar_id, "the liar's segment is audited");
+    assert_eq!(audited.output_token_ids, vec![9000, 9001]);
+    let resume = audit.resume.expect("the tokens before the segment");
+    assert_eq!((resume.token_ids, resume.text.as_str()), (vec![7], " Par"));
+    let input = audit.input.clone().unwrap();
+    assert_eq!(
+        audited.prompt_sha256,
+        claim::resumed_input_digest(&input, &[7]).to_vec(),
+        "the segment's claim is bound to the input and the tokens before it"
+    );
+    assert_eq!(audit_ended(&app, &job).await, "failed");
+    assert_eq!(
+        record(&app, &liar).await,
+        NodeRecord {
+            failed: 1,
+            banned: true,
+            ..NodeRecord::default()
+        },
+        "the liar is counted against and banned"
+    );
+    // Banned: its session is closed, and it cannot come back.
+    let closed = tokio::time::timeout(WAIT, liar.conn.closed()).await;
+    assert!(closed.is_ok(), "the banned node kept its session");
+    let mut again = crate::test_utils::Dialer::connect(&app).await;
+    let proof = again.proof(&liar.key);
+    let reply = again.hello(&liar.key, proof).await;
+    assert!(
+        matches!(
+            reply,
+            Some(mlxnet_proto::v1::coordinator_control::Msg::Rejected(_))
+        ),
+        "a banned node was welcomed back: {reply:?}"
+    );
+    // The pay is voided: the client has its whole hold back, the liar
+    // nothing (nor the finisher for this job: its tokens follow junk).
+    let id: mlxnet_proto::ids::JobId = job.parse().unwrap();
+    let settled = app
+        .ledger
+        .settle_job(id, now_ms() + WINDOW_MS + 1_000)
+        .await
+        .unwrap();
+    assert!(
+        matches!(settled, Settlement::NothingOpen | Settlement::Voided),
+        "{settled:?}"
+    );
+    let after = books(&app.ledger, &app.client_account, &liar_op).await;
+    assert_eq!(after.client.balance(), before.client.balance());
+    assert_eq!(after.client.debits_pending, 0, "the hold is released");
+    assert_eq!(after.operator, before.operator, "the liar was paid");
+    assert_eq!(after.fee.balance(), before.fee.balance());
+    let broken = app.ledger.violations(now_ms()).await.unwrap();
+    assert!(broken.is_empty(), "{broken:?}");
+
+    // The honest nodes are placed and paid again.
+    let next = jobs
+        .submit(prompt_job("The capital of Italy is", 4))
+        .await
+        .unwrap()
+        .into_inner()
+        .id;
+    let server = loop {
+        let (who, a) = tokio::time::timeout(WAIT, seen.recv())
+            .await
+            .expect("the next job was placed")
+            .unwrap();
+        if a.job_id == next && a.audit.is_none() {
+            break who;
+        }
+    };
+    assert_ne!(server, hex_of(&liar));
+    let mut watch = jobs
+        .watch(WatchJobRequest {
+            job_id: next.clone(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    while watch.message().await.unwrap().is_some() {}
+    let settled = app
+        .ledger
+        .settle_job(next.parse().unwrap(), now_ms() + WINDOW_MS + 1_000)
+        .await
+        .unwrap();
+    assert!(matches!(settled, Settlement::Paid { .. }), "{settled:?}");
+    let server_op = app.ledger.link_node(&server, "").await.unwrap();
+    let paid = books(&app.ledger, &app.client_account, &server_op).await;
+    assert!(paid.operator.balance() > 0, "the honest node was paid");
+    let broken = app.ledger.violations(now_ms()).await.unwrap();
+    assert!(broken.is_empty(), "{broken:?}");
+    for a in actors {
+        a.abort();
+    }
     app.stop().await;
 }

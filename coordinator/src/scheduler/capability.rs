@@ -29,6 +29,16 @@ pub const ASSUMED_MEMORY_BANDWIDTH: f64 = 50e9;
 pub const ASSUMED_COMPUTE: f64 = 1e12;
 /// Internet link assumed when the node has not measured one: 100 Mbit/s.
 pub const ASSUMED_INTERNET: f64 = 12.5e6;
+/// The most memory believed of a machine the chip table does not know
+/// (bytes): a large workstation's 128 GiB.
+pub const ASSUMED_MAX_MEMORY: u64 = 128 << 30;
+
+/// The most memory a node on `chip` can have: the chip table's largest
+/// configuration, or [`ASSUMED_MAX_MEMORY`] for a chip it does not know.
+/// A reported figure above it is not believed.
+pub fn memory_cap(chip: &str) -> u64 {
+    chips::lookup(chip).map_or(ASSUMED_MAX_MEMORY, chips::ChipSpec::max_memory_bytes)
+}
 
 /// Whether the owner lends the node full-time or only while idle.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]

@@ -392,7 +392,7 @@ impl Fleet {
             self.nodes[m as usize].pod = Some(pod);
         }
         self.pods.push(PodState {
-            capacity: min_member_total * members.len() as u64,
+            capacity: min_member_total.saturating_mul(members.len() as u64),
             min_member_total,
             members,
             busy,
@@ -562,7 +562,7 @@ impl Fleet {
             if node.free < share {
                 return None;
             }
-            free += node.free;
+            free = free.saturating_add(node.free);
             cached &= node.spec.cached.contains(&job.model.sha256);
         }
         if !cached && !self.policy.downloads {
@@ -832,13 +832,13 @@ impl Fleet {
         let need = p.memory_per_member;
         match p.slot {
             Slot::Node(slot) => self.update(slot, |n| {
-                n.free = (n.free + need).min(n.spec.memory_bytes);
+                n.free = n.free.saturating_add(need).min(n.spec.memory_bytes);
                 n.running = n.running.saturating_sub(1);
             }),
             Slot::Pod(pod) => {
                 for m in self.pods[pod as usize].members.clone() {
                     self.update(m, |n| {
-                        n.free = (n.free + need).min(n.spec.memory_bytes);
+                        n.free = n.free.saturating_add(need).min(n.spec.memory_bytes);
                         n.pod_job = false;
                     });
                 }

@@ -889,3 +889,17 @@ fn a_node_ranks_by_what_it_has_shown_not_by_its_hello() {
     failing.attempt(true);
     assert!(failing.reliability >= 0.75, "{}", failing.reliability);
 }
+
+#[test]
+fn a_nodes_memory_is_believed_up_to_its_chips_largest_configuration() {
+    assert_eq!(memory_cap("Apple M1"), 16 * GIB);
+    assert_eq!(memory_cap("apple m3 ultra"), 512 * GIB);
+    assert_eq!(memory_cap("M2 Max"), 96 * GIB);
+    // A chip the table does not know (a Linux box's CPU name): the assumed cap.
+    assert_eq!(
+        memory_cap("Intel(R) Xeon(R) Gold 6338"),
+        capability::ASSUMED_MAX_MEMORY
+    );
+    // An honest 16 GB M1 reports 16 GiB: believed whole.
+    assert_eq!((16 * GIB).min(memory_cap("Apple M1")), 16 * GIB);
+}

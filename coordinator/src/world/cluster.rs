@@ -201,7 +201,7 @@ fn points<'a>(nodes: &[&'a NodeView]) -> Vec<Point<'a>> {
         p.count += 1;
         if node.status.is_online() {
             p.online += 1;
-            p.memory += node.memory_bytes;
+            p.memory = p.memory.saturating_add(node.memory_bytes);
         }
         p.by_family[node.family().index()] += 1;
         p.by_status[status_index(node.status)] += 1;
@@ -247,7 +247,7 @@ fn group(points: &[Point<'_>], side: f64) -> Vec<((i64, i64), Group)> {
         g.points.push(i);
         g.count += p.count;
         g.online += p.online;
-        g.memory += p.memory;
+        g.memory = g.memory.saturating_add(p.memory);
         g.sum_lat += p.lat * p.count as f64;
         g.sum_lon += p.lon * p.count as f64;
         for (a, b) in g.by_family.iter_mut().zip(p.by_family) {

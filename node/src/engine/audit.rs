@@ -26,13 +26,20 @@
 //!   make it more conservative), so Fisher's `X = -2 sum ln u` is at most
 //!   chi-square with `2n` degrees of freedom; the claim fails when `X` passes
 //!   the `1 - TOKENS_ALPHA` quantile.
+//! - **Resumed claims** (a job handed off mid-way): the claim covers only
+//!   the tokens after the earlier attempts'. The pass feeds input + those
+//!   earlier tokens + the claimed ones and scores the claimed ones only;
+//!   the penalties count the earlier tokens as generated, `length` counts
+//!   them toward `max_tokens`, and prompt tokens include them, as the
+//!   generating node counted.
 //! - **Finish reason**, to catch a truncated answer claimed as complete:
 //!   `length` needs `completion_tokens == max_tokens` (or the context full);
 //!   `eos` needs an end-of-generation token to be plausible right after the
 //!   last claimed token (greedy: within the margin of the argmax; sampled:
 //!   in the support with p-value at least [`EOS_ALPHA`]); `stop` needs one of
 //!   the job's stop strings in the decoded output, the claimed text ending
-//!   right before it.
+//!   right before it; `handoff` (a drained node's partial claim) claims no
+//!   end, and its text may lack a held-back tail of the tokens' text.
 //! - **Grammar** (structured output, `Sampling::grammar`): the auditor
 //!   replays the job's grammar over the claimed tokens. A token the grammar
 //!   forbids at its position is [`Finding::OutsideGrammar`] (whatever its
@@ -70,6 +77,8 @@
 //! # Failure
 //! Pure functions; nothing fails. A claim the engine cannot even score (a
 //! token id outside the vocabulary) is judged by [`judge_unscorable`].
+
+use mlxnet_proto::claim;
 
 use super::grammar::Mask;
 use super::sampler::{apply_penalties, candidates};
@@ -374,9 +383,20 @@ pub fn judge(scores: &Scores, claim: &ClaimFacts, params: &Sampling) -> Verdict 
                 None => findings.push(Finding::StopMissing),
             }
         }
+        // A drained node's partial claim: it stopped at a token boundary
+        // of its choosing, so no end is claimed. Its text is what it
+        // streamed: the tokens' text but what it still held back (a stop
+        // string's possible start, an unfinished character), which the
+        // next attempt streams.
+        claim::FINISH_HANDOFF => {}
         other => findings.push(Finding::UnknownFinish(other.to_owned())),
     }
-    if claim.output_text != expected_text {
+    let text_ok = if claim.finish_reason == claim::FINISH_HANDOFF {
+        expected_text.starts_with(claim.output_text.as_str())
+    } else {
+        claim.output_text == expected_text
+    };
+    if !text_ok {
         findings.push(Finding::TextMismatch);
     }
     Verdict {
@@ -404,7 +424,11 @@ pub fn judge_unscorable(position: usize, token: u32) -> Verdict {
 #[derive(Debug)]
 pub struct AuditPass {
     full: Vec<u32>,
+    /// Tokens before the claimed output (the input's, then any resumed).
     prompt_len: usize,
+    /// Where the job's generated tokens begin in `full` (the resumed tokens
+    /// were generated in this job too: the penalties count them).
+    output_from: usize,
     sampling: Sampling,
     facts: ClaimFacts,
     eog: Vec<u32>,
@@ -422,7 +446,11 @@ pub struct AuditPass {
 /// What [`AuditPass::new`] needs to know about the claim and the model.
 #[derive(Debug)]
 pub struct AuditInput<'a> {
+    /// The input's tokens, then the resumed ones (the last `resumed`).
     pub prompt: Vec<u32>,
+    /// How many of `prompt`'s tokens are the job's earlier output, which a
+    /// resumed claim continues (0 for a whole claim).
+    pub resumed: usize,
     pub output: &'a [u32],
     pub sampling: &'a Sampling,
     pub facts: &'a ClaimFacts,
@@ -445,6 +473,7 @@ impl AuditPass {
             tokens: Vec::with_capacity(input.output.len()),
             full,
             prompt_len,
+            output_from: prompt_len.saturating_sub(input.resumed),
             sampling: input.sampling.clone(),
             facts: input.facts.clone(),
             eog: input.eog,
@@ -495,11 +524,11 @@ impl AuditPass {
                 }
             }
             if let Some(token) = token.filter(|_| i < output_len) {
-                let history = (&self.full[..self.prompt_len + i], self.prompt_len);
+                let history = (&self.full[..self.prompt_len + i], self.output_from);
                 self.tokens
                     .push(score_position(row, token, s, history, &mut self.scratch));
             } else if i == output_len {
-                let history = (&self.full[..], self.prompt_len);
+                let history = (&self.full[..], self.output_from);
                 self.end = Some(score_end(row, &self.eog, s, history, &mut self.scratch));
             }
         }
@@ -738,6 +767,7 @@ mod tests {
         };
         let mut pass = AuditPass::new(AuditInput {
             prompt: prompt.to_vec(),
+            resumed: 0,
             output,
             sampling: &s,
             facts: &f,

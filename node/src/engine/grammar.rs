@@ -312,6 +312,7 @@ mod tests {
         };
         let mut pass = AuditPass::new(AuditInput {
             prompt: vec![12, 12],
+            resumed: 0,
             output,
             sampling,
             facts: &facts,

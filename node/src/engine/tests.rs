@@ -1412,6 +1412,7 @@ pub(super) fn claim_of(
     AuditRequest {
         input: req.input.clone(),
         sampling: req.sampling.clone(),
+        resume: Resume::default(),
         facts: audit::ClaimFacts {
             finish_reason: g.finish.as_str().into(),
             prompt_tokens: g.prompt_tokens as u32,
@@ -1607,4 +1608,89 @@ fn smollm_json_schema_output_parses_validates_and_passes_its_audit() {
         matches!(e, EngineError::InvalidSampling(_)) && e.is_client_error(),
         "{e}"
     );
+}
+
+/// Resumed jobs are audited like any other claim: the finisher's claim and
+/// a drained node's hand-off segment are each scored after the tokens
+/// before them (the penalties count those, `length` counts them toward
+/// `max_tokens`), and pass when honest; a fabricated segment fails.
+#[test]
+fn a_resumed_claim_and_a_handoff_segment_are_audited_after_the_tokens_before_them() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut engine = tiny_engine(dir.path());
+    for temperature in [0.0, 1.0] {
+        let plain = Sampling {
+            temperature,
+            seed: 11,
+            frequency_penalty: 0.75,
+            ..greedy(16)
+        };
+        // A token the job bans: claiming it is a cheat at any temperature.
+        let (unsteered, _) = run(&mut engine, &text("hello", plain.clone()));
+        let banned = unsteered.output_token_ids[0];
+        let sampling = Sampling {
+            logit_bias: vec![(banned, -100.0)],
+            ..plain
+        };
+        let req = text("hello", sampling);
+        let (g, chunks) = run(&mut engine, &req);
+        assert!(g.output_token_ids.len() > 9, "t={temperature}: {g:?}");
+        let (cut, end) = (5, 9);
+        let streamed = |from: usize, to: usize| -> String {
+            chunks[from..to].iter().map(|c| c.text.as_str()).collect()
+        };
+        let prefix = Resume {
+            token_ids: g.output_token_ids[..cut].to_vec(),
+            text: streamed(0, cut),
+        };
+        let base = claim_of(&engine, &req, &g, Vec::new());
+        let claim = |resume: &Resume, ids: Vec<u32>, text: String, finish: &str| AuditRequest {
+            resume: resume.clone(),
+            facts: audit::ClaimFacts {
+                finish_reason: finish.into(),
+                prompt_tokens: (g.prompt_tokens + resume.token_ids.len()) as u32,
+                completion_tokens: ids.len() as u32,
+                output_token_ids_len: ids.len(),
+                output_text: text,
+            },
+            output_token_ids: ids,
+            ..base.clone()
+        };
+
+        // The finisher's honest claim, resumed after `cut`.
+        let (rest, _) = run(
+            &mut engine,
+            &GenerateRequest {
+                resume: prefix.clone(),
+                ..req.clone()
+            },
+        );
+        assert_eq!(rest.output_token_ids, g.output_token_ids[cut..]);
+        let finisher = claim(
+            &prefix,
+            rest.output_token_ids.clone(),
+            rest.text.clone(),
+            rest.finish.as_str(),
+        );
+        assert_eq!(finisher.facts.prompt_tokens as usize, rest.prompt_tokens);
+        let v = engine.audit(&finisher).unwrap();
+        assert!(v.passed(), "t={temperature}: honest resumed claim {v:?}");
+
+        // A drained node's honest segment: tokens cut..end, its streamed text.
+        let segment = claim(
+            &prefix,
+            g.output_token_ids[cut..end].to_vec(),
+            streamed(cut, end),
+            mlxnet_proto::claim::FINISH_HANDOFF,
+        );
+        let v = engine.audit(&segment).unwrap();
+        assert!(v.passed(), "t={temperature}: honest segment {v:?}");
+
+        // A fabricated segment: the banned token, four times.
+        let junk = vec![banned; 4];
+        let text = engine.detokenize(&junk);
+        let fabricated = claim(&prefix, junk, text, mlxnet_proto::claim::FINISH_HANDOFF);
+        let v = engine.audit(&fabricated).unwrap();
+        assert!(!v.passed(), "t={temperature}: fabricated segment {v:?}");
+    }
 }

@@ -724,9 +724,12 @@ async fn audit(
     let Some(c) = signed.claim.as_ref() else {
         return refuse("audit without a claim".into());
     };
+    // A claim continuing a handed-off job is bound to the input plus the
+    // tokens before it, which the assignment sends as its resumed prefix.
+    let resume = a.resume.clone().unwrap_or_default();
     if c.job_id != a.job_id
         || c.model_sha256 != model.held.sha256
-        || c.prompt_sha256 != claim::input_digest(input)
+        || c.prompt_sha256 != claim::resumed_input_digest(input, &resume.token_ids)
     {
         return refuse("audited claim is about another job, input or model".into());
     }
@@ -737,6 +740,10 @@ async fn audit(
     let request = AuditRequest {
         input: prompt_input(input),
         sampling,
+        resume: Resume {
+            token_ids: resume.token_ids,
+            text: resume.text,
+        },
         output_token_ids: c.output_token_ids.clone(),
         facts: ClaimFacts {
             finish_reason: c.finish_reason.clone(),

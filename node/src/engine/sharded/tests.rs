@@ -381,6 +381,7 @@ fn tensor_parallel_quantized_smollm2_stays_near_the_single_node_and_passes_its_a
                     max_tokens: steps,
                     ..Sampling::default()
                 },
+                resume: Default::default(),
                 output_token_ids: tokens.clone(),
                 facts: audit::ClaimFacts {
                     finish_reason: "length".into(),
