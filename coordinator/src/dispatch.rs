@@ -339,40 +339,45 @@ impl Dispatcher {
         if self.sessions.is_empty() {
             return Ok(());
         }
-        // A node banned after failed audits is never placed.
-        let sessions: Vec<_> = self
-            .sessions
-            .all()
-            .into_iter()
-            .filter(|s| !self.audits.is_banned(&s.node_id))
-            .collect();
-        // Probation's share of placement (see `audit`): a node on
-        // probation takes at most `probation_running` jobs at once beside
-        // the established nodes (pass 1); the jobs left go to established
-        // nodes (pass 2), then to anyone (pass 3: a network of new nodes
-        // still runs every job). A retried job is not handed straight back
-        // to the node whose attempt just failed while another node can
-        // take it (passes 1 and 2).
-        let cap = self.audits.config.probation_running;
-        let mut room: HashMap<NodeId, u32> = HashMap::new();
-        let mut first = Vec::new();
-        let mut established = Vec::new();
-        for s in &sessions {
-            if self.audits.on_probation(&s.node_id) {
-                let left = cap.saturating_sub(s.running_jobs());
-                if left > 0 {
-                    room.insert(s.node_id, left);
-                    first.push(Arc::clone(s));
-                }
-            } else {
-                established.push(Arc::clone(s));
-                first.push(Arc::clone(s));
-            }
-        }
         let mut plan = Vec::new();
         let assigned = self
             .store
             .claim_queued(PLACEMENT_BATCH, |claimed| {
+                // The sessions are read here, after the store has read the
+                // queued jobs: a node that joined before a job was
+                // submitted is a candidate for it (a snapshot taken before
+                // the store's read could miss it and hand the job to the
+                // nodes of an earlier moment).
+                // A node banned after failed audits is never placed.
+                let sessions: Vec<_> = self
+                    .sessions
+                    .all()
+                    .into_iter()
+                    .filter(|s| !self.audits.is_banned(&s.node_id))
+                    .collect();
+                // Probation's share of placement (see `audit`): a node on
+                // probation takes at most `probation_running` jobs at once beside
+                // the established nodes (pass 1); the jobs left go to established
+                // nodes (pass 2), then to anyone (pass 3: a network of new nodes
+                // still runs every job). A retried job is not handed straight back
+                // to the node whose attempt just failed while another node can
+                // take it (passes 1 and 2).
+                let cap = self.audits.config.probation_running;
+                let mut room: HashMap<NodeId, u32> = HashMap::new();
+                let mut first = Vec::new();
+                let mut established = Vec::new();
+                for s in &sessions {
+                    if self.audits.on_probation(&s.node_id) {
+                        let left = cap.saturating_sub(s.running_jobs());
+                        if left > 0 {
+                            room.insert(s.node_id, left);
+                            first.push(Arc::clone(s));
+                        }
+                    } else {
+                        established.push(Arc::clone(s));
+                        first.push(Arc::clone(s));
+                    }
+                }
                 let (placed, mut left) = self.plan_away(&first, claimed);
                 for p in placed {
                     match room.get_mut(&p.node) {
