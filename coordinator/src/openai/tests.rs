@@ -587,6 +587,57 @@ fn a_required_or_named_tool_call_is_a_grammar_over_the_tools_and_a_prompt() {
     );
 }
 
+/// Tools with local definitions (`$defs`, as pydantic writes them): each
+/// tool's are hoisted under its own names, so two tools defining the same
+/// name keep their own meaning; a `$ref` outside the tool's own `$defs` is
+/// refused.
+#[test]
+fn tool_schemas_with_local_defs_are_served() {
+    let tools = json!([
+        {"type": "function", "function": {"name": "f", "parameters": {
+            "type": "object",
+            "properties": {"a": {"$ref": "#/$defs/Unit"}},
+            "required": ["a"], "additionalProperties": false,
+            "$defs": {"Unit": {"enum": ["c", "f"]}},
+        }}},
+        {"type": "function", "function": {"name": "g", "parameters": {
+            "type": "object",
+            "properties": {"a": {"$ref": "#/definitions/Unit"}},
+            "required": ["a"], "additionalProperties": false,
+            "definitions": {"Unit": {"type": "integer"}},
+        }}},
+    ]);
+    for choice in [json!("required"), json!("auto")] {
+        let c = chat::parse(obj(json!({
+            "model": "m",
+            "messages": [{"role": "user", "content": "x"}],
+            "tools": tools,
+            "tool_choice": choice,
+        })))
+        .expect("served");
+        let g = grammar_of(&c).expect("a grammar");
+        assert!(grammar_accepts(&g, r#"{"name":"f","arguments":{"a":"c"}}"#));
+        assert!(grammar_accepts(&g, r#"{"name":"g","arguments":{"a":3}}"#));
+        assert!(!grammar_accepts(&g, r#"{"name":"f","arguments":{"a":3}}"#));
+        assert!(!grammar_accepts(
+            &g,
+            r#"{"name":"g","arguments":{"a":"c"}}"#
+        ));
+    }
+    for bad in [
+        json!({"type": "object", "properties": {"a": {"$ref": "#/$defs/Nope"}}, "$defs": {"Unit": {}}}),
+        json!({"type": "object", "properties": {"a": {"$ref": "https://example.com/s.json"}}}),
+        json!({"type": "object", "$defs": []}),
+    ] {
+        let e = chat_err(json!({
+            "model": "m", "messages": [{"role": "user", "content": "x"}],
+            "tools": [{"type": "function", "function": {"name": "f", "parameters": bad}}],
+            "tool_choice": "required",
+        }));
+        assert_eq!(e.param.as_deref(), Some("tools"), "{e:?}");
+    }
+}
+
 #[test]
 fn an_agent_loop_renders_calls_and_tool_results() {
     let c = chat::parse(obj(json!({
@@ -662,7 +713,7 @@ fn bad_tools_choices_and_tool_messages_are_refused_by_name() {
         ),
         (
             f(
-                json!({"name": "f", "parameters": {"type": "object", "properties": {"a": {"$ref": "#/$defs/a"}}, "$defs": {"a": {"type": "string"}}}}),
+                json!({"name": "f", "parameters": {"type": "object", "properties": {"a": {"$ref": "#/properties/b"}, "b": {"type": "string"}}}}),
             ),
             json!("required"),
             "tools",

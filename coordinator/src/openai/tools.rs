@@ -40,6 +40,12 @@
 //! answer's order. `"none"`: the tools are ignored (neither rendered nor
 //! enforced).
 //!
+//! A tool's `parameters` may use local definitions (`$defs` or
+//! `definitions` at its root, `$ref: "#/$defs/<name>"`, as pydantic
+//! writes them): they are moved to the call grammar's root as
+//! `tools<i>_<name>` and the `$ref`s rewritten, so tools' definitions never
+//! collide; any other `$ref` is a 400.
+//!
 //! # Invariants
 //! - Everything is checked before the job exists: a bad tool, choice or
 //!   message is a 400 naming `tools`, `tool_choice` or `messages`. The
@@ -73,6 +79,9 @@ pub struct Tool {
     pub index: usize,
     pub name: String,
     pub description: Option<String>,
+    /// Its root definitions, hoisted (see [`hoist_defs`]): `$ref`s in
+    /// `parameters` point at `#/$defs/tools<index>_<name>`.
+    pub defs: Map<String, Value>,
     /// The arguments' JSON schema (`{"type":"object","properties":{},
     /// "additionalProperties":false}`, no arguments,
     /// when the request gave none).
@@ -112,12 +121,83 @@ fn valid_name(name: &str) -> bool {
             .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-')
 }
 
-fn has_ref(v: &Value) -> bool {
+/// The name tool `i`'s local definition `name` has at the call grammar's
+/// root.
+fn hoisted(i: usize, name: &str) -> String {
+    format!("tools{i}_{name}")
+}
+
+/// Points every `$ref` in `v` (tool `i`'s parameters or definitions) at the
+/// hoisted copy of the definition it names: only `#/$defs/<name>` (or
+/// `#/definitions/<name>`) of the tool's own root definitions `names` is
+/// served.
+fn rewrite_refs(v: &mut Value, names: &Map<String, Value>, i: usize) -> Result<(), String> {
     match v {
-        Value::Object(m) => m.iter().any(|(k, v)| k == "$ref" || has_ref(v)),
-        Value::Array(a) => a.iter().any(has_ref),
-        _ => false,
+        Value::Object(m) => {
+            if let Some(r) = m.get_mut("$ref") {
+                let Value::String(s) = r else {
+                    return Err("a $ref must be a string".into());
+                };
+                let name = s
+                    .strip_prefix("#/$defs/")
+                    .or_else(|| s.strip_prefix("#/definitions/"))
+                    .filter(|n| names.contains_key(*n))
+                    .ok_or_else(|| {
+                        format!(
+                            "$ref {:?}: only \"#/$defs/<name>\" of the tool's own root $defs is served",
+                            s.chars().take(64).collect::<String>()
+                        )
+                    })?;
+                let to = format!("#/$defs/{}", hoisted(i, name));
+                *s = to;
+            }
+            for (k, x) in m.iter_mut() {
+                if k != "$ref" {
+                    rewrite_refs(x, names, i)?;
+                }
+            }
+        }
+        Value::Array(a) => {
+            for x in a {
+                rewrite_refs(x, names, i)?;
+            }
+        }
+        _ => {}
     }
+    Ok(())
+}
+
+/// Takes tool `i`'s root `$defs` (and `definitions`) out of `parameters`,
+/// points its `$ref`s at their hoisted names, and returns the definitions
+/// under those names (for the call grammar's root, where a `$ref` resolves).
+fn hoist_defs(i: usize, parameters: &mut Value) -> Result<Map<String, Value>, String> {
+    let Value::Object(root) = parameters else {
+        return Ok(Map::new());
+    };
+    let mut defs = Map::new();
+    for key in ["$defs", "definitions"] {
+        match root.remove(key) {
+            None => {}
+            Some(Value::Object(d)) => {
+                for (name, def) in d {
+                    if !valid_name(&name) {
+                        return Err(format!(
+                            "{key} names must be 1 to 64 of a-z, A-Z, 0-9, _ and -"
+                        ));
+                    }
+                    defs.insert(name, def);
+                }
+            }
+            Some(_) => return Err(format!("{key} must be an object")),
+        }
+    }
+    rewrite_refs(parameters, &defs, i)?;
+    let mut out = Map::new();
+    for (name, mut def) in defs.clone() {
+        rewrite_refs(&mut def, &defs, i)?;
+        out.insert(hoisted(i, &name), def);
+    }
+    Ok(out)
 }
 
 fn tool(i: usize, v: Value) -> Result<Tool, OpenAiError> {
@@ -169,7 +249,7 @@ fn tool(i: usize, v: Value) -> Result<Tool, OpenAiError> {
     ) {
         return Err(bad(P, format!("{at}.function.strict must be a boolean")));
     }
-    let parameters = match f.remove("parameters") {
+    let mut parameters = match f.remove("parameters") {
         None | Some(Value::Null) => {
             json!({"type": "object", "properties": {}, "additionalProperties": false})
         }
@@ -184,17 +264,14 @@ fn tool(i: usize, v: Value) -> Result<Tool, OpenAiError> {
     if let Some(k) = f.keys().next() {
         return Err(bad(P, format!("{at}.function: unknown field {k:?}")));
     }
-    if has_ref(&parameters) {
-        return Err(OpenAiError::unsupported(
-            P,
-            &format!("{at}.function.parameters: $ref is not served in tool schemas (inline the definitions)"),
-        ));
-    }
+    let defs = hoist_defs(i, &mut parameters)
+        .map_err(|e| OpenAiError::unsupported(P, &format!("{at}.function.parameters: {e}")))?;
     // Compiled with the others, in `Forced::grammar` (or `check_each`).
     Ok(Tool {
         index: i,
         name,
         description,
+        defs,
         parameters,
     })
 }
@@ -274,7 +351,7 @@ fn choice(v: Option<Value>) -> Result<Option<Choice>, OpenAiError> {
 /// cannot enforce is a 400 naming `tools[i].function.parameters`.
 fn check_each(tools: &[Tool]) -> Result<(), OpenAiError> {
     for t in tools {
-        Constraint::JsonSchema(t.parameters.to_string())
+        Constraint::JsonSchema(t.standalone().to_string())
             .check()
             .map_err(|e| {
                 bad(
@@ -333,6 +410,18 @@ pub fn forced(
 
 /// The schema of one call of `t`: `{"name": <const>, "arguments": <its
 /// parameters>}`, in that order, nothing else.
+impl Tool {
+    /// Its parameters with their (hoisted) definitions at the root: a
+    /// schema on its own.
+    fn standalone(&self) -> Value {
+        let mut v = self.parameters.clone();
+        if let (Value::Object(m), false) = (&mut v, self.defs.is_empty()) {
+            m.insert("$defs".into(), Value::Object(self.defs.clone()));
+        }
+        v
+    }
+}
+
 fn call_schema(t: &Tool) -> Value {
     let mut props = Map::new();
     props.insert("name".into(), json!({"const": t.name}));
@@ -361,6 +450,10 @@ impl Forced {
             [one] => call_schema(one),
             many => json!({"anyOf": many.iter().map(call_schema).collect::<Vec<_>>()}),
         };
+        let defs: Map<String, Value> = self.tools.iter().flat_map(|t| t.defs.clone()).collect();
+        if !defs.is_empty() {
+            schema["$defs"] = Value::Object(defs);
+        }
         let c = match (self.mode, self.parallel) {
             (Mode::Required, false) | (Mode::Named, _) => {
                 Constraint::JsonSchema(schema.to_string())
@@ -400,7 +493,7 @@ impl Forced {
             if let Some(d) = &t.description {
                 line.insert("description".into(), json!(d));
             }
-            line.insert("parameters".into(), t.parameters.clone());
+            line.insert("parameters".into(), t.standalone());
             s.push_str(&Value::Object(line).to_string());
             s.push('\n');
         }
