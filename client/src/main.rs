@@ -1,6 +1,7 @@
 //! `mlxnet`: the mlx-network client. Submits jobs and streams their tokens,
 //! checks every result offline (`claim::verify_chain`: each signed claim,
-//! that they are about the prompt that was sent, and for a job resumed after
+//! that they are about the prompt that was sent and bind the job's grammar,
+//! if it has one, and for a job resumed after
 //! a hand-off that the drained nodes' partial claims and the result's cover
 //! every token in order; `mlxnet verify <job>` later, also against the
 //! catalogue's model digest), and shows jobs, models, the network, the
@@ -662,8 +663,9 @@ async fn submit(
     Ok(())
 }
 
-/// Checks `job` offline against the input the client sent and, when known,
-/// the catalogue's model digest: its hand-off segments' partial claims and
+/// Checks `job` offline against the input the client sent, the grammar it
+/// records and, when known, the catalogue's model digest: its hand-off
+/// segments' partial claims and
 /// its signed result are one unbroken chain covering every token
 /// (`claim::verify_chain`), and its output text is exactly the text they
 /// sign.
@@ -676,11 +678,15 @@ fn verify_job(
         .result
         .as_ref()
         .context("the job carries no signed result (not completed?)")?;
+    // The claim must bind the grammar the job records (structured output,
+    // tool calls), or none for a job without one.
+    let grammar = job.sampling.as_ref().and_then(|s| s.grammar.as_ref());
     let facts = claim::JobFacts {
         job_id: &job.id,
         node_id: &job.node_id,
         input: sent,
         model_sha256,
+        grammar_sha256: mlxnet_proto::grammar::claim_digest(grammar),
     };
     let chain = claim::verify_chain(&job.segments, signed, &facts).context("NOT VERIFIED")?;
     if chain.text != job.output_text {

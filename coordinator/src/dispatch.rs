@@ -46,6 +46,7 @@ use std::{
 use mlxnet_proto::{
     claim,
     frame::FrameError,
+    grammar,
     ids::{JobId, NodeId},
     v1::{job_event, job_input, job_update, Assignment, JobInput, Resume, SignedClaim},
 };
@@ -1070,8 +1071,9 @@ impl Dispatcher {
 /// What `node`'s result for `job`'s current attempt must claim, the
 /// attempt resuming after `resumed` (the tokens earlier attempts streamed):
 /// no more completion tokens than `max_tokens` leaves after them, no more
-/// prompt tokens than the input and `resumed` can make. The simulator
-/// (`mlxnet-sim`) checks its nodes' claims against the same.
+/// prompt tokens than the input and `resumed` can make, and the digest of
+/// the job's grammar (none without one). The simulator (`mlxnet-sim`)
+/// checks its nodes' claims against the same.
 pub fn expected(job: &JobRecord, model: &Model, node: NodeId, resumed: &[u32]) -> Expected {
     let resumed_len = u32::try_from(resumed.len()).unwrap_or(u32::MAX);
     Expected {
@@ -1080,6 +1082,7 @@ pub fn expected(job: &JobRecord, model: &Model, node: NodeId, resumed: &[u32]) -
         node_id: node,
         model_sha256: model.sha256,
         input_sha256: claim::resumed_input_digest(&job.input, resumed),
+        grammar_sha256: grammar::claim_digest(job.sampling.grammar.as_ref()),
         max_tokens: job.sampling.max_tokens.saturating_sub(resumed_len),
         max_prompt_tokens: ledger::settle::prompt_tokens_bound(&job.input)
             .saturating_add(resumed.len() as u64),

@@ -433,7 +433,8 @@ impl FakeNode {
 
 /// The claim of the node holding `key` about assignment `a`, listing `ids`
 /// and `text` (finish `eos`, counts matching, 5 prompt tokens, timings
-/// zero); sign it with `claim::sign`, after any edit.
+/// zero, the assignment's grammar bound); sign it with `claim::sign`, after
+/// any edit.
 pub fn claim_for(
     key: &SigningKey,
     a: &mlxnet_proto::v1::Assignment,
@@ -452,6 +453,11 @@ pub fn claim_for(
         prompt_tokens: 5,
         node_id: key.verifying_key().to_bytes().to_vec(),
         finish_reason: "eos".into(),
+        grammar_sha256: mlxnet_proto::grammar::claim_digest(
+            a.sampling.as_ref().and_then(|s| s.grammar.as_ref()),
+        )
+        .map(|d| d.to_vec())
+        .unwrap_or_default(),
         ..Default::default()
     }
 }

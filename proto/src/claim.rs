@@ -6,12 +6,17 @@
 //! defined here, by hand, once: a domain tag, then every field in a fixed
 //! order, integers little-endian, strings and byte strings prefixed by their
 //! u32 length, lists by their u32 count. It never depends on protobuf encoding
-//! details, so any implementation can reproduce it.
+//! details, so any implementation can reproduce it. A field added later
+//! (`grammar_sha256`, 13) is appended only when set, after its field number
+//! as one byte, so every claim without it keeps its bytes.
 //!
 //! # Invariants
 //! - Every field of the claim is covered: changing any field changes the bytes.
 //! - The job input's digest ([`input_digest`]) binds a claim to the exact
-//!   prompt or chat messages the client submitted.
+//!   prompt or chat messages the client submitted; a job's grammar
+//!   ([`crate::grammar::claim_digest`]) binds it to the constraint its
+//!   tokens were generated under (structured output, tool calls), and a
+//!   claim for a job without one carries none.
 //!
 //! A job resumed after hand-offs is a chain: each drained node's partial
 //! claim covers its segment of the output, bound to the input plus every
@@ -37,6 +42,8 @@ use crate::{
 const CLAIM_DOMAIN: &[u8] = b"mlxnet/claim/v1\0";
 const INPUT_DOMAIN: &[u8] = b"mlxnet/input/v1\0";
 const RESUME_DOMAIN: &[u8] = b"mlxnet/resume/v1\0";
+/// The tag before `grammar_sha256` in the canonical bytes (its field number).
+const GRAMMAR_FIELD: u8 = 13;
 
 /// `finish_reason` of a partial claim: a draining node stopped here and the
 /// job resumes elsewhere.
@@ -78,6 +85,10 @@ pub fn canonical_bytes(claim: &ResultClaim) -> Vec<u8> {
     out.extend_from_slice(&claim.decode_micros.to_le_bytes());
     put_bytes(&mut out, &claim.node_id);
     put_bytes(&mut out, claim.finish_reason.as_bytes());
+    if !claim.grammar_sha256.is_empty() {
+        out.push(GRAMMAR_FIELD);
+        put_bytes(&mut out, &claim.grammar_sha256);
+    }
     out
 }
 
@@ -154,6 +165,10 @@ pub struct JobFacts<'a> {
     pub input: &'a JobInput,
     /// The catalogue's digest of the job's model file, when known.
     pub model_sha256: Option<&'a [u8]>,
+    /// The job's grammar's digest ([`crate::grammar::claim_digest`] of its
+    /// `SamplingParams.grammar`), None for a job without one: the claim
+    /// must carry exactly this.
+    pub grammar_sha256: Option<[u8; 32]>,
 }
 
 /// Why a job's signed result is not the result of that job.
@@ -170,6 +185,8 @@ pub enum ResultMismatch {
     OtherInput,
     #[error("the claim names another model file than the catalogue's")]
     OtherModel,
+    #[error("the claim binds another grammar than the job's (or none)")]
+    OtherGrammar,
 }
 
 /// Checks offline that `signed` is a valid claim about exactly the job
@@ -207,6 +224,9 @@ fn check_claim(
         .is_some_and(|m| m != c.model_sha256.as_slice())
     {
         return Err(ResultMismatch::OtherModel);
+    }
+    if c.grammar_sha256.as_slice() != facts.grammar_sha256.as_ref().map_or(&[][..], |d| &d[..]) {
+        return Err(ResultMismatch::OtherGrammar);
     }
     Ok(signer)
 }
@@ -463,6 +483,7 @@ mod tests {
             decode_micros: 2000,
             node_id: key.verifying_key().to_bytes().to_vec(),
             finish_reason: "eos".into(),
+            grammar_sha256: Vec::new(),
         }
     }
 
@@ -528,6 +549,7 @@ mod tests {
             node_id: &node,
             input: &input,
             model_sha256: Some(&[7; 32]),
+            grammar_sha256: None,
         };
         assert!(verify_result(&signed, &facts).is_ok());
         let other_input = JobInput {
@@ -565,6 +587,112 @@ mod tests {
             verify_result(&bad, &facts),
             Err(ResultMismatch::Claim(ClaimError::BadSignature))
         );
+    }
+
+    /// A claim without a grammar keeps the bytes it had before
+    /// `grammar_sha256` existed (pinned: the SHA-256 of the canonical bytes
+    /// of a fixed claim, computed from the encoding as it was); with one,
+    /// the bytes are those followed by the field's tag and the digest.
+    #[test]
+    fn a_claim_without_a_grammar_keeps_its_bytes_and_a_grammar_is_signed() {
+        let mut c = sample(&SigningKey::from_bytes(&[3; 32]));
+        c.node_id = vec![3; 32];
+        let before = canonical_bytes(&c);
+        assert_eq!(
+            hex::encode(Sha256::digest(&before)),
+            "037746d1798dd0f79dc58557dc85bbd2443b2188f77dbe53eff86eedad4d7c07"
+        );
+        c.grammar_sha256 = vec![5; 32];
+        let with = canonical_bytes(&c);
+        let mut tail = vec![13u8, 32, 0, 0, 0];
+        tail.extend_from_slice(&[5; 32]);
+        assert_eq!(with, [before, tail].concat());
+        // The digest is signed: changing or dropping it breaks the signature.
+        let key = SigningKey::from_bytes(&[4; 32]);
+        let mut c = sample(&key);
+        c.grammar_sha256 = vec![5; 32];
+        let good = sign(c, &key);
+        assert!(verify(&good).is_ok());
+        let edits: Vec<fn(&mut ResultClaim)> =
+            vec![|c| c.grammar_sha256[0] ^= 1, |c| c.grammar_sha256.clear()];
+        for edit in edits {
+            let mut bad = good.clone();
+            edit(bad.claim.as_mut().unwrap());
+            assert_eq!(verify(&bad), Err(ClaimError::BadSignature));
+        }
+    }
+
+    /// A job with a grammar verifies only with a claim binding that
+    /// grammar's digest; a job without one only with a claim binding none.
+    #[test]
+    fn a_result_verifies_only_with_its_jobs_grammar() {
+        use crate::grammar::{claim_digest, Constraint};
+        let key = SigningKey::from_bytes(&[6; 32]);
+        let input = JobInput {
+            kind: Some(job_input::Kind::Prompt("hi".into())),
+        };
+        let node = NodeId::from_key(&key.verifying_key()).to_string();
+        let schema = Constraint::JsonSchema(r#"{"type":"object"}"#.into()).to_wire();
+        let digest = claim_digest(Some(&schema));
+        assert_eq!(
+            digest,
+            Some(Constraint::JsonSchema(r#"{"type":"object"}"#.into()).digest())
+        );
+        assert_eq!(claim_digest(None), None);
+        let claim_with = |g: Vec<u8>| {
+            let mut c = sample(&key);
+            c.prompt_sha256 = input_digest(&input).to_vec();
+            c.grammar_sha256 = g;
+            sign(c, &key)
+        };
+        let facts = |g: Option<[u8; 32]>| JobFacts {
+            job_id: "0193a1b2-0000-7000-8000-000000000001",
+            node_id: &node,
+            input: &input,
+            model_sha256: None,
+            grammar_sha256: g,
+        };
+        let d = digest.unwrap();
+        let other = Constraint::JsonObject.digest();
+        assert!(verify_result(&claim_with(d.to_vec()), &facts(digest)).is_ok());
+        assert!(verify_result(&claim_with(Vec::new()), &facts(None)).is_ok());
+        for (claimed, job) in [
+            (Vec::new(), digest),       // the node ignored the grammar
+            (other.to_vec(), digest),   // another grammar
+            (d[..31].to_vec(), digest), // not a digest
+            (d.to_vec(), None),         // a grammar the job did not have
+        ] {
+            assert_eq!(
+                verify_result(&claim_with(claimed.clone()), &facts(job)),
+                Err(ResultMismatch::OtherGrammar),
+                "{claimed:?} against {job:?}"
+            );
+        }
+        // In a chain too: a segment's claim must bind the job's grammar.
+        let seg = claim_with(Vec::new());
+        let c = seg.claim.clone().unwrap();
+        let mut handoff = c.clone();
+        handoff.finish_reason = FINISH_HANDOFF.into();
+        handoff.grammar_sha256 = Vec::new();
+        let segments = [JobSegment {
+            node_id: node.clone(),
+            attempt: 1,
+            first_index: 0,
+            token_ids: c.output_token_ids.clone(),
+            claim: Some(sign(handoff, &key)),
+        }];
+        let mut last = c;
+        last.attempt = 2;
+        last.prompt_sha256 = resumed_input_digest(&input, &last.output_token_ids).to_vec();
+        last.grammar_sha256 = d.to_vec();
+        assert!(matches!(
+            verify_chain(&segments, &sign(last, &key), &facts(digest)),
+            Err(ChainError::Segment {
+                segment: 1,
+                source: ResultMismatch::OtherGrammar,
+                ..
+            })
+        ));
     }
 
     #[test]
@@ -705,6 +833,7 @@ mod tests {
                 node_id: &node,
                 input: &self.input,
                 model_sha256: Some(&[7; 32]),
+                grammar_sha256: None,
             };
             verify_chain(&self.segments, &self.result, &facts)
         }
@@ -735,6 +864,7 @@ mod tests {
             node_id: &node,
             input: &r.input,
             model_sha256: None,
+            grammar_sha256: None,
         };
         assert_eq!(verify_chain(&[], &fresh, &facts).unwrap().token_ids, [9]);
         assert_eq!(

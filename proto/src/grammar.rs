@@ -154,12 +154,38 @@ impl Constraint {
     }
 }
 
+/// What a signed claim binds of a job's grammar (`ResultClaim.grammar_sha256`,
+/// checked by the coordinator and by any client's verify): None for a job
+/// without one, else its [`Constraint::digest`]. The one function the node
+/// (which signs it) and every checker call on the job's wire grammar. A
+/// wire grammar that does not read as a constraint (the coordinator refuses
+/// it before any job exists, and a node refuses to run it) still has a
+/// digest: of its raw kind and bodies under kind byte 0, which no
+/// constraint's digest starts with.
+pub fn claim_digest(g: Option<&v1::Grammar>) -> Option<[u8; 32]> {
+    let g = g?;
+    Some(match Constraint::from_wire(g) {
+        Ok(c) => c.digest(),
+        Err(_) => {
+            let mut h = Sha256::new();
+            h.update(DIGEST_DOMAIN);
+            h.update([0u8]);
+            h.update(g.kind.to_le_bytes());
+            h.update((g.json_schema.len() as u64).to_le_bytes());
+            h.update(g.json_schema.as_bytes());
+            h.update(g.lark.as_bytes());
+            h.finalize().into()
+        }
+    })
+}
+
 #[cfg(feature = "grammar")]
 pub use compile::*;
 
 #[cfg(feature = "grammar")]
 mod compile {
-    use std::sync::OnceLock;
+    use std::collections::VecDeque;
+    use std::sync::{Mutex, OnceLock, PoisonError};
 
     pub use llguidance;
     use llguidance::api::TopLevelGrammar;
@@ -168,6 +194,9 @@ mod compile {
     use serde_json::{json, Map, Value};
 
     use super::{Constraint, GrammarError};
+
+    /// How many compiled grammars' digests [`Constraint::check`] keeps.
+    pub const PASSED_KEPT: usize = 256;
 
     impl Constraint {
         /// The JSON schema `llguidance` compiles: the client's (or
@@ -213,14 +242,29 @@ mod compile {
 
         /// Compiles it against a one-byte-per-token vocabulary: what the
         /// coordinator runs before it accepts a job (the node compiles it
-        /// again against the model's own vocabulary).
+        /// again against the model's own vocabulary). The digests of the
+        /// last [`PASSED_KEPT`] grammars that compiled are kept, so the same
+        /// grammar checked again (the OpenAI layer's check, then Submit's;
+        /// a client's repeated request) is not compiled again.
         pub fn check(&self) -> Result<(), GrammarError> {
             static FACTORY: OnceLock<Result<ParserFactory, String>> = OnceLock::new();
+            static PASSED: Mutex<VecDeque<[u8; 32]>> = Mutex::new(VecDeque::new());
+            let digest = self.digest();
+            let passed = || PASSED.lock().unwrap_or_else(PoisonError::into_inner);
+            if passed().contains(&digest) {
+                return Ok(());
+            }
             let factory = FACTORY
                 .get_or_init(|| factory(ApproximateTokEnv::single_byte_env()))
                 .as_ref()
                 .map_err(|e| GrammarError::Refused(e.clone()))?;
-            self.matcher(factory).map(drop)
+            self.matcher(factory)?;
+            let mut kept = passed();
+            if kept.len() >= PASSED_KEPT {
+                kept.pop_front();
+            }
+            kept.push_back(digest);
+            Ok(())
         }
     }
 
@@ -269,6 +313,24 @@ mod tests {
             Constraint::from_wire(&empty.to_wire()),
             Err(GrammarError::EmptySchema)
         );
+    }
+
+    #[test]
+    fn a_claims_grammar_digest_is_the_constraints_and_total_over_the_wire() {
+        assert_eq!(claim_digest(None), None);
+        for c in [
+            Constraint::JsonObject,
+            Constraint::JsonSchema(r#"{"type":"object"}"#.into()),
+            Constraint::Lark("start: \"a\"".into()),
+        ] {
+            assert_eq!(claim_digest(Some(&c.to_wire())), Some(c.digest()));
+        }
+        let broken = v1::Grammar::default();
+        let d = claim_digest(Some(&broken)).expect("a digest");
+        assert_ne!(d, Constraint::JsonObject.digest());
+        let mut other = broken.clone();
+        other.lark = "x".into();
+        assert_ne!(claim_digest(Some(&other)), Some(d));
     }
 
     #[test]

@@ -1245,6 +1245,8 @@ impl Sim {
             } else {
                 "length".into()
             },
+            // The simulator's jobs have no grammar.
+            grammar_sha256: Vec::new(),
         };
         let mut key = n.key.clone();
         match hostile {

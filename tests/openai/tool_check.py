@@ -53,20 +53,46 @@ SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
-def the_call(r, what):
-    """The one call of an answer, its arguments validated against its tool's schema."""
+def the_calls(r, what, most=None):
+    """The calls of an answer (one or more; at most `most`), each one's
+    arguments validated against its tool's schema, ids call_<job>_<i>."""
     c0 = r.choices[0]
     check(c0.finish_reason == "tool_calls", f"{what}: finish {c0.finish_reason} {c0.message}")
     m = c0.message
-    check(m.content is None and m.tool_calls and len(m.tool_calls) == 1, f"{what}: message {m}")
-    call = m.tool_calls[0]
-    check(call.type == "function" and call.id, f"{what}: call {call}")
-    check(call.function.name in SCHEMAS, f"{what}: name {call.function.name}")
-    try:
-        jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
-    except Exception as e:  # noqa: BLE001 - any failure is the check's
-        check(False, f"{what}: arguments {call.function.arguments!r} do not validate: {e}")
-    return call
+    check(m.content is None and m.tool_calls, f"{what}: message {m}")
+    check(most is None or len(m.tool_calls) <= most, f"{what}: {len(m.tool_calls)} calls, at most {most}")
+    for i, call in enumerate(m.tool_calls):
+        check(call.type == "function" and call.id == f"call_{r.id}_{i}", f"{what}: call {i} {call}")
+        check(call.function.name in SCHEMAS, f"{what}: name {call.function.name}")
+        try:
+            jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+        except Exception as e:  # noqa: BLE001 - any failure is the check's
+            check(False, f"{what}: arguments {call.function.arguments!r} do not validate: {e}")
+    return m.tool_calls
+
+
+def the_call(r, what):
+    """The one call of an answer that allows one."""
+    return the_calls(r, what, most=1)[0]
+
+
+def pairs(calls):
+    return [[c.function.name, c.function.arguments] for c in calls]
+
+
+def from_deltas(deltas, what):
+    """The calls streamed deltas make, as a client reassembles them by
+    index: each call's first delta has its id, type and name, the next ones
+    none; indices come in order."""
+    calls = []
+    for d in deltas:
+        if d.id is not None:
+            check(d.index == len(calls) and d.type == "function" and d.function.name, f"{what}: first delta {d}")
+            calls.append([d.id, d.function.name, d.function.arguments or ""])
+        else:
+            check(calls and d.index == len(calls) - 1 and d.function.name is None, f"{what}: delta {d}")
+            calls[-1][2] += d.function.arguments or ""
+    return calls
 
 
 # Required: greedy, and 4 seeded runs at temperature 1 (sent together).
@@ -78,12 +104,34 @@ def required(seed, temperature):
 
 
 greedy = required(7, 0)
-call = the_call(greedy, "required")
+calls = the_calls(greedy, "required", most=1)
+call = calls[0]
 summary["required_id"] = greedy.id
-summary["required_call"] = [call.function.name, call.function.arguments]
+summary["required_calls"] = pairs(calls)
 with concurrent.futures.ThreadPoolExecutor(8) as pool:
-    seeded = [the_call(r, f"required seed {i}") for i, r in enumerate(pool.map(lambda s: required(s, 1.0), range(4)))]
-summary["required_seeds"] = [[c.function.name, c.function.arguments] for c in seeded]
+    seeded = [the_calls(r, f"required seed {i}", most=1) for i, r in enumerate(pool.map(lambda s: required(s, 1.0), range(4)))]
+summary["required_seeds"] = [pairs(c) for c in seeded]
+
+# parallel_tool_calls false: exactly one call (as absent). True, on a
+# question asking for two things: at most 8 calls, each valid, ids
+# call_<job>_<i>; how many is the model's choice (recorded, not asserted),
+# and a model that repeats calls until max_tokens gets its answer cut into
+# text (recorded as "cut").
+one = client.chat.completions.create(
+    model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required", parallel_tool_calls=False,
+    max_tokens=60, temperature=0, seed=7,
+)
+summary["single_call"] = pairs([the_call(one, "parallel_tool_calls false")])
+BOTH = [{"role": "user", "content": "What is the weather in Paris, and what time is it in Europe/Paris? Call both tools."}]
+both = client.chat.completions.create(
+    model=MODEL, messages=BOTH, tools=TOOLS, tool_choice="required", parallel_tool_calls=True,
+    max_tokens=200, temperature=0, seed=7,
+)
+if both.choices[0].finish_reason == "length":
+    check(both.choices[0].message.content and not both.choices[0].message.tool_calls, f"cut: {both.choices[0]}")
+    summary["both_calls"] = "cut"
+else:
+    summary["both_calls"] = pairs(the_calls(both, "two questions", most=8))
 
 # Named: that tool, whatever the question.
 named = client.chat.completions.create(
@@ -100,32 +148,39 @@ with client.chat.completions.stream(
 ) as s:
     kinds = [e.type for e in s]
     final = s.get_final_completion()
-scall = the_call(final, "streamed")
-check(
-    [scall.function.name, scall.function.arguments] == summary["required_call"],
-    f"streamed {scall} vs {summary['required_call']}",
-)
-check(scall.id == call.id.replace(greedy.id, final.id), f"ids {scall.id} {call.id}")
+scalls = the_calls(final, "streamed")
+check(pairs(scalls) == summary["required_calls"], f"streamed {scalls} vs {summary['required_calls']}")
+check(scalls[0].id == call.id.replace(greedy.id, final.id), f"ids {scalls[0].id} {call.id}")
 check("tool_calls.function.arguments.delta" in kinds, f"argument deltas: {kinds}")
-# The raw chunks: deltas of tool_calls at index 0, the id on the first.
-chunks = list(client.chat.completions.create(
-    model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required", max_tokens=60, temperature=0, seed=7,
-    stream=True,
-))
-deltas = [tc for ch in chunks for tc in (ch.choices[0].delta.tool_calls or [])]
-check(deltas and all(d.index == 0 for d in deltas), f"deltas {deltas}")
-check(deltas[0].id and deltas[0].type == "function" and deltas[0].function.name == call.function.name, f"first delta {deltas[0]}")
-check(all(d.id is None for d in deltas[1:]), f"one id: {deltas}")
-check("".join(d.function.arguments or "" for d in deltas) == call.function.arguments, f"arguments {deltas}")
-check([ch.choices[0].finish_reason for ch in chunks if ch.choices[0].finish_reason] == ["tool_calls"], "finish")
+# The raw chunks: each call's deltas under its index, its id on its first.
+def raw_calls(messages, what, **kw):
+    chunks = list(client.chat.completions.create(
+        model=MODEL, messages=messages, tools=TOOLS, tool_choice="required", temperature=0, seed=7,
+        stream=True, **kw,
+    ))
+    deltas = [tc for ch in chunks for tc in (ch.choices[0].delta.tool_calls or [])]
+    got = from_deltas(deltas, what)
+    check([ch.choices[0].finish_reason for ch in chunks if ch.choices[0].finish_reason] == ["tool_calls"], f"{what}: finish")
+    check([c[0] for c in got] == [f"call_{chunks[0].id}_{i}" for i in range(len(got))], f"{what}: ids {got}")
+    return [c[1:] for c in got]
+
+
+check(raw_calls(ASK, "raw chunks", max_tokens=60) == summary["required_calls"], "raw chunks")
+if summary["both_calls"] != "cut":
+    check(
+        raw_calls(BOTH, "raw chunks, two questions", max_tokens=200, parallel_tool_calls=True) == summary["both_calls"],
+        "raw chunks, two questions",
+    )
 
 # The agent loop: the call and its result go back; with tool_choice none the
 # model answers in text.
 loop = client.chat.completions.create(
     model=MODEL, tools=TOOLS, tool_choice="none", max_tokens=16, temperature=0, seed=7,
     messages=ASK + [
-        {"role": "assistant", "content": None, "tool_calls": [call.model_dump(exclude_none=True)]},
-        {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"sky": "sunny", "celsius": 21})},
+        {"role": "assistant", "content": None, "tool_calls": [c.model_dump(exclude_none=True) for c in calls]},
+    ] + [
+        {"role": "tool", "tool_call_id": c.id, "content": json.dumps({"sky": "sunny", "celsius": 21})}
+        for c in calls
     ],
 )
 l0 = loop.choices[0]
@@ -141,8 +196,7 @@ summary["loop_text"] = l0.message.content
 def answer(r, what):
     c0 = r.choices[0]
     if c0.finish_reason == "tool_calls":
-        c = the_call(r, what)
-        return ["call", c.function.name, c.function.arguments]
+        return ["calls", pairs(the_calls(r, what))]
     m = c0.message
     check(c0.finish_reason in ("stop", "length") and m.content and not m.tool_calls, f"{what}: {c0}")
     check(not m.content.startswith("{"), f"{what}: a text answer starting with {{: {m.content!r}")
@@ -164,7 +218,7 @@ achunks = [ch for ch in client.chat.completions.create(
 afinish = [ch.choices[0].finish_reason for ch in achunks if ch.choices[0].finish_reason]
 acalls = [tc for ch in achunks for tc in (ch.choices[0].delta.tool_calls or [])]
 if afinish == ["tool_calls"]:
-    sauto = ["call", acalls[0].function.name, "".join(c.function.arguments or "" for c in acalls)]
+    sauto = ["calls", [c[1:] for c in from_deltas(acalls, "auto streamed")]]
 else:
     check(not acalls, f"auto streamed: calls with finish {afinish}")
     sauto = ["text", "".join(ch.choices[0].delta.content or "" for ch in achunks)]

@@ -5,7 +5,8 @@
 //! # Invariants
 //! - A result is accepted only if its claim verifies, was signed by the node
 //!   this session authenticated, names exactly this job, attempt, model
-//!   digest and input digest, lists as many tokens as it bills, bills no
+//!   digest, input digest and grammar digest (the job's, or none for a job
+//!   without a grammar), lists as many tokens as it bills, bills no
 //!   more completion tokens than the attempt has left of the job's
 //!   `max_tokens` and no more prompt tokens than the coordinator's own bound
 //!   of the input ([`check_result`]), and covers exactly what the attempt
@@ -58,6 +59,8 @@ pub enum ResultError {
     WrongModel,
     #[error("claim is about another input")]
     WrongInput,
+    #[error("claim binds another grammar than the job's (or none)")]
+    WrongGrammar,
     #[error("hand-off claim covers {claimed} tokens, not the {streamed} streamed")]
     HandoffMismatch { claimed: usize, streamed: usize },
     #[error("hand-off claim from a node that did not drain")]
@@ -157,6 +160,9 @@ pub struct Expected {
     pub node_id: NodeId,
     pub model_sha256: [u8; 32],
     pub input_sha256: [u8; 32],
+    /// The job's grammar's digest (`grammar::claim_digest`), None for a job
+    /// without one: the claim must carry exactly this.
+    pub grammar_sha256: Option<[u8; 32]>,
     /// What the attempt has left of the job's `max_tokens` (a resumed
     /// attempt continues after the tokens earlier attempts streamed): no
     /// claim may bill more.
@@ -194,6 +200,10 @@ pub fn check_result(signed: &SignedClaim, expected: &Expected) -> Result<(), Res
     }
     if c.prompt_sha256 != expected.input_sha256 {
         return Err(ResultError::WrongInput);
+    }
+    let grammar = expected.grammar_sha256.as_ref().map_or(&[][..], |d| &d[..]);
+    if c.grammar_sha256 != grammar {
+        return Err(ResultError::WrongGrammar);
     }
     if c.completion_tokens as usize != c.output_token_ids.len() {
         return Err(ResultError::TokenCount {
@@ -327,6 +337,7 @@ mod tests {
             node_id: NodeId::from_key(&key.verifying_key()),
             model_sha256: [7; 32],
             input_sha256: [9; 32],
+            grammar_sha256: None,
             max_tokens: 16,
             max_prompt_tokens: 100,
         };
@@ -441,6 +452,41 @@ mod tests {
             check_result(&missing, &expected),
             Err(ResultError::Claim(ClaimError::Missing))
         );
+    }
+
+    /// The claim binds the job's grammar: a node that generated free text
+    /// for a structured-output or tool-call job (and so signs no grammar, or
+    /// another one) is refused, and so is a grammar on a job without one.
+    #[test]
+    fn a_claim_for_a_grammar_job_must_bind_its_grammar() {
+        use mlxnet_proto::grammar::{claim_digest, Constraint};
+        let (key, mut expected, good) = setup();
+        let schema = Constraint::JsonSchema(r#"{"type":"object"}"#.into());
+        let digest = claim_digest(Some(&schema.to_wire())).expect("a digest");
+        let with = |g: Vec<u8>| {
+            let mut c = good.clone();
+            c.grammar_sha256 = g;
+            claim::sign(c, &key)
+        };
+        // No grammar on the job: only a claim without one passes.
+        assert_eq!(check_result(&with(Vec::new()), &expected), Ok(()));
+        assert_eq!(
+            check_result(&with(digest.to_vec()), &expected),
+            Err(ResultError::WrongGrammar)
+        );
+        expected.grammar_sha256 = Some(digest);
+        assert_eq!(check_result(&with(digest.to_vec()), &expected), Ok(()));
+        for wrong in [
+            Vec::new(),
+            Constraint::JsonObject.digest().to_vec(),
+            digest[..16].to_vec(),
+        ] {
+            assert_eq!(
+                check_result(&with(wrong.clone()), &expected),
+                Err(ResultError::WrongGrammar),
+                "{wrong:?}"
+            );
+        }
     }
 
     #[test]

@@ -11,8 +11,9 @@
 //! `json_object`, `json_schema`: enforced on the node by a token mask, see
 //! `mlxnet_proto::grammar`), `tools`, `tool_choice` (`none`, `auto`,
 //! `required`, a named function) and `parallel_tool_calls` (see
-//! [`super::tools`]: a call is generated under a grammar and answered as
-//! `tool_calls`), `logprobs` and `top_logprobs` (0-20, only with
+//! [`super::tools`]: calls are generated under a grammar and answered as
+//! `tool_calls`, several allowed when `parallel_tool_calls` is true or
+//! absent), `logprobs` and `top_logprobs` (0-20, only with
 //! `logprobs: true`). Anything else, or a value this network cannot honour,
 //! is a 400 naming the parameter.
 
@@ -284,12 +285,11 @@ pub fn parse(map: serde_json::Map<String, Value>) -> Result<ChatRequest, OpenAiE
     let stop = p.stop("stop")?;
     p.only_one("n")?;
     p.string("user")?;
-    // One call per answer either way (true allows several, not requires).
-    p.bool("parallel_tool_calls")?;
+    let parallel = p.bool("parallel_tool_calls")?;
     let penalties = p.penalties()?;
     let mut grammar = response_format(p.take("response_format"))?;
     let tools = tools::parse_tools(p.take("tools"))?;
-    let forced = tools::forced(tools, p.take("tool_choice"))?;
+    let forced = tools::forced(tools, p.take("tool_choice"), parallel)?;
     if let Some(f) = &forced {
         if grammar.is_some() {
             return Err(OpenAiError::invalid(
@@ -359,13 +359,19 @@ pub async fn run(d: &Arc<ApiContext>, req: Request) -> Result<Response, OpenAiEr
         return Ok(job.stream(|m, e, c| stream::sse(m, e, c, shape, usage)));
     }
     let ok = |meta: &JobMeta, end: Outcome| {
-        let call = tool_call.then(|| tools::read_call(&end.text)).flatten();
-        let (message, finish) = match call {
-            Some((name, args)) => (
+        let calls = tool_call.then(|| tools::read_calls(&end.text)).flatten();
+        let (message, finish) = match calls {
+            Some(calls) => (
                 json!({
                     "role": "assistant",
                     "content": null,
-                    "tool_calls": [tools::call_json(&tools::call_id(&meta.id, 0), &name, args)],
+                    "tool_calls": calls
+                        .iter()
+                        .enumerate()
+                        .map(|(i, (name, args))| {
+                            tools::call_json(&tools::call_id(&meta.id, i), name, args)
+                        })
+                        .collect::<Vec<_>>(),
                     "refusal": null,
                 }),
                 "tool_calls",

@@ -2,8 +2,9 @@
 //! built from ([`outcome`]), and the server-sent-event stream of chunks
 //! ([`sse`]): the first chunk (the chat role), one chunk per token event,
 //! a last chunk with `finish_reason`, with `stream_options.include_usage` a
-//! usage chunk with `choices: []`, then `data: [DONE]`. A forced tool call
-//! streams `delta.tool_calls` ([`super::tools::CallStream`]) and ends with
+//! usage chunk with `choices: []`, then `data: [DONE]`. Tool calls stream
+//! as `delta.tool_calls` entries, one index per call
+//! ([`super::tools::CallStream`]), and end with
 //! `finish_reason: "tool_calls"`. A job that fails
 //! mid-stream ends it with `data: {"error": ...}` (what the official clients
 //! raise as an error).
@@ -23,9 +24,8 @@ use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 
 use super::{
-    finish_reason, logprobs, new_tokens,
-    tools::{call_id, CallStream},
-    CancelOnDrop, Events, JobMeta, OpenAiError,
+    finish_reason, logprobs, new_tokens, tools::CallStream, CancelOnDrop, Events, JobMeta,
+    OpenAiError,
 };
 
 /// How a job ended well.
@@ -203,7 +203,7 @@ pub fn sse(
             }
         }
         let mut call =
-            matches!(shape, Shape::ChatCall).then(|| CallStream::new(call_id(&meta.id, 0)));
+            matches!(shape, Shape::ChatCall).then(|| CallStream::new(meta.id.to_string()));
         let mut sent = 0u32;
         // Characters of the completion the tokens so far span.
         let mut offset = 0usize;

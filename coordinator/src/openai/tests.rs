@@ -492,13 +492,57 @@ fn a_required_or_named_tool_call_is_a_grammar_over_the_tools_and_a_prompt() {
     let required = ask(json!("required"));
     let g = grammar_of(&required).expect("a grammar");
     assert!(grammar_accepts(&g, call) && grammar_accepts(&g, time));
+    // parallel_tool_calls absent: exactly one call.
+    let two = format!("{call}\n{time}");
+    assert!(!grammar_accepts(&g, &two));
+    assert!(!chat_messages(&required)[0].1.contains("one call per line"));
+    // parallel_tool_calls true: 1 to 8 calls, one per line.
+    let parallel = |choice: Value| {
+        chat::parse(obj(json!({
+            "model": "m",
+            "messages": [{"role": "user", "content": "Weather in Paris?"}],
+            "tools": weather_tools(),
+            "tool_choice": choice,
+            "parallel_tool_calls": true,
+        })))
+        .expect("served")
+    };
+    let several = parallel(json!("required"));
+    assert!(chat_messages(&several)[0].1.contains("one call per line"));
+    let g = grammar_of(&several).expect("a grammar");
+    let calls = |n: usize| vec![call; n].join("\n");
+    assert!(grammar_accepts(&g, call) && grammar_accepts(&g, &two));
+    assert!(grammar_accepts(&g, &calls(8)) && !grammar_accepts(&g, &calls(9)));
     for bad in [
-        r#"{"name":"get_weather","arguments":{}}"#,
-        r#"{"name":"get_weather","arguments":{"city":"Paris","x":1}}"#,
-        r#"{"name":"nope","arguments":{}}"#,
-        "Paris is sunny.",
+        r#"{"name":"get_weather","arguments":{}}"#.to_owned(),
+        r#"{"name":"get_weather","arguments":{"city":"Paris","x":1}}"#.to_owned(),
+        r#"{"name":"nope","arguments":{}}"#.to_owned(),
+        "Paris is sunny.".to_owned(),
+        format!("{call}\n"),
+        format!("{call}\n\n{time}"),
+        format!("{call} {time}"),
+        format!("{call}\nPARIS"),
     ] {
-        assert!(!grammar_accepts(&g, bad), "{bad}");
+        assert!(!grammar_accepts(&g, &bad), "{bad}");
+    }
+    let g = grammar_of(&parallel(json!("auto"))).expect("a grammar");
+    assert!(grammar_accepts(&g, &two) && grammar_accepts(&g, "Sunny."));
+    // parallel_tool_calls: false: exactly one call.
+    for choice in [json!("required"), json!("auto")] {
+        let one = chat::parse(obj(json!({
+            "model": "m",
+            "messages": [{"role": "user", "content": "Weather in Paris?"}],
+            "tools": weather_tools(),
+            "tool_choice": choice,
+            "parallel_tool_calls": false,
+        })))
+        .expect("served");
+        let g = grammar_of(&one).expect("a grammar");
+        assert!(
+            grammar_accepts(&g, call) && !grammar_accepts(&g, &two),
+            "{choice}"
+        );
+        assert!(!chat_messages(&one)[0].1.contains("one call per line"));
     }
     // The tools are in the prompt: a system message listing them and the
     // call format, before the conversation.
@@ -517,10 +561,12 @@ fn a_required_or_named_tool_call_is_a_grammar_over_the_tools_and_a_prompt() {
     let named = ask(json!({"type": "function", "function": {"name": "get_time"}}));
     let g = grammar_of(&named).expect("a grammar");
     assert!(grammar_accepts(&g, time) && !grammar_accepts(&g, call));
+    assert!(!grammar_accepts(&g, &format!("{time}\n{time}")));
     // auto (and absent: OpenAI's default with tools): text, or a whole call.
     for auto in [json!("auto"), Value::Null] {
         let g = grammar_of(&ask(auto)).expect("a grammar");
         assert!(grammar_accepts(&g, call) && grammar_accepts(&g, time));
+        assert!(!grammar_accepts(&g, &two));
         assert!(grammar_accepts(&g, "Paris is sunny.\n{not a call}"));
         for bad in [
             r#"{"name":"get_weather","arguments":{}}"#,
@@ -539,6 +585,57 @@ fn a_required_or_named_tool_call_is_a_grammar_over_the_tools_and_a_prompt() {
         chat_messages(&none),
         vec![("user".into(), "Weather in Paris?".into())]
     );
+}
+
+/// Tools with local definitions (`$defs`, as pydantic writes them): each
+/// tool's are hoisted under its own names, so two tools defining the same
+/// name keep their own meaning; a `$ref` outside the tool's own `$defs` is
+/// refused.
+#[test]
+fn tool_schemas_with_local_defs_are_served() {
+    let tools = json!([
+        {"type": "function", "function": {"name": "f", "parameters": {
+            "type": "object",
+            "properties": {"a": {"$ref": "#/$defs/Unit"}},
+            "required": ["a"], "additionalProperties": false,
+            "$defs": {"Unit": {"enum": ["c", "f"]}},
+        }}},
+        {"type": "function", "function": {"name": "g", "parameters": {
+            "type": "object",
+            "properties": {"a": {"$ref": "#/definitions/Unit"}},
+            "required": ["a"], "additionalProperties": false,
+            "definitions": {"Unit": {"type": "integer"}},
+        }}},
+    ]);
+    for choice in [json!("required"), json!("auto")] {
+        let c = chat::parse(obj(json!({
+            "model": "m",
+            "messages": [{"role": "user", "content": "x"}],
+            "tools": tools,
+            "tool_choice": choice,
+        })))
+        .expect("served");
+        let g = grammar_of(&c).expect("a grammar");
+        assert!(grammar_accepts(&g, r#"{"name":"f","arguments":{"a":"c"}}"#));
+        assert!(grammar_accepts(&g, r#"{"name":"g","arguments":{"a":3}}"#));
+        assert!(!grammar_accepts(&g, r#"{"name":"f","arguments":{"a":3}}"#));
+        assert!(!grammar_accepts(
+            &g,
+            r#"{"name":"g","arguments":{"a":"c"}}"#
+        ));
+    }
+    for bad in [
+        json!({"type": "object", "properties": {"a": {"$ref": "#/$defs/Nope"}}, "$defs": {"Unit": {}}}),
+        json!({"type": "object", "properties": {"a": {"$ref": "https://example.com/s.json"}}}),
+        json!({"type": "object", "$defs": []}),
+    ] {
+        let e = chat_err(json!({
+            "model": "m", "messages": [{"role": "user", "content": "x"}],
+            "tools": [{"type": "function", "function": {"name": "f", "parameters": bad}}],
+            "tool_choice": "required",
+        }));
+        assert_eq!(e.param.as_deref(), Some("tools"), "{e:?}");
+    }
 }
 
 #[test]
@@ -616,7 +713,7 @@ fn bad_tools_choices_and_tool_messages_are_refused_by_name() {
         ),
         (
             f(
-                json!({"name": "f", "parameters": {"type": "object", "properties": {"a": {"$ref": "#/$defs/a"}}, "$defs": {"a": {"type": "string"}}}}),
+                json!({"name": "f", "parameters": {"type": "object", "properties": {"a": {"$ref": "#/properties/b"}, "b": {"type": "string"}}}}),
             ),
             json!("required"),
             "tools",
@@ -655,6 +752,26 @@ fn bad_tools_choices_and_tool_messages_are_refused_by_name() {
         let e = with(tools.clone(), choice.clone());
         assert_eq!(e.status, StatusCode::BAD_REQUEST, "{tools} {choice}: {e:?}");
         assert_eq!(e.param.as_deref(), Some(param), "{tools} {choice}: {e:?}");
+    }
+    // The tools' grammar is compiled whole; when it fails, the 400 names
+    // the tool whose parameters fail alone (here the second), also when
+    // only that tool is named, and when tools are listed but not used.
+    let bad_second = json!([
+        {"type": "function", "function": {"name": "f"}},
+        {"type": "function", "function": {"name": "g", "parameters": {"type": "array", "uniqueItems": true}}},
+    ]);
+    for choice in [
+        json!("required"),
+        json!("auto"),
+        json!("none"),
+        json!({"type": "function", "function": {"name": "g"}}),
+    ] {
+        let e = with(bad_second.clone(), choice.clone());
+        assert_eq!(e.param.as_deref(), Some("tools"), "{choice}: {e:?}");
+        assert!(
+            e.message.starts_with("tools[1].function.parameters: "),
+            "{choice}: {e:?}"
+        );
     }
     // A forced call and a response format cannot both shape the answer.
     let both = chat_err(json!({

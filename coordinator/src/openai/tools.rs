@@ -1,15 +1,17 @@
 //! Tool calls on `/v1/chat/completions`: `tools`, `tool_choice` and
 //! `parallel_tool_calls` read and checked; the tools rendered into the
-//! prompt; the call generated under a grammar built from the tools' JSON
+//! prompt; the calls generated under a grammar built from the tools' JSON
 //! schemas (the job's `SamplingParams.grammar`, so the node masks every
-//! token with it and an audit replays it); the answer read back as
-//! `tool_calls`, whole ([`read_call`]) or streamed ([`CallStream`]).
+//! token with it, an audit replays it and the signed claim binds its
+//! digest); the answer read back as `tool_calls`, whole ([`read_calls`]) or
+//! streamed ([`CallStream`]).
 //!
 //! # The generic tool prompt (what the model is told)
 //! The tools are listed in a system message (appended to the conversation's
 //! first system message, or a new one before it), see [`preamble`]: one
 //! line of JSON per tool (`name`, `description`, `parameters`) and the call
-//! format `{"name": <tool name>, "arguments": <the arguments object>}`. An
+//! format `{"name": <tool name>, "arguments": <the arguments object>}`, one
+//! call per line when several calls are allowed. An
 //! assistant message carrying `tool_calls` is sent to the model as those
 //! calls written in that format (one per line, after any text), and a
 //! `role: "tool"` message as a user turn `Tool result (call <id>, <name>):`
@@ -19,28 +21,43 @@
 //! `messages` only): every model gets this generic prompt.
 //!
 //! # What is generated
-//! `tool_choice: "required"` (one of the tools) or a named function (that
-//! one): the output must be exactly one call, `{"name":"<name>",
-//! "arguments":<object>}` (compact, properties in that order), the
-//! arguments matching the tool's `parameters` schema (a JSON-schema
-//! grammar). `"auto"` (OpenAI's default when tools are given): text OR one
-//! such call, the model's choice at its first token (a Lark grammar, see
-//! [`Forced::grammar`]): an answer that starts with `{` is a call and must
-//! be a whole valid one; any other answer is text (so a text answer cannot
-//! start with `{`). One call per answer whatever `parallel_tool_calls` says
-//! (OpenAI's `true` allows several calls, it does not require them).
-//! `"none"`: the tools are ignored (neither rendered nor enforced).
+//! A call is `{"name":"<name>","arguments":<object>}` (compact, properties
+//! in that order, no free whitespace), the arguments matching the tool's
+//! `parameters` schema. `tool_choice: "required"`: exactly one call of one
+//! of the tools (a JSON-schema grammar), or with `parallel_tool_calls: true`
+//! one to [`MAX_CALLS`] calls, one per line. Absent, `parallel_tool_calls`
+//! means one call (llama.cpp's default; OpenAI's `true` allows several and
+//! never requires them, so one call answers it too): a small model allowed
+//! several tends to repeat its call until `max_tokens`, which cuts the
+//! answer into text. A named function: exactly one call of it. `"auto"` (OpenAI's default when tools are given): text
+//! OR the calls `required` would allow, the model's choice at its first
+//! token (see [`Forced::grammar`]): an answer that starts with `{` is calls
+//! and must be whole valid ones; any other answer is text (so a text answer
+//! cannot start with `{`). Several calls are allowed, never required: the
+//! model ends the answer after any whole call. A newline never occurs
+//! inside a call (compact JSON escapes it in strings), so the answer reads
+//! back line by line. Call ids are `call_<job id>_<i>`, `i` from 0 in the
+//! answer's order. `"none"`: the tools are ignored (neither rendered nor
+//! enforced).
+//!
+//! A tool's `parameters` may use local definitions (`$defs` or
+//! `definitions` at its root, `$ref: "#/$defs/<name>"`, as pydantic
+//! writes them): they are moved to the call grammar's root as
+//! `tools<i>_<name>` and the `$ref`s rewritten, so tools' definitions never
+//! collide; any other `$ref` is a 400.
 //!
 //! # Invariants
 //! - Everything is checked before the job exists: a bad tool, choice or
-//!   message is a 400 naming `tools`, `tool_choice` or `messages`.
-//! - The call read back is the output's own text: `arguments` is the exact
-//!   substring the model generated (what the signed claim's tokens decode
-//!   to), streamed or not.
+//!   message is a 400 naming `tools`, `tool_choice` or `messages`. The
+//!   tools' grammar is compiled once (the tools one by one only when it
+//!   fails, to name the bad one).
+//! - The calls read back are the output's own text: each `arguments` is
+//!   the exact substring the model generated (what the signed claim's
+//!   tokens decode to), streamed or not.
 //!
 //! # Failure
-//! An output that is not a whole call (cut by `max_tokens` or a stop
-//! string) is answered as text with its finish reason, never as a call.
+//! An output that is not whole calls (cut by `max_tokens` or a stop
+//! string) is answered as text with its finish reason, never as calls.
 
 use std::collections::HashMap;
 
@@ -52,11 +69,19 @@ use super::OpenAiError;
 /// Most tools in a request (OpenAI's limit).
 pub const MAX_TOOLS: usize = 128;
 
+/// Most calls in one answer with `parallel_tool_calls: true`.
+pub const MAX_CALLS: usize = 8;
+
 /// A function the model may call.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Tool {
+    /// Its place in the request's `tools` (named in a 400).
+    pub index: usize,
     pub name: String,
     pub description: Option<String>,
+    /// Its root definitions, hoisted (see [`hoist_defs`]): `$ref`s in
+    /// `parameters` point at `#/$defs/tools<index>_<name>`.
+    pub defs: Map<String, Value>,
     /// The arguments' JSON schema (`{"type":"object","properties":{},
     /// "additionalProperties":false}`, no arguments,
     /// when the request gave none).
@@ -74,11 +99,13 @@ pub enum Mode {
     Auto,
 }
 
-/// The calls an answer may be: of `tools`, as `mode` says.
+/// The calls an answer may be: of `tools`, as `mode` says; several (one
+/// per line) when `parallel` (never with [`Mode::Named`]).
 #[derive(Debug, Clone, PartialEq)]
 pub struct Forced {
     pub tools: Vec<Tool>,
     pub mode: Mode,
+    pub parallel: bool,
 }
 
 fn bad(param: &str, m: String) -> OpenAiError {
@@ -94,12 +121,83 @@ fn valid_name(name: &str) -> bool {
             .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-')
 }
 
-fn has_ref(v: &Value) -> bool {
+/// The name tool `i`'s local definition `name` has at the call grammar's
+/// root.
+fn hoisted(i: usize, name: &str) -> String {
+    format!("tools{i}_{name}")
+}
+
+/// Points every `$ref` in `v` (tool `i`'s parameters or definitions) at the
+/// hoisted copy of the definition it names: only `#/$defs/<name>` (or
+/// `#/definitions/<name>`) of the tool's own root definitions `names` is
+/// served.
+fn rewrite_refs(v: &mut Value, names: &Map<String, Value>, i: usize) -> Result<(), String> {
     match v {
-        Value::Object(m) => m.iter().any(|(k, v)| k == "$ref" || has_ref(v)),
-        Value::Array(a) => a.iter().any(has_ref),
-        _ => false,
+        Value::Object(m) => {
+            if let Some(r) = m.get_mut("$ref") {
+                let Value::String(s) = r else {
+                    return Err("a $ref must be a string".into());
+                };
+                let name = s
+                    .strip_prefix("#/$defs/")
+                    .or_else(|| s.strip_prefix("#/definitions/"))
+                    .filter(|n| names.contains_key(*n))
+                    .ok_or_else(|| {
+                        format!(
+                            "$ref {:?}: only \"#/$defs/<name>\" of the tool's own root $defs is served",
+                            s.chars().take(64).collect::<String>()
+                        )
+                    })?;
+                let to = format!("#/$defs/{}", hoisted(i, name));
+                *s = to;
+            }
+            for (k, x) in m.iter_mut() {
+                if k != "$ref" {
+                    rewrite_refs(x, names, i)?;
+                }
+            }
+        }
+        Value::Array(a) => {
+            for x in a {
+                rewrite_refs(x, names, i)?;
+            }
+        }
+        _ => {}
     }
+    Ok(())
+}
+
+/// Takes tool `i`'s root `$defs` (and `definitions`) out of `parameters`,
+/// points its `$ref`s at their hoisted names, and returns the definitions
+/// under those names (for the call grammar's root, where a `$ref` resolves).
+fn hoist_defs(i: usize, parameters: &mut Value) -> Result<Map<String, Value>, String> {
+    let Value::Object(root) = parameters else {
+        return Ok(Map::new());
+    };
+    let mut defs = Map::new();
+    for key in ["$defs", "definitions"] {
+        match root.remove(key) {
+            None => {}
+            Some(Value::Object(d)) => {
+                for (name, def) in d {
+                    if !valid_name(&name) {
+                        return Err(format!(
+                            "{key} names must be 1 to 64 of a-z, A-Z, 0-9, _ and -"
+                        ));
+                    }
+                    defs.insert(name, def);
+                }
+            }
+            Some(_) => return Err(format!("{key} must be an object")),
+        }
+    }
+    rewrite_refs(parameters, &defs, i)?;
+    let mut out = Map::new();
+    for (name, mut def) in defs.clone() {
+        rewrite_refs(&mut def, &defs, i)?;
+        out.insert(hoisted(i, &name), def);
+    }
+    Ok(out)
 }
 
 fn tool(i: usize, v: Value) -> Result<Tool, OpenAiError> {
@@ -151,7 +249,7 @@ fn tool(i: usize, v: Value) -> Result<Tool, OpenAiError> {
     ) {
         return Err(bad(P, format!("{at}.function.strict must be a boolean")));
     }
-    let parameters = match f.remove("parameters") {
+    let mut parameters = match f.remove("parameters") {
         None | Some(Value::Null) => {
             json!({"type": "object", "properties": {}, "additionalProperties": false})
         }
@@ -166,18 +264,14 @@ fn tool(i: usize, v: Value) -> Result<Tool, OpenAiError> {
     if let Some(k) = f.keys().next() {
         return Err(bad(P, format!("{at}.function: unknown field {k:?}")));
     }
-    if has_ref(&parameters) {
-        return Err(OpenAiError::unsupported(
-            P,
-            &format!("{at}.function.parameters: $ref is not served in tool schemas (inline the definitions)"),
-        ));
-    }
-    Constraint::JsonSchema(parameters.to_string())
-        .check()
-        .map_err(|e| bad(P, format!("{at}.function.parameters: {e}")))?;
+    let defs = hoist_defs(i, &mut parameters)
+        .map_err(|e| OpenAiError::unsupported(P, &format!("{at}.function.parameters: {e}")))?;
+    // Compiled with the others, in `Forced::grammar` (or `check_each`).
     Ok(Tool {
+        index: i,
         name,
         description,
+        defs,
         parameters,
     })
 }
@@ -253,13 +347,36 @@ fn choice(v: Option<Value>) -> Result<Option<Choice>, OpenAiError> {
     }
 }
 
-/// `tools` and `tool_choice` together: the calls the answer may be, or
-/// `None` for a text answer (no tools, or `"none"`).
-pub fn forced(tools: Vec<Tool>, choice_v: Option<Value>) -> Result<Option<Forced>, OpenAiError> {
+/// Compiles each tool's `parameters` alone: the first one the engine
+/// cannot enforce is a 400 naming `tools[i].function.parameters`.
+fn check_each(tools: &[Tool]) -> Result<(), OpenAiError> {
+    for t in tools {
+        Constraint::JsonSchema(t.standalone().to_string())
+            .check()
+            .map_err(|e| {
+                bad(
+                    "tools",
+                    format!("tools[{}].function.parameters: {e}", t.index),
+                )
+            })?;
+    }
+    Ok(())
+}
+
+/// `tools`, `tool_choice` and `parallel_tool_calls` (absent: false, see
+/// the module's header) together: the calls the answer may be, or `None` for a text
+/// answer (no tools, or `"none"`: the tools are still checked).
+pub fn forced(
+    tools: Vec<Tool>,
+    choice_v: Option<Value>,
+    parallel: Option<bool>,
+) -> Result<Option<Forced>, OpenAiError> {
     const P: &str = "tool_choice";
     let asked = choice(choice_v)?;
+    let parallel = parallel.unwrap_or(false);
     match (asked, tools.is_empty()) {
-        (None | Some(Choice::None | Choice::Auto), true) | (Some(Choice::None), false) => Ok(None),
+        (None | Some(Choice::None | Choice::Auto), true) => Ok(None),
+        (Some(Choice::None), false) => check_each(&tools).map(|()| None),
         (Some(Choice::Required | Choice::Named(_)), true) => Err(bad(
             P,
             "tool_choice asks for a tool call but tools is empty".into(),
@@ -267,15 +384,18 @@ pub fn forced(tools: Vec<Tool>, choice_v: Option<Value>) -> Result<Option<Forced
         (None | Some(Choice::Auto), false) => Ok(Some(Forced {
             tools,
             mode: Mode::Auto,
+            parallel,
         })),
         (Some(Choice::Required), false) => Ok(Some(Forced {
             tools,
             mode: Mode::Required,
+            parallel,
         })),
         (Some(Choice::Named(n)), false) => match tools.into_iter().find(|t| t.name == n) {
             Some(t) => Ok(Some(Forced {
                 tools: vec![t],
                 mode: Mode::Named,
+                parallel: false,
             })),
             None => Err(bad(
                 P,
@@ -290,6 +410,18 @@ pub fn forced(tools: Vec<Tool>, choice_v: Option<Value>) -> Result<Option<Forced
 
 /// The schema of one call of `t`: `{"name": <const>, "arguments": <its
 /// parameters>}`, in that order, nothing else.
+impl Tool {
+    /// Its parameters with their (hoisted) definitions at the root: a
+    /// schema on its own.
+    fn standalone(&self) -> Value {
+        let mut v = self.parameters.clone();
+        if let (Value::Object(m), false) = (&mut v, self.defs.is_empty()) {
+            m.insert("$defs".into(), Value::Object(self.defs.clone()));
+        }
+        v
+    }
+}
+
 fn call_schema(t: &Tool) -> Value {
     let mut props = Map::new();
     props.insert("name".into(), json!({"const": t.name}));
@@ -303,27 +435,50 @@ fn call_schema(t: &Tool) -> Value {
 }
 
 impl Forced {
-    /// The grammar of the answer: one call of one of the tools (`anyOf`
-    /// over them when there are several), a JSON schema; with `auto`, the
-    /// Lark grammar `start: TEXT | call` where `TEXT` is any text not
-    /// starting with `{` and `call` that schema (`%json`, compact). Compiled
-    /// here, so a set of tools the engine cannot enforce together (over the
-    /// size limit) is a 400.
+    /// The grammar of the answer. One call (required without
+    /// `parallel`, or named): the JSON schema of a call of one of the tools
+    /// (`anyOf` over them when there are several). Otherwise a Lark grammar
+    /// over `call`, that schema (`%json`, compact): `calls: call more{0,7}`,
+    /// `more: "\n" call` with `parallel` (at most [`MAX_CALLS`]), `calls:
+    /// call` without; `start: calls` for
+    /// `required`, `start: TEXT | calls` for `auto`, where `TEXT` is any text
+    /// not starting with `{`. Compiled here, once: a grammar the engine
+    /// cannot enforce is a 400, naming the tool whose `parameters` alone
+    /// fails to compile, or the whole set (over the size limit).
     pub fn grammar(&self) -> Result<Constraint, OpenAiError> {
         let mut schema = match &self.tools[..] {
             [one] => call_schema(one),
             many => json!({"anyOf": many.iter().map(call_schema).collect::<Vec<_>>()}),
         };
-        let c = match self.mode {
-            Mode::Required | Mode::Named => Constraint::JsonSchema(schema.to_string()),
-            Mode::Auto => {
+        let defs: Map<String, Value> = self.tools.iter().flat_map(|t| t.defs.clone()).collect();
+        if !defs.is_empty() {
+            schema["$defs"] = Value::Object(defs);
+        }
+        let c = match (self.mode, self.parallel) {
+            (Mode::Required, false) | (Mode::Named, _) => {
+                Constraint::JsonSchema(schema.to_string())
+            }
+            (mode, parallel) => {
                 schema["x-guidance"] = json!({"whitespace_flexible": false});
-                Constraint::Lark(format!(
-                    "start: TEXT | call\nTEXT: /[^{{](.|\\n)*/\ncall: %json {schema}\n"
-                ))
+                let start = match mode {
+                    Mode::Auto => "start: TEXT | calls\nTEXT: /[^{](.|\\n)*/",
+                    _ => "start: calls",
+                };
+                let calls = if parallel {
+                    format!(
+                        "calls: call more{{0,{}}}\nmore: \"\\n\" call",
+                        MAX_CALLS - 1
+                    )
+                } else {
+                    "calls: call".to_owned()
+                };
+                Constraint::Lark(format!("{start}\n{calls}\ncall: %json {schema}\n"))
             }
         };
-        c.check().map_err(|e| bad("tools", format!("tools: {e}")))?;
+        if let Err(e) = c.check() {
+            check_each(&self.tools)?;
+            return Err(bad("tools", format!("tools: {e}")));
+        }
         Ok(c)
     }
 
@@ -338,13 +493,18 @@ impl Forced {
             if let Some(d) = &t.description {
                 line.insert("description".into(), json!(d));
             }
-            line.insert("parameters".into(), t.parameters.clone());
+            line.insert("parameters".into(), t.standalone());
             s.push_str(&Value::Object(line).to_string());
             s.push('\n');
         }
         s.push_str(
             "To call a tool, answer with only this JSON: {\"name\": <the tool's name>, \"arguments\": <its arguments as a JSON object>}. The tool's result comes back in a message starting \"Tool result\".\n",
         );
+        if self.parallel {
+            s.push_str(&format!(
+                "To call several tools at once (at most {MAX_CALLS}), write one call per line.\n"
+            ));
+        }
         match (&self.tools[..], self.mode) {
             ([t], Mode::Named) => s.push_str(&format!("Call the tool {} now.", t.name)),
             (_, Mode::Auto) => s.push_str(
@@ -372,9 +532,9 @@ fn call_head(name: &str) -> String {
     )
 }
 
-/// The call an output is, when it is exactly one whole call: its tool's
-/// name and its arguments' text (as generated).
-pub fn read_call(text: &str) -> Option<(String, &str)> {
+/// The call a line is, when it is exactly one whole call: its tool's name
+/// and its arguments' text (as generated).
+fn read_call(text: &str) -> Option<(String, &str)> {
     let rest = text.strip_prefix("{\"name\":\"")?;
     let name = &rest[..rest.find('"')?];
     if !valid_name(name) {
@@ -383,6 +543,13 @@ pub fn read_call(text: &str) -> Option<(String, &str)> {
     let args = text.strip_prefix(&call_head(name))?.strip_suffix('}')?;
     matches!(serde_json::from_str::<Value>(args), Ok(Value::Object(_)))
         .then(|| (name.to_owned(), args))
+}
+
+/// The calls an output is, when it is one or more whole calls, one per
+/// line (a newline never occurs inside a compact call): each tool's name
+/// and its arguments' text (as generated).
+pub fn read_calls(text: &str) -> Option<Vec<(String, &str)>> {
+    text.split('\n').map(read_call).collect()
 }
 
 /// The id of the `index`th call of a job's answer.
@@ -478,44 +645,52 @@ pub fn result_text(
     Ok(format!("Tool result (call {id}, {name}):\n{content}"))
 }
 
-/// Turns a call's output text, as it streams, into OpenAI's tool-call
-/// deltas: the first names the call (`id`, `type`, `function.name`, empty
-/// `arguments`) once the text has reached its arguments; the next carry the
-/// arguments' text as it comes, holding back the last character (the
-/// call's closing brace, dropped at the end). An output that does not start
-/// with `{` (a text answer under `auto`) streams as `content`.
+/// Turns the calls' output text, as it streams, into OpenAI's tool-call
+/// deltas, each entry with its call's `index`: the first entry of a call
+/// names it (`id`, `type`, `function.name`, empty `arguments`) once the text
+/// has reached its arguments; the next carry the arguments' text as it
+/// comes, holding back the last character (it may be the call's closing
+/// brace, dropped at the end of the call: the newline before the next call,
+/// or the end of the output). An output that does not start with `{` (a
+/// text answer under `auto`) streams as `content`.
 #[derive(Debug)]
 pub struct CallStream {
-    id: String,
+    /// The job, for the calls' ids.
+    job: String,
     text: String,
-    /// Where the arguments start, once the head is known.
+    /// The index of the call being read, and where it starts in `text`.
+    index: usize,
+    start: usize,
+    /// Where its arguments start, once its head is known.
     args_at: Option<usize>,
     /// How much of `text` has been sent.
     sent: usize,
-    /// The output is text, not a call.
+    /// The output is text, not calls.
     prose: bool,
 }
 
 impl CallStream {
-    pub fn new(id: String) -> Self {
+    pub fn new(job: String) -> Self {
         Self {
-            id,
+            job,
             text: String::new(),
+            index: 0,
+            start: 0,
             args_at: None,
             sent: 0,
             prose: false,
         }
     }
 
-    fn delta(index_entry: Value) -> Value {
-        json!([index_entry])
-    }
-
     /// The delta for `more` text (its field, `tool_calls` or `content`, and
     /// value), if there is one to send.
     pub fn push(&mut self, more: &str) -> Option<(&'static str, Value)> {
         self.text.push_str(more);
-        if self.args_at.is_none() && !self.text.is_empty() && !self.text.starts_with('{') {
+        if self.index == 0
+            && self.args_at.is_none()
+            && !self.text.is_empty()
+            && !self.text.starts_with('{')
+        {
             self.prose = true;
         }
         if self.prose {
@@ -527,45 +702,60 @@ impl CallStream {
     }
 
     fn call_delta(&mut self) -> Option<Value> {
-        let mut head = None;
-        if self.args_at.is_none() {
-            let rest = self.text.strip_prefix("{\"name\":\"")?;
-            let name = &rest[..rest.find('"')?];
-            let h = call_head(name);
-            if !self.text.starts_with(&h) {
-                return None;
+        let mut entries = Vec::new();
+        loop {
+            let mut head = None;
+            if self.args_at.is_none() {
+                let call = &self.text[self.start..];
+                let Some(rest) = call.strip_prefix("{\"name\":\"") else {
+                    break;
+                };
+                let Some(quote) = rest.find('"') else { break };
+                let name = &rest[..quote];
+                let h = call_head(name);
+                if !call.starts_with(&h) {
+                    break;
+                }
+                head = Some(name.to_owned());
+                self.args_at = Some(self.start + h.len());
+                self.sent = self.start + h.len();
             }
-            head = Some(name.to_owned());
-            self.args_at = Some(h.len());
-            self.sent = h.len();
-        }
-        // Hold back the last character: it may be the closing brace.
-        let upto = self
-            .text
-            .char_indices()
-            .last()
-            .map_or(0, |(i, _)| i)
+            // The call ends before a newline (then its last character, the
+            // closing brace, is dropped); until then the last character
+            // is held back.
+            let newline = self.text[self.sent..].find('\n').map(|i| self.sent + i);
+            let upto = match newline {
+                Some(at) => at.saturating_sub(1),
+                None => self.text.char_indices().last().map_or(0, |(i, _)| i),
+            }
             .max(self.sent);
-        let args = &self.text[self.sent..upto];
-        self.sent = upto;
-        match head {
-            Some(name) => Some(Self::delta(json!({
-                "index": 0, "id": self.id, "type": "function",
-                "function": {"name": name, "arguments": args},
-            }))),
-            None if !args.is_empty() => Some(Self::delta(
-                json!({"index": 0, "function": {"arguments": args}}),
-            )),
-            None => None,
+            let args = &self.text[self.sent..upto];
+            self.sent = upto;
+            match head {
+                Some(name) => entries.push(json!({
+                    "index": self.index, "id": call_id(&self.job, self.index), "type": "function",
+                    "function": {"name": name, "arguments": args},
+                })),
+                None if !args.is_empty() => entries.push(json!({
+                    "index": self.index, "function": {"arguments": args},
+                })),
+                None => {}
+            }
+            let Some(at) = newline else { break };
+            self.index += 1;
+            self.start = at + 1;
+            self.sent = at + 1;
+            self.args_at = None;
         }
+        (!entries.is_empty()).then_some(Value::Array(entries))
     }
 
-    /// At the end of the output: whether it was a whole call, and the last
-    /// delta: the rest of the arguments (a whole call), or what is left of
-    /// a cut one (`tool_calls`, or `content` when it never reached its
-    /// arguments).
+    /// At the end of the output: whether it was whole calls, and the last
+    /// delta: the rest of the last call's arguments (whole calls), or what
+    /// is left of a cut one (`tool_calls`, or `content` when it never
+    /// reached its arguments).
     pub fn end(&mut self) -> (bool, Option<(&'static str, Value)>) {
-        let whole = read_call(&self.text).is_some();
+        let whole = !self.prose && read_calls(&self.text).is_some();
         let rest = match (self.args_at, whole) {
             (Some(_), true) => &self.text[self.sent..self.text.len() - 1],
             _ => &self.text[self.sent..],
@@ -577,7 +767,7 @@ impl CallStream {
         let last = match self.args_at {
             Some(_) => (
                 "tool_calls",
-                Self::delta(json!({"index": 0, "function": {"arguments": rest}})),
+                json!([{"index": self.index, "function": {"arguments": rest}}]),
             ),
             None => ("content", json!(rest)),
         };
@@ -598,7 +788,7 @@ mod tests {
         for cut in 1..text.len() {
             let Some(a) = text.get(..cut) else { continue };
             let b = &text[cut..];
-            let mut s = CallStream::new("call_j_0".into());
+            let mut s = CallStream::new("j".into());
             let mut deltas: Vec<Value> = [s.push(a), s.push(b)]
                 .into_iter()
                 .flatten()
@@ -637,16 +827,91 @@ mod tests {
             "",
         ] {
             assert_eq!(read_call(text), None, "{text}");
+            assert_eq!(read_calls(text), None, "{text}");
         }
-        let mut s = CallStream::new("c".into());
+        // Several calls: whole lines only.
+        for text in [
+            "{\"name\":\"f\",\"arguments\":{}}\n",
+            "{\"name\":\"f\",\"arguments\":{}}\n\n{\"name\":\"f\",\"arguments\":{}}",
+            "{\"name\":\"f\",\"arguments\":{}}\n{\"name\":\"g\",\"argu",
+            "{\"name\":\"f\",\"arguments\":{}}\nand text",
+        ] {
+            assert_eq!(read_calls(text), None, "{text}");
+        }
+        let mut s = CallStream::new("j".into());
         assert_eq!(s.push(r#"{"name":"get_wea"#), None);
         let (whole, last) = s.end();
         assert!(!whole);
         assert_eq!(last, Some(("content", json!(r#"{"name":"get_wea"#))));
         // A text answer (auto) streams as content, as it comes.
-        let mut s = CallStream::new("c".into());
+        let mut s = CallStream::new("j".into());
         assert_eq!(s.push("Par"), Some(("content", json!("Par"))));
         assert_eq!(s.push("is {x}"), Some(("content", json!("is {x}"))));
         assert_eq!(s.end(), (false, None));
+    }
+
+    /// Several calls, one per line: each streams under its own index (id
+    /// `call_<job>_<i>`, name, then its arguments' pieces) at every split of
+    /// the text into three pushes, and reassembles to the calls read whole.
+    #[test]
+    fn parallel_calls_stream_under_their_indices_and_reassemble() {
+        let text = concat!(
+            r#"{"name":"get_weather","arguments":{"city":"Paris é"}}"#,
+            "\n",
+            r#"{"name":"get_time","arguments":{}}"#,
+            "\n",
+            r#"{"name":"get_weather","arguments":{"city":"Lyon"}}"#,
+        );
+        let whole = read_calls(text).expect("calls");
+        assert_eq!(
+            whole,
+            vec![
+                ("get_weather".into(), r#"{"city":"Paris é"}"#),
+                ("get_time".into(), "{}"),
+                ("get_weather".into(), r#"{"city":"Lyon"}"#),
+            ]
+        );
+        let cuts: Vec<usize> = (1..text.len())
+            .filter(|&c| text.is_char_boundary(c))
+            .collect();
+        for (k, &a) in cuts.iter().enumerate() {
+            for &b in cuts[k..].iter().step_by(7) {
+                let mut s = CallStream::new("j".into());
+                let mut entries: Vec<Value> = Vec::new();
+                for piece in [&text[..a], &text[a..b], &text[b..]] {
+                    if let Some((field, d)) = s.push(piece) {
+                        assert_eq!(field, "tool_calls", "{a} {b}");
+                        entries.extend(d.as_array().cloned().unwrap_or_default());
+                    }
+                }
+                let (is_calls, last) = s.end();
+                assert!(is_calls, "{a} {b}");
+                if let Some((field, d)) = last {
+                    assert_eq!(field, "tool_calls");
+                    entries.extend(d.as_array().cloned().unwrap_or_default());
+                }
+                // Reassembled as a client does: by index.
+                let mut got: Vec<(String, String, String)> = Vec::new();
+                for e in &entries {
+                    let i = e["index"].as_u64().expect("an index") as usize;
+                    if let Some(id) = e.get("id") {
+                        assert_eq!(i, got.len(), "a call named in order: {a} {b}");
+                        got.push((
+                            id.as_str().unwrap_or_default().into(),
+                            e["function"]["name"].as_str().unwrap_or_default().into(),
+                            String::new(),
+                        ));
+                    }
+                    let args = e["function"]["arguments"].as_str().unwrap_or_default();
+                    got[i].2.push_str(args);
+                }
+                let want: Vec<(String, String, String)> = whole
+                    .iter()
+                    .enumerate()
+                    .map(|(i, (n, args))| (call_id(&"j", i), n.clone(), (*args).to_owned()))
+                    .collect();
+                assert_eq!(got, want, "cut at {a} and {b}");
+            }
+        }
     }
 }

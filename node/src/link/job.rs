@@ -14,7 +14,9 @@
 //!   receives every token, in order, in fewer frames.
 //! - The claim covers exactly what was streamed: its `output_text` is the
 //!   concatenation of the streamed texts (the engine's invariant) and its
-//!   token ids are the streamed ids.
+//!   token ids are the streamed ids. It binds the job's grammar
+//!   (`grammar::claim_digest` of the assignment's, none without one): the
+//!   constraint its tokens were masked with.
 //! - A stream reset (or stop) by the coordinator cancels the generation at
 //!   the next token; nothing more is sent.
 //! - A resumed assignment (`Assignment.resume`) continues the job's stream:
@@ -43,7 +45,7 @@ use std::{
 use mlxnet_proto::{
     claim,
     frame::{read_frame, write_frame, FrameError},
-    grammar::{Constraint, GrammarError},
+    grammar::{self, Constraint, GrammarError},
     v1::{
         job_input, job_update, Assignment, AuditTask, AuditVerdict, JobInput, JobUpdate,
         ResultClaim, SamplingParams, SignedClaim, TokenLogprob, TopLogprob,
@@ -527,6 +529,9 @@ async fn run(
                 a,
                 prompt_sha256,
                 model_sha256: &model_sha256,
+                grammar_sha256: grammar::claim_digest(
+                    a.sampling.as_ref().and_then(|s| s.grammar.as_ref()),
+                ),
             };
             outcome(ctx, &attempt, result, streamed)
         }
@@ -639,6 +644,8 @@ struct Attempt<'a> {
     a: &'a Assignment,
     prompt_sha256: [u8; 32],
     model_sha256: &'a [u8; 32],
+    /// The job's grammar (`grammar::claim_digest`), none without one.
+    grammar_sha256: Option<[u8; 32]>,
 }
 
 fn outcome(
@@ -662,6 +669,7 @@ fn outcome(
                 decode_micros: g.decode.as_micros() as u64,
                 node_id: ctx.identity.node_id().as_bytes().to_vec(),
                 finish_reason: finish.into(),
+                grammar_sha256: at.grammar_sha256.map(|d| d.to_vec()).unwrap_or_default(),
             },
             ctx.identity.signing_key(),
         )

@@ -714,6 +714,11 @@ async fn run_fake(node: &VirtualNode, a: &Assignment, send: &mut quinn::SendStre
             decode_micros: decode_start.elapsed().as_micros() as u64,
             node_id: node.key.verifying_key().to_bytes().to_vec(),
             finish_reason: "length".into(),
+            grammar_sha256: mlxnet_proto::grammar::claim_digest(
+                a.sampling.as_ref().and_then(|s| s.grammar.as_ref()),
+            )
+            .map(|d| d.to_vec())
+            .unwrap_or_default(),
         },
         &node.key,
     );

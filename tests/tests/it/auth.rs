@@ -186,6 +186,7 @@ fn claim_for(
         decode_micros: 1,
         node_id: key.verifying_key().to_bytes().to_vec(),
         finish_reason: "eos".into(),
+        ..Default::default()
     }
 }
 

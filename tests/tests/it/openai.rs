@@ -533,12 +533,22 @@ async fn openai_clients_use_the_network() -> anyhow::Result<()> {
     // the client's.
     let (schema_job, text) = job_and_schema(&mut grpc, &summary, "schema_id").await?;
     assert!(text.contains("\"maxLength\":12"), "{text}");
+    // The claim binds the grammar's digest, checked as `mlxnet verify`
+    // checks it.
+    assert_eq!(verified_as_the_client_does(&schema_job)?.len(), 32);
     let schema_signed = schema_job.result.context("the schema job's claim")?;
     claim::verify(&schema_signed).map_err(|e| anyhow::anyhow!("claim: {e:?}"))?;
     assert_eq!(
         schema_job.output_text,
         summary["schema_text"].as_str().unwrap_or_default()
     );
+    // The plain chat job's claim binds no grammar.
+    let plain_job = grpc
+        .jobs
+        .get(GetJobRequest { job_id: id.clone() })
+        .await?
+        .into_inner();
+    assert_eq!(verified_as_the_client_does(&plain_job)?, Vec::<u8>::new());
 
     // The same request through gRPC: the same tokens, the same price.
     assert_eq!(grpc_claim.output_token_ids, http_claim.output_token_ids);
@@ -595,13 +605,36 @@ async fn job_and_schema(
     Ok((job, text))
 }
 
-/// Tool calls with the official client (tests/openai/tool_check.py): a
-/// required call and a named one whose `arguments` parse and validate
-/// against their tool's schema (greedy and 4 seeds at temperature 1), the
-/// streamed call reassembled by the client, the agent loop (the call and
-/// its result fed back), `auto` (text or a valid call; streamed the same;
-/// 3 seeds), and the 400s. Then through gRPC: the call's job records the
-/// tools' grammar and its signed claim verifies.
+/// Checks `job`'s signed claims as `mlxnet verify` does
+/// (`claim::verify_chain` against the job's own record: its input, the
+/// catalogue's model digest and its grammar's digest); returns the grammar
+/// digest the claim binds.
+fn verified_as_the_client_does(job: &mlxnet_proto::v1::Job) -> anyhow::Result<Vec<u8>> {
+    let signed = job.result.as_ref().context("a signed claim")?;
+    let model = hex::decode(MODEL_SHA256)?;
+    let grammar = job.sampling.as_ref().and_then(|s| s.grammar.as_ref());
+    let facts = claim::JobFacts {
+        job_id: &job.id,
+        node_id: &job.node_id,
+        input: job.input.as_ref().context("the job's input")?,
+        model_sha256: Some(&model),
+        grammar_sha256: mlxnet_proto::grammar::claim_digest(grammar),
+    };
+    claim::verify_chain(&job.segments, signed, &facts)?;
+    let bound = signed.claim.as_ref().map(|c| c.grammar_sha256.clone());
+    bound.context("a claim")
+}
+
+/// Tool calls with the official client (tests/openai/tool_check.py):
+/// required calls and a named one whose `arguments` parse and validate
+/// against their tool's schema (greedy and 4 seeds at temperature 1), one
+/// call only with `parallel_tool_calls: false`, several allowed otherwise
+/// (a two-part question), the streamed calls reassembled by the client and
+/// from the raw chunks by index, the agent loop (the calls and their
+/// results fed back), `auto` (text or valid calls; streamed the same; 3
+/// seeds), and the 400s. Then through gRPC: the call's job records the
+/// tools' grammar, its signed claim binds that grammar's digest and
+/// verifies as `mlxnet verify` checks it, and its text is the calls.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn openai_tool_calls() -> anyhow::Result<()> {
     test_model();
@@ -630,16 +663,22 @@ async fn openai_tool_calls() -> anyhow::Result<()> {
         text.contains(r#""const":"get_weather""#) && text.contains(r#""const":"get_time""#),
         "{text}"
     );
+    assert_eq!(verified_as_the_client_does(&job)?.len(), 32);
     let signed = job.result.context("the call's claim")?;
     claim::verify(&signed).map_err(|e| anyhow::anyhow!("claim: {e:?}"))?;
-    let call = &summary["required_call"];
-    assert_eq!(
-        job.output_text,
-        format!(
-            r#"{{"name":"{}","arguments":{}}}"#,
-            call[0].as_str().unwrap_or_default(),
-            call[1].as_str().unwrap_or_default()
-        )
-    );
+    // Its text is the calls, one per line.
+    let calls: Vec<String> = summary["required_calls"]
+        .as_array()
+        .context("the calls")?
+        .iter()
+        .map(|call| {
+            format!(
+                r#"{{"name":"{}","arguments":{}}}"#,
+                call[0].as_str().unwrap_or_default(),
+                call[1].as_str().unwrap_or_default()
+            )
+        })
+        .collect();
+    assert_eq!(job.output_text, calls.join("\n"));
     Ok(())
 }
