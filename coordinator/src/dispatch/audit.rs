@@ -32,7 +32,9 @@
 //! # Failure
 //! Anything that goes wrong with one auditor (unreachable, refused, bad
 //! verdict) is logged and another is drawn, until the audit window closes;
-//! then an undecided audit is `missed` and the job is paid as usual.
+//! then an undecided audit is `missed` and the job is paid as usual. An
+//! auditor that takes the audit and never answers is waited for no longer
+//! than the window.
 
 use std::{sync::Arc, time::Duration};
 
@@ -183,7 +185,7 @@ impl Dispatcher {
             let reservation = auditor.reserve(shape.memory_needed());
             let verdict = tokio::select! {
                 _ = self.shutdown_token().cancelled() => return,
-                v = self.ask(&job, &model, &part, &auditor) => v,
+                v = self.ask(&job, &model, &part, &auditor, deadline) => v,
             };
             drop(reservation);
             self.wake();
@@ -275,13 +277,16 @@ impl Dispatcher {
 
     /// Sends the audit of `part` to `auditor` (the claim, and the tokens
     /// before it as the resumed prefix) and returns its verdict, if it is
-    /// one that counts.
+    /// one that counts and it comes by `deadline` (the audit window's end:
+    /// an auditor that never answers holds the audit no longer, since the
+    /// pay is held only that long) and within a job's time limit.
     async fn ask(
         &self,
         job: &JobRecord,
         model: &Model,
         part: &ChainPart,
         auditor: &Session,
+        deadline: tokio::time::Instant,
     ) -> Result<SignedVerdict, String> {
         let signed = &part.signed;
         let assignment = Assignment {
@@ -300,7 +305,8 @@ impl Dispatcher {
             .await
             .map_err(|e| format!("could not reach the auditor: {e}"))?;
         let limit = Duration::from_millis(self.config.job_timeout_ms);
-        let answer = tokio::time::timeout(limit, async {
+        let until = deadline.min(tokio::time::Instant::now() + limit);
+        let answer = tokio::time::timeout_at(until, async {
             loop {
                 match stream.next().await {
                     Ok(u) => match u.msg {
@@ -316,8 +322,13 @@ impl Dispatcher {
                 }
             }
         })
-        .await
-        .map_err(|_| format!("no verdict within {limit:?}"))?;
+        .await;
+        let Ok(answer) = answer else {
+            stream.reset(CODE_REFUSED);
+            return Err(
+                "no verdict before the audit window closed (or within a job's time limit)".into(),
+            );
+        };
         let verdict = match answer {
             Ok(v) => v,
             Err(e) => {

@@ -1,8 +1,14 @@
-//! A job submitted by a client runs on a real node and comes back signed.
+//! A job submitted by a client runs on a real node and comes back signed;
+//! a client's higher-priority job runs before its older lower-priority one.
 
-use mlxnet_proto::{claim, ids::NodeId, v1::JobState};
+use mlxnet_proto::{
+    claim,
+    ids::NodeId,
+    v1::{job_event, JobState, WatchJobRequest},
+};
 use mlxnet_tests::{
-    chat_job, coordinator_config, spawn_coordinator, spawn_node, state, test_model,
+    chat_job, coordinator_config, prompt_job, spawn_coordinator, spawn_node, state, test_model,
+    within, Client,
 };
 
 const MODEL_SHA256: &str = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53";
@@ -71,4 +77,103 @@ async fn two_nodes_stream_real_answers_with_verifiable_claims() -> anyhow::Resul
     assert_ne!(ran_on[0], ran_on[1], "both jobs ran on one node");
     let _: Vec<NodeId> = ran_on;
     Ok(())
+}
+
+/// Job priority through the API: a client queues a priority-0 job, then a
+/// priority-3 one, while no node is online. The one node that then comes
+/// (one job at a time) is given the priority-3 job first, although it was
+/// submitted second; the older job runs once the node is free again.
+///
+/// Ordered by events: the node can hold one job, so the second assignment
+/// is made only after the first job's attempt ended; the test reads the
+/// order in which the two watches saw their assignments.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_higher_priority_job_is_placed_before_an_older_lower_one() -> anyhow::Result<()> {
+    test_model();
+    let dir = tempfile::tempdir()?;
+    let coord = spawn_coordinator(coordinator_config(&dir.path().join("coord"))).await?;
+    let client = coord.client().await?;
+    let mut low = prompt_job("The capital of France is", 8);
+    low.priority = 0;
+    let mut high = prompt_job("The capital of Italy is", 8);
+    high.priority = 3;
+    let low = client.jobs.clone().submit(low).await?.into_inner();
+    let high = client.jobs.clone().submit(high).await?.into_inner();
+    assert_eq!(high.priority, 3, "the job records its priority");
+    for j in [&low, &high] {
+        assert_eq!(state(j), JobState::Queued, "no node is online yet");
+    }
+    // Both watches are open before any node can take a job.
+    let (seen, mut order) = tokio::sync::mpsc::unbounded_channel();
+    let mut watches = Vec::new();
+    for (name, id) in [("low", low.id.clone()), ("high", high.id.clone())] {
+        let events = watch(&client, &id).await?;
+        let seen = seen.clone();
+        watches.push(tokio::spawn(follow(events, name, seen)));
+    }
+    drop(seen);
+
+    let mut config = coord.node_config(&dir.path().join("node"), "one-slot");
+    config.max_concurrent_jobs = Some(1);
+    let mut node = spawn_node(config).await?;
+    node.registered().await?;
+    let mut assigned = Vec::new();
+    within("both jobs to be assigned", async {
+        while assigned.len() < 2 {
+            match order.recv().await {
+                Some(name) => assigned.push(name),
+                None => break,
+            }
+        }
+    })
+    .await?;
+    assert_eq!(
+        assigned,
+        ["high", "low"],
+        "the priority-3 job goes first on the freed node"
+    );
+    for w in watches {
+        let end = within("the job's end", w).await??;
+        assert_eq!(end?, JobState::Completed);
+    }
+    node.stop().await?;
+    coord.stop().await?;
+    Ok(())
+}
+
+async fn watch(
+    client: &Client,
+    id: &str,
+) -> anyhow::Result<tonic::Streaming<mlxnet_proto::v1::JobEvent>> {
+    Ok(client
+        .jobs
+        .clone()
+        .watch(WatchJobRequest {
+            job_id: id.to_owned(),
+        })
+        .await?
+        .into_inner())
+}
+
+/// Follows a job's events, sending `name` once when it is first assigned;
+/// returns its final state.
+async fn follow(
+    mut events: tonic::Streaming<mlxnet_proto::v1::JobEvent>,
+    name: &'static str,
+    seen: tokio::sync::mpsc::UnboundedSender<&'static str>,
+) -> anyhow::Result<JobState> {
+    let mut told = false;
+    while let Some(e) = events.message().await? {
+        match e.event {
+            Some(job_event::Event::Assigned(_)) if !told => {
+                told = true;
+                let _ = seen.send(name);
+            }
+            Some(job_event::Event::Completed(_)) => return Ok(JobState::Completed),
+            Some(job_event::Event::Failed(f)) => anyhow::bail!("{name} failed: {}", f.reason),
+            Some(job_event::Event::Cancelled(_)) => return Ok(JobState::Cancelled),
+            _ => {}
+        }
+    }
+    anyhow::bail!("{name}'s watch ended before the job did")
 }

@@ -3,7 +3,9 @@
 //! One binary; the harness is the `mlxnet_tests` library.
 
 mod audit;
+mod audit_driver;
 mod auth;
+mod client_cli;
 mod crash;
 mod devnet;
 mod handoff;
@@ -14,5 +16,6 @@ mod openai;
 mod owner;
 mod pod;
 mod restart;
+mod rewards;
 mod validation;
 mod world;
