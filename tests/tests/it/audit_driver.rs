@@ -28,8 +28,8 @@ use mlxnet_proto::{
     claim,
     frame::{read_frame, write_frame},
     v1::{
-        job_event, job_update, jobs_client::JobsClient, Assignment, AuditVerdict, JobUpdate,
-        SignedClaim, WatchJobRequest,
+        job_event, job_update, jobs_client::JobsClient, node_control, Assignment, AuditVerdict,
+        Heartbeat, JobUpdate, NodeControl, SignedClaim, WatchJobRequest,
     },
 };
 
@@ -188,24 +188,45 @@ fn bad_answer(node: &FakeNode, a: &Assignment, bad: Bad) -> Option<JobUpdate> {
 }
 
 /// Serves every assignment `node` gets as `bad`; reports each job id it
-/// was sent on `asked`. A silent auditor keeps each stream open.
+/// was sent on `asked`. A silent auditor keeps each stream open. All along
+/// the node heartbeats (once a second, well inside the coordinator's
+/// timeout): it is online and responsive, only its answers are bad.
 fn misbehave(
-    node: FakeNode,
+    mut node: FakeNode,
     bad: Bad,
     asked: tokio::sync::mpsc::UnboundedSender<String>,
 ) -> tokio::task::JoinHandle<()> {
     tokio::spawn(async move {
+        let conn = node.conn.clone();
+        let beat = NodeControl {
+            msg: Some(node_control::Msg::Heartbeat(Heartbeat {
+                free_memory_bytes: 8 << 30,
+                ..Default::default()
+            })),
+        };
+        let mut tick = tokio::time::interval(Duration::from_secs(1));
         let mut held = Vec::new();
-        while let Ok((mut send, mut recv)) = node.conn.accept_bi().await {
-            let Ok(a) = read_frame::<_, Assignment>(&mut recv).await else {
-                break;
-            };
-            let _ = asked.send(a.job_id.clone());
-            match bad_answer(&node, &a, bad) {
-                Some(update) => {
-                    let _ = write_frame(&mut send, &update).await;
+        loop {
+            tokio::select! {
+                streams = conn.accept_bi() => {
+                    let Ok((mut send, mut recv)) = streams else {
+                        break;
+                    };
+                    let Ok(a) = read_frame::<_, Assignment>(&mut recv).await else {
+                        break;
+                    };
+                    let _ = asked.send(a.job_id.clone());
+                    match bad_answer(&node, &a, bad) {
+                        Some(update) => {
+                            let _ = write_frame(&mut send, &update).await;
+                        }
+                        None => held.push((send, recv)),
+                    }
                 }
-                None => held.push((send, recv)),
+                _ = tick.tick() => {
+                    node.control(&beat).await;
+                    node.control_reply().await;
+                }
             }
         }
         drop(held);
@@ -354,7 +375,8 @@ async fn an_auditor_that_fails_the_audit_is_not_counted_and_another_decides() {
 const SHORT_WINDOW_MS: i64 = 3_000;
 
 /// No verdict in time: the only auditor online takes the audit and never
-/// answers (its stream stays open; a job may take ten minutes). The audit
+/// answers (its stream stays open, it heartbeats all along; a job may take
+/// ten minutes). The audit
 /// ends `missed` once its window ([`SHORT_WINDOW_MS`]) has closed, not when
 /// the auditor's ten minutes are up: the pay is held only for the window,
 /// and an audit still open after it could void pay already paid. The job
