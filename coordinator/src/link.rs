@@ -129,6 +129,7 @@ pub async fn accept_loop(endpoint: quinn::Endpoint, ctx: LinkContext) {
         };
         let Some(incoming) = incoming else { return };
         let Ok(slot) = Arc::clone(&slots).try_acquire_owned() else {
+            ctx.metrics.connections_refused_at_cap.inc();
             debug!(remote = %incoming.remote_address(), "node connection refused: at the connection cap");
             incoming.refuse();
             continue;

@@ -40,6 +40,9 @@ pub struct Metrics {
     pub handshakes_accepted: Counter,
     /// Node handshakes refused.
     pub handshakes_refused: Counter,
+    /// Node connections refused before their handshake because the link
+    /// held `limits.max_node_connections` connections.
+    pub connections_refused_at_cap: Counter,
     /// Model tokens streamed from nodes.
     pub tokens_streamed: Counter,
     /// Node heartbeats recorded in the store (at most one per node per
@@ -89,6 +92,10 @@ impl Default for Metrics {
         let results_refused = counter("results_refused", "Node results refused by verification.");
         let handshakes_accepted = counter("node_handshakes_accepted", "Node handshakes accepted.");
         let handshakes_refused = counter("node_handshakes_refused", "Node handshakes refused.");
+        let connections_refused_at_cap = counter(
+            "node_connections_refused_at_cap",
+            "Node connections refused because the link held limits.max_node_connections connections.",
+        );
         let tokens_streamed = counter("tokens_streamed", "Model tokens streamed from nodes.");
         let heartbeats_written = counter(
             "node_heartbeats_written",
@@ -153,6 +160,7 @@ impl Default for Metrics {
             results_refused,
             handshakes_accepted,
             handshakes_refused,
+            connections_refused_at_cap,
             tokens_streamed,
             heartbeats_written,
             heartbeats_coalesced,

@@ -465,6 +465,12 @@ async fn the_node_link_refuses_connections_over_its_cap_and_oversized_frames() {
     endpoint.set_default_client_config(client_config(&app.fingerprint));
     let second = endpoint.connect(app.quic_addr, "localhost").unwrap().await;
     assert!(second.is_err(), "a connection over the cap is refused");
+    // The refusal is counted, so an operator sees the cap being hit.
+    let metrics = crate::test_utils::http_get(app.http_addr, "/metrics").await;
+    assert!(
+        metrics.contains("node_connections_refused_at_cap_total 1\n"),
+        "{metrics}"
+    );
 
     // A frame header announcing 64 MiB: refused on the header, and the
     // connection is closed.
