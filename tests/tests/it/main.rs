@@ -6,6 +6,7 @@ mod audit;
 mod auth;
 mod crash;
 mod devnet;
+mod fleet;
 mod handoff;
 mod jobs;
 mod ledger;
