@@ -216,6 +216,8 @@ struct Report {
     verified_jobs: usize,
     verified_claims: usize,
     violations: usize,
+    /// Each failed job's attempts and error.
+    failures: Vec<String>,
     /// Completed jobs whose result a hostile node signed, by the lie its
     /// attempt drew, with the largest prompt token count and token id
     /// their claims carry.
@@ -264,6 +266,9 @@ impl Report {
              largest token id {})",
             self.hostile_results, self.hostile_max_prompt, self.hostile_max_id
         );
+        for f in &self.failures {
+            let _ = writeln!(t, "failed job: {f}");
+        }
         let _ = writeln!(
             t,
             "jobs {}: completed {} (of which {} voided by a failed audit, client refunded), \
@@ -414,6 +419,7 @@ async fn run_fleet(jobs: usize, seed: u64) -> anyhow::Result<Report> {
     let audits = Audits::of_store(&store, AuditConfig::default()).await?;
     let (mut completed, mut failed, mut voided, mut verified_jobs, mut verified_claims) =
         (0, 0, 0, 0, 0);
+    let mut failures = Vec::new();
     for run in &runs {
         match state(&run.job) {
             JobState::Completed => {
@@ -424,7 +430,18 @@ async fn run_fleet(jobs: usize, seed: u64) -> anyhow::Result<Report> {
                 verified_claims += verify_offline(&coord, &run.job_id)?;
                 verified_jobs += 1;
             }
-            _ => failed += 1,
+            _ => {
+                failed += 1;
+                failures.push(format!(
+                    "attempt {} by {:?}: {}",
+                    run.job.attempt,
+                    run.assigned_to
+                        .iter()
+                        .map(|n| n.get(..8).unwrap_or(n))
+                        .collect::<Vec<_>>(),
+                    run.job.error
+                ));
+            }
         }
     }
     let mut hostile_results = BTreeMap::new();
@@ -507,6 +524,7 @@ async fn run_fleet(jobs: usize, seed: u64) -> anyhow::Result<Report> {
         verified_jobs,
         verified_claims,
         violations,
+        failures,
         hostile_results,
         hostile_max_prompt,
         hostile_max_id,
