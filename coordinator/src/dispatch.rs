@@ -1071,9 +1071,10 @@ impl Dispatcher {
 /// What `node`'s result for `job`'s current attempt must claim, the
 /// attempt resuming after `resumed` (the tokens earlier attempts streamed):
 /// no more completion tokens than `max_tokens` leaves after them, no more
-/// prompt tokens than the input and `resumed` can make, and the digest of
-/// the job's grammar (none without one). The simulator (`mlxnet-sim`)
-/// checks its nodes' claims against the same.
+/// prompt tokens than the input and `resumed` can make, no id past the
+/// model's vocabulary, and the digest of the job's grammar (none without
+/// one). The simulator (`mlxnet-sim`) checks its nodes' claims against the
+/// same.
 pub fn expected(job: &JobRecord, model: &Model, node: NodeId, resumed: &[u32]) -> Expected {
     let resumed_len = u32::try_from(resumed.len()).unwrap_or(u32::MAX);
     Expected {
@@ -1086,6 +1087,7 @@ pub fn expected(job: &JobRecord, model: &Model, node: NodeId, resumed: &[u32]) -
         max_tokens: job.sampling.max_tokens.saturating_sub(resumed_len),
         max_prompt_tokens: ledger::settle::prompt_tokens_bound(&job.input)
             .saturating_add(resumed.len() as u64),
+        vocab_size: model.info.vocab_size,
     }
 }
 

@@ -263,10 +263,16 @@ pub struct Dialer {
 impl Dialer {
     /// Connects, opens the control stream and reads the challenge.
     pub async fn connect(app: &TestApp) -> Self {
+        Self::connect_at(app.quic_addr, &app.fingerprint).await
+    }
+
+    /// [`Dialer::connect`] to the coordinator at `quic_addr` whose
+    /// certificate is `fingerprint` (one not started by [`spawn_app`]).
+    pub async fn connect_at(quic_addr: SocketAddr, fingerprint: &str) -> Self {
         let mut endpoint = quinn::Endpoint::client("127.0.0.1:0".parse().unwrap()).unwrap();
-        endpoint.set_default_client_config(client_config(&app.fingerprint));
+        endpoint.set_default_client_config(client_config(fingerprint));
         let conn = endpoint
-            .connect(app.quic_addr, "localhost")
+            .connect(quic_addr, "localhost")
             .unwrap()
             .await
             .unwrap();
@@ -379,8 +385,19 @@ impl FakeNode {
 
     /// [`FakeNode::register`] with its Hello edited by `edit` first.
     pub async fn register_with(app: &TestApp, seed: u64, edit: impl FnOnce(&mut Hello)) -> Self {
+        Self::register_at(app.quic_addr, &app.fingerprint, seed, edit).await
+    }
+
+    /// [`FakeNode::register_with`] at the coordinator at `quic_addr` whose
+    /// certificate is `fingerprint` (one not started by [`spawn_app`]).
+    pub async fn register_at(
+        quic_addr: SocketAddr,
+        fingerprint: &str,
+        seed: u64,
+        edit: impl FnOnce(&mut Hello),
+    ) -> Self {
         let key = node_key(seed);
-        let mut dialer = Dialer::connect(app).await;
+        let mut dialer = Dialer::connect_at(quic_addr, fingerprint).await;
         let proof = dialer.proof(&key);
         let reply = dialer.hello_with(&key, proof, edit).await;
         assert!(

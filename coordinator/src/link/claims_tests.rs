@@ -151,6 +151,13 @@ async fn refused_claims_change_no_balance_and_the_honest_one_is_paid() {
             "bills more tokens than it lists",
             signed_by(&node.key, |c, _| c.completion_tokens = 8),
         ),
+        // Found by the mixed-fleet run (`tests/tests/it/fleet.rs`): a
+        // claim listing ids past the model's vocabulary completed (shown
+        // to the client as verified) until its audit failed.
+        (
+            "lists a token id outside the vocabulary",
+            signed_by(&node.key, |c, _| c.output_token_ids[0] = u32::MAX),
+        ),
     ];
     for (what, forge) in &forgeries {
         let attempt = assignment.attempt;

@@ -78,6 +78,8 @@ pub enum ResultError {
     TooManyTokens { claimed: u32, max: u32 },
     #[error("claim bills {claimed} prompt tokens, the input can make at most {max}")]
     TooManyPromptTokens { claimed: u32, max: u64 },
+    #[error("claim lists token id {id}, outside the model's vocabulary of {vocab} tokens")]
+    OutOfVocabulary { id: u32, vocab: u32 },
 }
 
 /// The most bytes a token (chosen or alternative) may carry in its logprobs.
@@ -170,6 +172,9 @@ pub struct Expected {
     /// The most prompt tokens the attempt's input (with the resumed tokens)
     /// can make: no claim may bill more.
     pub max_prompt_tokens: u64,
+    /// Tokens in the model's vocabulary (0 = unknown): no claimed id may
+    /// be past it.
+    pub vocab_size: u32,
 }
 
 /// Accepts `signed` only if it is this node's signed claim about exactly this
@@ -222,6 +227,18 @@ pub fn check_result(signed: &SignedClaim, expected: &Expected) -> Result<(), Res
             claimed: c.prompt_tokens,
             max: expected.max_prompt_tokens,
         });
+    }
+    if expected.vocab_size > 0 {
+        if let Some(&id) = c
+            .output_token_ids
+            .iter()
+            .find(|&&id| id >= expected.vocab_size)
+        {
+            return Err(ResultError::OutOfVocabulary {
+                id,
+                vocab: expected.vocab_size,
+            });
+        }
     }
     Ok(())
 }
@@ -340,6 +357,7 @@ mod tests {
             grammar_sha256: None,
             max_tokens: 16,
             max_prompt_tokens: 100,
+            vocab_size: 1_000,
         };
         let claim = ResultClaim {
             job_id: expected.job_id.clone(),
@@ -436,6 +454,13 @@ mod tests {
                 ResultError::TooManyPromptTokens {
                     claimed: 101,
                     max: 100,
+                },
+            ),
+            (
+                Box::new(|c| c.output_token_ids[1] = 1_000),
+                ResultError::OutOfVocabulary {
+                    id: 1_000,
+                    vocab: 1_000,
                 },
             ),
         ];
