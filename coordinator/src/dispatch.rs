@@ -38,7 +38,7 @@
 //! wake; they never take the process down.
 
 use std::{
-    collections::HashMap,
+    collections::{BTreeSet, HashMap},
     sync::{Arc, Mutex},
     time::Duration,
 };
@@ -170,11 +170,12 @@ pub struct Dispatcher {
     audits: Arc<Audits>,
     wake: Arc<Notify>,
     running: Mutex<HashMap<JobId, CancellationToken>>,
-    /// The node whose attempt of a queued job just failed (hex): its next
-    /// placement avoids it while another node can take it. Kept in memory
-    /// (a hint, not a record), cleared when the job is placed or ends, and
-    /// bounded by [`FAILED_ON_MAX`].
-    failed_on: Mutex<HashMap<JobId, String>>,
+    /// The nodes whose attempts of a job failed (hex): its later
+    /// placements avoid every one of them while another node can take it
+    /// (not only the last: a job must not go A, B, A while C is free). Kept
+    /// in memory (a hint, not a record), dropped when the job completes,
+    /// is cancelled or fails for good, and bounded by [`FAILED_ON_MAX`].
+    failed_on: Mutex<HashMap<JobId, BTreeSet<String>>>,
     /// What each node has shown (decayed reliability, observed decode
     /// speed), which placement ranks it by instead of its Hello's figures
     /// alone. In memory, per process, like `failed_on`; bounded by
@@ -360,9 +361,9 @@ impl Dispatcher {
                 // probation takes at most `probation_running` jobs at once beside
                 // the established nodes (pass 1); the jobs left go to established
                 // nodes (pass 2), then to anyone (pass 3: a network of new nodes
-                // still runs every job). A retried job is not handed straight back
-                // to the node whose attempt just failed while another node can
-                // take it (passes 1 and 2).
+                // still runs every job). A retried job is not handed back to a
+                // node whose attempt failed it while another node can take it
+                // (passes 1 and 2).
                 let cap = self.audits.config.probation_running;
                 let mut room: HashMap<NodeId, u32> = HashMap::new();
                 let mut first = Vec::new();
@@ -413,7 +414,6 @@ impl Dispatcher {
                 reason,
                 ..
             } = p;
-            lock(&self.failed_on).remove(&job.id);
             Metrics::observe_since_ms(&self.metrics.placement_seconds, job.updated_at_ms, now_ms());
             let token = self.shutdown.child_token();
             lock(&self.running).insert(job.id, token.clone());
@@ -436,19 +436,20 @@ impl Dispatcher {
         Ok(())
     }
 
-    /// [`Self::plan`], with each retried job kept off the node whose
-    /// attempt just failed it; returns the plan and the jobs not placed.
+    /// [`Self::plan`], with each retried job kept off every node whose
+    /// attempt failed it; returns the plan and the jobs not placed.
     fn plan_away(
         &self,
         sessions: &[Arc<Session>],
         claimed: Vec<Claimed>,
     ) -> (Vec<Planned>, Vec<Claimed>) {
-        let mut groups: Vec<(Option<String>, Vec<Claimed>)> = Vec::new();
+        let mut groups: Vec<(BTreeSet<String>, Vec<Claimed>)> = Vec::new();
         for (job, account) in claimed {
             let avoid = lock(&self.failed_on)
                 .get(&job.id)
                 .cloned()
-                .filter(|_| job.attempt > 1);
+                .filter(|_| job.attempt > 1)
+                .unwrap_or_default();
             match groups.iter_mut().find(|(a, _)| *a == avoid) {
                 Some((_, jobs)) => jobs.push((job, account)),
                 None => groups.push((avoid, vec![(job, account)])),
@@ -459,7 +460,7 @@ impl Dispatcher {
         for (avoid, jobs) in groups {
             let away: Vec<_> = sessions
                 .iter()
-                .filter(|s| avoid.as_deref() != Some(s.node_id.to_string().as_str()))
+                .filter(|s| !avoid.contains(&s.node_id.to_string()))
                 .cloned()
                 .collect();
             let ids: Vec<_> = jobs.iter().map(|(j, a)| (j.clone(), a.clone())).collect();
@@ -580,6 +581,9 @@ impl Dispatcher {
             .set_status(&node_hex, crate::world::Status::Serving);
         let (outcome, mut segment) = self.drive(&job, &model, &session, &cancel).await;
         self.learn(session.node_id, &job, &model, &outcome);
+        if matches!(outcome, Outcome::Completed(_) | Outcome::Cancelled) {
+            lock(&self.failed_on).remove(&job.id);
+        }
         // A job has one attempt at a time, so the entry (if a cancel did not
         // already take it) is this attempt's.
         lock(&self.running).remove(&job.id);
@@ -593,7 +597,10 @@ impl Dispatcher {
                 if failed_on.len() >= FAILED_ON_MAX {
                     failed_on.clear();
                 }
-                failed_on.insert(job.id, node_hex.clone());
+                failed_on
+                    .entry(job.id)
+                    .or_default()
+                    .insert(node_hex.clone());
             }
             self.count_work(
                 &node_hex,

@@ -626,6 +626,81 @@ async fn a_job_a_node_just_failed_goes_to_another_node() {
     app.stop().await;
 }
 
+/// The next assignment of any of `nodes`: which one got it, and it.
+async fn next_of_three(
+    nodes: [&FakeNode; 3],
+) -> (usize, quinn::SendStream, quinn::RecvStream, Assignment) {
+    let got = tokio::time::timeout(WAIT, async {
+        tokio::select! {
+            (send, recv, a) = nodes[0].next_assignment() => (0, send, recv, a),
+            (send, recv, a) = nodes[1].next_assignment() => (1, send, recv, a),
+            (send, recv, a) = nodes[2].next_assignment() => (2, send, recv, a),
+        }
+    })
+    .await;
+    got.expect("no node was assigned the job")
+}
+
+/// A retried job is kept off every node that already failed it, not only
+/// the last one, while another node can take it (the mixed-fleet run saw
+/// jobs fail for good on attempts by A, B, A). Three nodes alike but for
+/// their free memory (A least, C most): best fit prefers A, then B, then C,
+/// and one failure leaves a node in the reliable tier, so only the rule
+/// keeps the third attempt off A.
+#[tokio::test]
+async fn a_job_is_not_handed_back_to_any_node_that_failed_it() {
+    let app = app().await;
+    let free = |gib: u64| {
+        move |h: &mut mlxnet_proto::v1::Hello| {
+            if let Some(hw) = h.hardware.as_mut() {
+                hw.free_memory_bytes = gib << 30;
+            }
+        }
+    };
+    let nodes = [
+        FakeNode::register_with(&app, TRUSTED[0], free(4)).await,
+        FakeNode::register_with(&app, TRUSTED[1], free(6)).await,
+        FakeNode::register_with(&app, TRUSTED[2], free(8)).await,
+    ];
+    let [a, b, c] = &nodes;
+    let mut jobs = JobsClient::new(app.grpc().await);
+    let job = jobs
+        .submit(prompt_job("The capital of France is", 8))
+        .await
+        .unwrap()
+        .into_inner()
+        .id;
+    let failure = JobUpdate {
+        msg: Some(job_update::Msg::Failure(job_update::Failure {
+            reason: "out of memory".into(),
+            retryable: true,
+        })),
+    };
+    let mut by = Vec::new();
+    let mut held = Vec::new();
+    for attempt in 1..=3u32 {
+        let (which, mut send, recv, got) = next_of_three([a, b, c]).await;
+        assert_eq!((got.job_id.as_str(), got.attempt), (job.as_str(), attempt));
+        by.push(which);
+        if attempt < 3 {
+            write_frame(&mut send, &failure).await.unwrap();
+        }
+        held.push((send, recv));
+    }
+    let mut distinct = by.clone();
+    distinct.sort_unstable();
+    distinct.dedup();
+    assert_eq!(
+        distinct.len(),
+        3,
+        "attempts by nodes {by:?}: a retry went back to a node that had failed the job"
+    );
+    let broken = app.ledger.violations(now_ms()).await.unwrap();
+    assert!(broken.is_empty(), "{broken:?}");
+    drop(held);
+    app.stop().await;
+}
+
 /// Hole 5: placement learns from evidence. A node whose Hello reports a
 /// thousand times the honest node's bandwidth (registered first, so on a
 /// tie it wins) fails every attempt it gets; once it has failed one, the
