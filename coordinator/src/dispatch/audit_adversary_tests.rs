@@ -492,7 +492,7 @@ async fn a_node_on_probation_earns_no_availability_reward() {
             .unwrap()
             .into_inner()
             .id;
-        let (which, send, _recv, a) = next_of_either([&new, &old]).await;
+        let (which, send, _recv, a) = next_of(&[&new, &old]).await;
         assert_eq!(a.job_id, job);
         held.push((which, send, a));
     }
@@ -564,18 +564,13 @@ async fn a_node_on_probation_earns_no_availability_reward() {
     app.stop().await;
 }
 
-/// The next assignment of either node: which one (0 or 1) got it, and it.
-async fn next_of_either(
-    nodes: [&FakeNode; 2],
-) -> (usize, quinn::SendStream, quinn::RecvStream, Assignment) {
-    let got = tokio::time::timeout(WAIT, async {
-        tokio::select! {
-            (send, recv, a) = nodes[0].next_assignment() => (0, send, recv, a),
-            (send, recv, a) = nodes[1].next_assignment() => (1, send, recv, a),
-        }
-    })
-    .await;
-    got.expect("neither node was assigned the job")
+/// The next assignment of any of `nodes`: which one (its index) got it,
+/// and it.
+async fn next_of(nodes: &[&FakeNode]) -> (usize, quinn::SendStream, quinn::RecvStream, Assignment) {
+    let waits = nodes.iter().map(|n| Box::pin(n.next_assignment()));
+    let got = tokio::time::timeout(WAIT, futures::future::select_all(waits)).await;
+    let ((send, recv, a), which, _) = got.expect("no node was assigned the job");
+    (which, send, recv, a)
 }
 
 /// Hole 5: a job whose attempt a node just failed is not handed straight
@@ -593,7 +588,7 @@ async fn a_job_a_node_just_failed_goes_to_another_node() {
         .unwrap()
         .into_inner()
         .id;
-    let (first, mut send, _recv, got) = next_of_either([&a, &b]).await;
+    let (first, mut send, _recv, got) = next_of(&[&a, &b]).await;
     assert_eq!(got.job_id, job);
     let failure = JobUpdate {
         msg: Some(job_update::Msg::Failure(job_update::Failure {
@@ -602,7 +597,7 @@ async fn a_job_a_node_just_failed_goes_to_another_node() {
         })),
     };
     write_frame(&mut send, &failure).await.unwrap();
-    let (second, _send, _recv, again) = next_of_either([&a, &b]).await;
+    let (second, _send, _recv, again) = next_of(&[&a, &b]).await;
     assert_eq!((again.job_id.as_str(), again.attempt), (job.as_str(), 2));
     assert_ne!(
         first, second,
@@ -624,21 +619,6 @@ async fn a_job_a_node_just_failed_goes_to_another_node() {
     let broken = app.ledger.violations(now_ms()).await.unwrap();
     assert!(broken.is_empty(), "{broken:?}");
     app.stop().await;
-}
-
-/// The next assignment of any of `nodes`: which one got it, and it.
-async fn next_of_three(
-    nodes: [&FakeNode; 3],
-) -> (usize, quinn::SendStream, quinn::RecvStream, Assignment) {
-    let got = tokio::time::timeout(WAIT, async {
-        tokio::select! {
-            (send, recv, a) = nodes[0].next_assignment() => (0, send, recv, a),
-            (send, recv, a) = nodes[1].next_assignment() => (1, send, recv, a),
-            (send, recv, a) = nodes[2].next_assignment() => (2, send, recv, a),
-        }
-    })
-    .await;
-    got.expect("no node was assigned the job")
 }
 
 /// A retried job is kept off every node that already failed it, not only
@@ -679,7 +659,7 @@ async fn a_job_is_not_handed_back_to_any_node_that_failed_it() {
     let mut by = Vec::new();
     let mut held = Vec::new();
     for attempt in 1..=3u32 {
-        let (which, mut send, recv, got) = next_of_three([a, b, c]).await;
+        let (which, mut send, recv, got) = next_of(&[a, b, c]).await;
         assert_eq!((got.job_id.as_str(), got.attempt), (job.as_str(), attempt));
         by.push(which);
         if attempt < 3 {
@@ -728,7 +708,7 @@ async fn a_node_that_fails_its_jobs_stops_winning_placement_however_fast_its_hel
             .unwrap()
             .into_inner()
             .id;
-        let (mut which, mut send, mut _recv, mut a) = next_of_either([&hostile, &honest]).await;
+        let (mut which, mut send, mut _recv, mut a) = next_of(&[&hostile, &honest]).await;
         first_attempts[which] += 1;
         if which == 0 {
             let failure = JobUpdate {
@@ -738,7 +718,7 @@ async fn a_node_that_fails_its_jobs_stops_winning_placement_however_fast_its_hel
                 })),
             };
             write_frame(&mut send, &failure).await.unwrap();
-            (which, send, _recv, a) = next_of_either([&hostile, &honest]).await;
+            (which, send, _recv, a) = next_of(&[&hostile, &honest]).await;
             assert_eq!(which, 1, "the retry went back to the failing node");
         }
         assert_eq!(a.job_id, job);
@@ -792,7 +772,7 @@ async fn a_new_key_takes_one_job_at_a_time_while_an_established_node_has_room() 
         jobs.submit(prompt_job(&format!("Count to {i}"), 8))
             .await
             .unwrap();
-        let (which, send, recv, _) = next_of_either([&established, &fast]).await;
+        let (which, send, recv, _) = next_of(&[&established, &fast]).await;
         by_node[which] += 1;
         held.push((send, recv));
     }
