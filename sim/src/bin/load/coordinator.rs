@@ -3,7 +3,7 @@
 //! from `/proc` and it can be killed with SIGKILL and started again.
 //!
 //! The child builds `Application` on its data directory (SQLite, audits
-//! off), makes the load's client account and API key once (kept in
+//! off; or on `--database-url`), makes the load's client account and API key once (kept in
 //! `DIR/load-key`, so a restarted child serves the same client), prints one
 //! `READY <grpc> <quic> <fingerprint> <key>` line and runs until its stdin
 //! closes. Started with `--grpc-port`/`--quic-port` it binds those ports
@@ -38,6 +38,7 @@ pub(crate) async fn child(dir: PathBuf, args: &Args) -> Result<()> {
     let local = |port: u16| std::net::SocketAddr::from(([127, 0, 0, 1], port));
     config.grpc_addr = local(args.grpc_port);
     config.quic_addr = local(args.quic_port);
+    config.database_url = args.database_url.clone();
     config.heartbeat_interval_ms = args.heartbeat_ms;
     config.heartbeat_timeout_ms = args.heartbeat_ms * 3;
     config.limits.max_node_connections = args.nodes + 64;
@@ -114,6 +115,11 @@ impl Coordinator {
             .arg(grpc_port.to_string())
             .arg("--quic-port")
             .arg(quic_port.to_string())
+            .args(
+                args.database_url
+                    .iter()
+                    .flat_map(|url| ["--database-url", url.as_str()]),
+            )
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())

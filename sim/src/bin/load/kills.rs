@@ -1,6 +1,7 @@
 //! The process-kill run: the real coordinator is killed with SIGKILL at
 //! seeded random moments while virtual nodes serve and clients submit, and
-//! started again each time on the same SQLite database and ports; at the
+//! started again each time on the same database (SQLite, or PostgreSQL
+//! with `--postgres`) and ports; at the
 //! end every job and the books are checked against the database.
 //!
 //! What it counts, from the database once the last coordinator has stopped:
@@ -87,12 +88,62 @@ struct Outcome {
     watch_breaks: u32,
 }
 
-pub(crate) async fn run(args: Args) -> Result<()> {
+pub(crate) async fn run(mut args: Args) -> Result<()> {
     let dir = std::env::temp_dir().join(format!("mlxnet-kills-{}", std::process::id()));
     std::fs::create_dir_all(&dir)?;
+    let fresh = match &args.postgres {
+        Some(server) => Some(FreshDatabase::create(server).await?),
+        None => None,
+    };
+    args.database_url = fresh.as_ref().map(|f| f.url.clone());
     let result = kills(&args, &dir).await;
+    if let Some(fresh) = fresh {
+        fresh.drop_it().await;
+    }
     let _ = std::fs::remove_dir_all(&dir);
     result
+}
+
+/// A database of the run's own on a PostgreSQL server.
+struct FreshDatabase {
+    server: String,
+    name: String,
+    url: String,
+}
+
+impl FreshDatabase {
+    async fn create(server: &str) -> Result<Self> {
+        use sqlx::{Connection, Executor};
+        let name = format!("mlxnet_kills_{}", std::process::id());
+        let mut admin = sqlx::PgConnection::connect(server)
+            .await
+            .context("connecting to the PostgreSQL server")?;
+        admin
+            .execute(format!("DROP DATABASE IF EXISTS {name}").as_str())
+            .await?;
+        admin
+            .execute(format!("CREATE DATABASE {name}").as_str())
+            .await?;
+        admin.close().await?;
+        let (base, _) = server
+            .rsplit_once('/')
+            .context("a server URL ends in /DATABASE")?;
+        Ok(Self {
+            server: server.to_owned(),
+            url: format!("{base}/{name}"),
+            name,
+        })
+    }
+
+    async fn drop_it(self) {
+        use sqlx::{Connection, Executor};
+        if let Ok(mut admin) = sqlx::PgConnection::connect(&self.server).await {
+            let _ = admin
+                .execute(format!("DROP DATABASE IF EXISTS {} WITH (FORCE)", self.name).as_str())
+                .await;
+            let _ = admin.close().await;
+        }
+    }
 }
 
 async fn kills(args: &Args, dir: &std::path::Path) -> Result<()> {
@@ -212,7 +263,8 @@ async fn kills(args: &Args, dir: &std::path::Path) -> Result<()> {
     let settle_s = started.elapsed().as_secs_f64() - kill_s;
     // A clean stop, then the database is the judge.
     drop(coordinator);
-    let config = CoordinatorConfig::for_data_dir(dir.to_path_buf());
+    let mut config = CoordinatorConfig::for_data_dir(dir.to_path_buf());
+    config.database_url = args.database_url.clone();
     let store = AnyStore::connect(&config.database_url())
         .await
         .context("opening the run's database")?;
@@ -260,8 +312,9 @@ async fn kills(args: &Args, dir: &std::path::Path) -> Result<()> {
     let restart_max = restarts.last().copied().unwrap_or(f64::NAN);
 
     println!(
-        "process-kill run: {} kills (mean gap {} ms, seed {}), {} nodes, submits at {}/s, {} tokens each; build profile {}",
-        args.kills, args.kill_every_ms, args.seed, args.nodes, args.rate, args.max_tokens, PROFILE
+        "process-kill run: {} kills (mean gap {} ms, seed {}), {} nodes, submits at {}/s, {} tokens each, on {}; build profile {}",
+        args.kills, args.kill_every_ms, args.seed, args.nodes, args.rate, args.max_tokens,
+        if args.database_url.is_some() { "PostgreSQL" } else { "SQLite" }, PROFILE
     );
     println!(
         "  kill phase {kill_s:.0} s, settle {settle_s:.0} s; restart (kill to READY) p50 {restart_p50:.0} ms, max {restart_max:.0} ms"

@@ -130,6 +130,15 @@ struct Args {
     /// has to reach an end before it counts as lost.
     #[arg(long, default_value_t = 300)]
     settle_s: u64,
+    /// The process-kill run on PostgreSQL: the URL of a server's database
+    /// (`postgres://USER@HOST:PORT/postgres`); the run creates a fresh
+    /// database there for the coordinator and drops it at the end.
+    /// Without it the coordinator uses SQLite in its data directory.
+    #[arg(long)]
+    postgres: Option<String>,
+    /// Internal: the child's database URL.
+    #[arg(long, hide = true)]
+    database_url: Option<String>,
     /// Internal: the child's gRPC port (0: any).
     #[arg(long, default_value_t = 0, hide = true)]
     grpc_port: u16,
