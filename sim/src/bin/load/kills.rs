@@ -71,7 +71,8 @@ enum Ended {
     Completed,
     /// Completed, but its claim did not verify (the reason).
     Unverified(String),
-    Failed,
+    /// Failed (the reason the coordinator gave).
+    Failed(String),
     Cancelled,
 }
 
@@ -293,7 +294,13 @@ async fn kills(args: &Args, dir: &std::path::Path) -> Result<()> {
             .count()
     };
     let completed = count(|e| matches!(e, Ended::Completed));
-    let failed = count(|e| matches!(e, Ended::Failed));
+    let failed = count(|e| matches!(e, Ended::Failed(_)));
+    let mut reasons = BTreeMap::<&str, usize>::new();
+    for o in &outcomes {
+        if let Some(Ended::Failed(why)) = &o.ended {
+            *reasons.entry(why.as_str()).or_default() += 1;
+        }
+    }
     let cancelled = count(|e| matches!(e, Ended::Cancelled));
     let unverified: Vec<&String> = outcomes
         .iter()
@@ -331,6 +338,9 @@ async fn kills(args: &Args, dir: &std::path::Path) -> Result<()> {
         acked.len()
     );
     println!("  database jobs {}: {by_state:?}", jobs.len());
+    for (why, n) in &reasons {
+        println!("    failed cleanly, {n} x: {why}");
+    }
     println!("  {:<56} {:>10} {:>6}", "figure", "measured", "goal");
     println!(
         "  {:<56} {:>10} {:>6}",
@@ -469,7 +479,7 @@ async fn watch_to_end(jobs: &mut JobsClient<Authed>, id: &str) -> Option<Ended> 
                     None => Ended::Unverified("a completion without its job".into()),
                 })
             }
-            Some(job_event::Event::Failed(_)) => return Some(Ended::Failed),
+            Some(job_event::Event::Failed(f)) => return Some(Ended::Failed(f.reason)),
             Some(job_event::Event::Cancelled(_)) => return Some(Ended::Cancelled),
             _ => {}
         }
@@ -481,7 +491,7 @@ async fn watch_to_end(jobs: &mut JobsClient<Authed>, id: &str) -> Option<Ended> 
 fn ended(job: &Job) -> Option<Ended> {
     match job.state() {
         JobState::Completed => Some(verified(job)),
-        JobState::Failed => Some(Ended::Failed),
+        JobState::Failed => Some(Ended::Failed(job.error.clone())),
         JobState::Cancelled => Some(Ended::Cancelled),
         _ => None,
     }
