@@ -6,6 +6,7 @@
 #
 #   export MLXNET_TEST_DATABASE_URL=$(scripts/pg-test-server.sh)
 #   scripts/pg-test-server.sh stop DIR      # stops the server started in DIR, removes DIR
+#   scripts/pg-test-server.sh restart DIR   # kills it (immediate mode) and starts it again
 #
 # PostgreSQL refuses to run as root: as root the cluster belongs to (and the
 # server runs as) the `postgres` user, created if missing. The binaries are
@@ -42,6 +43,14 @@ if [ "${1:-}" = stop ]; then
   [ -f "$dir/data/PG_VERSION" ] || { echo "pg-test-server: $dir holds no cluster" >&2; exit 1; }
   as_owner "$BIN/pg_ctl" -D "$dir/data" -m fast stop >/dev/null
   rm -rf "$dir"
+  exit 0
+fi
+
+if [ "${1:-}" = restart ]; then
+  dir=${2:?usage: pg-test-server.sh restart DIR}
+  [ -f "$dir/data/PG_VERSION" ] || { echo "pg-test-server: $dir holds no cluster" >&2; exit 1; }
+  # Immediate: no clean shutdown, as a crash; -w waits until it accepts again.
+  as_owner "$BIN/pg_ctl" -D "$dir/data" -m immediate -w -l "$dir/log" restart >/dev/null
   exit 0
 fi
 

@@ -721,6 +721,10 @@ impl Dispatcher {
         };
         if !self.store.complete(&completion).await? {
             debug!("result arrived after the attempt ended; ignored");
+            // An earlier try of this record may have committed and lost
+            // only its answer (the database went away after the commit):
+            // then this job's watchers still wait for its end.
+            self.publish_end(job.id).await;
             return Ok(());
         }
         self.metrics.jobs_completed.inc();
@@ -744,14 +748,45 @@ impl Dispatcher {
         if let Err(e) = self.world.record_job(node_hex, tokens) {
             debug!(error = %e, "world map: job of a node it does not show");
         }
-        if let Some(done) = self.store.get_job(job.id).await? {
-            // The segments, so a watcher verifies a resumed job whole.
-            let segments = self.store.segments(job.id).await?;
-            if let Some(event) = terminal_event(&done, &segments).and_then(|e| e.event) {
-                self.hub.publish(job.id, event);
+        // The completion is committed: nothing after it may fail this
+        // record, or the caller's retry would find the attempt ended and
+        // the watchers would never be sent the end.
+        self.publish_end(job.id).await;
+        Ok(())
+    }
+
+    /// Sends `id`'s end (completed with its claim and segments, so a
+    /// watcher verifies a resumed job whole; failed; cancelled) to its
+    /// watchers on this replica, reading it from the store with retries
+    /// until it is read or the coordinator stops. Nothing when the job has
+    /// not ended. Sending an end twice is harmless: the hub forgets a job
+    /// at its first end.
+    async fn publish_end(&self, id: JobId) {
+        let mut tries = 0;
+        loop {
+            let read = async {
+                let Some(done) = self.store.get_job(id).await? else {
+                    return Ok(None);
+                };
+                let segments = self.store.segments(id).await?;
+                Ok::<_, StoreError>(terminal_event(&done, &segments).and_then(|e| e.event))
+            };
+            match read.await {
+                Ok(Some(event)) => return self.hub.publish(id, event),
+                Ok(None) => return,
+                Err(e) if !self.shutdown.is_cancelled() => {
+                    tries += 1;
+                    warn!(error = %error_chain(&e), tries, "reading the job's end failed; retrying");
+                    if let Some(wait) = record_backoff(tries) {
+                        tokio::time::sleep(wait).await;
+                    }
+                }
+                Err(e) => {
+                    warn!(error = %error_chain(&e), "reading the job's end failed");
+                    return;
+                }
             }
         }
-        Ok(())
     }
 
     /// Adds `delta` to `node_hex`'s record (its reputation); a store error
@@ -804,7 +839,12 @@ impl Dispatcher {
                     }),
                 );
             }
-            None => debug!("attempt had already ended"),
+            None => {
+                debug!("attempt had already ended");
+                // As in `record_completion`: an earlier try may have
+                // committed this end and lost only its answer.
+                self.publish_end(job.id).await;
+            }
         }
         Ok(())
     }

@@ -13,6 +13,9 @@
 //!   resolved twice, an open hold past its deadline, an ended job whose hold
 //!   is open, payouts and fee against the post, a failed job that paid);
 //!   so a double payment or a hold resolved twice is a violation;
+//! - **ends sent**: a watch silent for 20 s is checked with Get; a job
+//!   that had ended by then was never sent to its watcher (an end event
+//!   lost), which counts as a failure;
 //! - **claims**: every completed job's claim is checked by its client (its
 //!   signature, its job and its node), as `mlxnet submit` does.
 //!
@@ -26,6 +29,10 @@
 //! again with backoff; the restarted coordinator requeues its earlier
 //! incarnation's jobs at start (same replica id, kept in its data
 //! directory).
+//!
+//! With `--restart-postgres CMD` each fault restarts the PostgreSQL server
+//! instead (CMD, through `sh -c`) and the coordinator is never killed: it
+//! must ride the restarts out with the same checks at the end.
 //!
 //! Failure: exits non-zero on a lost or missing job, a broken invariant or
 //! a claim that does not verify; the figures are printed first.
@@ -87,6 +94,22 @@ struct Outcome {
     submit_errors: u32,
     /// Watches that broke before the job ended.
     watch_breaks: u32,
+    /// Watches silent for [`WATCH_SILENCE`] while Get said the job had
+    /// ended: the coordinator never sent the end to its watcher.
+    end_unsent: bool,
+}
+
+/// A watch that says nothing for this long is checked with Get (a job of
+/// `--max-tokens` on the slowest chip takes well under a second).
+const WATCH_SILENCE: Duration = Duration::from_secs(20);
+
+/// How a watch stopped.
+enum Watched {
+    Ended(Ended),
+    /// The stream broke or ended without the job's end.
+    Broke,
+    /// Nothing for [`WATCH_SILENCE`].
+    Silent,
 }
 
 pub(crate) async fn run(mut args: Args) -> Result<()> {
@@ -236,14 +259,24 @@ async fn kills(args: &Args, dir: &std::path::Path) -> Result<()> {
     for k in 1..=args.kills {
         let gap = -(1.0 - rng.gen::<f64>()).ln() * mean;
         tokio::time::sleep(Duration::from_millis(gap.max(50.0) as u64)).await;
-        coordinator.kill()?;
         let t = Instant::now();
-        coordinator = restart(dir, args, ports).await?;
+        match &args.restart_postgres {
+            Some(command) => restart_postgres(command).await?,
+            None => {
+                coordinator.kill()?;
+                coordinator = restart(dir, args, ports).await?;
+            }
+        }
         restarts.push(t.elapsed().as_secs_f64() * 1000.0);
         if k % 10 == 0 || k == args.kills {
             eprintln!(
-                "  {k}/{} kills, {:.0} s, node registrations after restarts {}",
+                "  {k}/{} {}, {:.0} s, node registrations after restarts {}",
                 args.kills,
+                if args.restart_postgres.is_some() {
+                    "PostgreSQL restarts"
+                } else {
+                    "kills"
+                },
                 started.elapsed().as_secs_f64(),
                 rewelcomed.load(Ordering::Relaxed)
             );
@@ -311,6 +344,7 @@ async fn kills(args: &Args, dir: &std::path::Path) -> Result<()> {
         .collect();
     let submit_errors: u32 = outcomes.iter().map(|o| o.submit_errors).sum();
     let watch_breaks: u32 = outcomes.iter().map(|o| o.watch_breaks).sum();
+    let end_unsent = outcomes.iter().filter(|o| o.end_unsent).count();
     restarts.sort_by(f64::total_cmp);
     let restart_p50 = restarts
         .get(restarts.len() / 2)
@@ -319,12 +353,16 @@ async fn kills(args: &Args, dir: &std::path::Path) -> Result<()> {
     let restart_max = restarts.last().copied().unwrap_or(f64::NAN);
 
     println!(
-        "process-kill run: {} kills (mean gap {} ms, seed {}), {} nodes, submits at {}/s, {} tokens each, on {}; build profile {}",
-        args.kills, args.kill_every_ms, args.seed, args.nodes, args.rate, args.max_tokens,
+        "process-kill run: {} {} (mean gap {} ms, seed {}), {} nodes, submits at {}/s, {} tokens each, on {}; build profile {}",
+        args.kills,
+        if args.restart_postgres.is_some() { "PostgreSQL restarts" } else { "kills" },
+        args.kill_every_ms, args.seed, args.nodes, args.rate, args.max_tokens,
         if args.database_url.is_some() { "PostgreSQL" } else { "SQLite" }, PROFILE
     );
     println!(
-        "  kill phase {kill_s:.0} s, settle {settle_s:.0} s; restart (kill to READY) p50 {restart_p50:.0} ms, max {restart_max:.0} ms"
+        "  {} {kill_s:.0} s, settle {settle_s:.0} s; restart ({}) p50 {restart_p50:.0} ms, max {restart_max:.0} ms",
+        if args.restart_postgres.is_some() { "PostgreSQL-restart phase (the coordinator kept running)" } else { "kill phase" },
+        if args.restart_postgres.is_some() { "the command's run" } else { "kill to READY" }
     );
     println!(
         "  node registrations after restarts {}, registrations retried {}",
@@ -366,6 +404,10 @@ async fn kills(args: &Args, dir: &std::path::Path) -> Result<()> {
     );
     println!(
         "  {:<56} {:>10} {:>6}",
+        "ended jobs whose watcher was never sent the end", end_unsent, 0
+    );
+    println!(
+        "  {:<56} {:>10} {:>6}",
         "completed jobs whose claim did not verify",
         unverified.len(),
         0
@@ -383,6 +425,7 @@ async fn kills(args: &Args, dir: &std::path::Path) -> Result<()> {
     if !not_ended.is_empty()
         || !missing.is_empty()
         || unsettled > 0
+        || end_unsent > 0
         || !violations.is_empty()
         || !unverified.is_empty()
     {
@@ -413,6 +456,23 @@ async fn restart(dir: &std::path::Path, args: &Args, ports: (u16, u16)) -> Resul
         .context("restarting the coordinator"))
 }
 
+/// Runs `command` (restarting the PostgreSQL server) through `sh -c`.
+async fn restart_postgres(command: &str) -> Result<()> {
+    let command = command.to_owned();
+    let status = tokio::task::spawn_blocking(move || {
+        std::process::Command::new("sh")
+            .arg("-c")
+            .arg(&command)
+            .stdout(std::process::Stdio::null())
+            .status()
+    })
+    .await??;
+    if !status.success() {
+        bail!("restarting PostgreSQL failed: {status}");
+    }
+    Ok(())
+}
+
 /// Submits one job (again while the coordinator is down) and follows it
 /// through kills, by Watch and then Get, until it ends.
 async fn follow_job(
@@ -436,7 +496,9 @@ async fn follow_job(
         priority: 0,
     };
     let id = loop {
-        match jobs.submit(request.clone()).await {
+        // A Submit that hangs (its coordinator killed mid-call) is an error.
+        let submitted = tokio::time::timeout(WATCH_SILENCE, jobs.submit(request.clone())).await;
+        match submitted.map_err(|_| ()).and_then(|r| r.map_err(|_| ())) {
             Ok(job) => break job.into_inner().id,
             Err(_) if stop.load(Ordering::Relaxed) && out.submit_errors > 40 => return out,
             Err(_) => {
@@ -447,14 +509,21 @@ async fn follow_job(
     };
     out.id = Some(id.clone());
     loop {
-        if let Some(ended) = watch_to_end(&mut jobs, &id).await {
-            out.ended = Some(ended);
-            return out;
-        }
-        out.watch_breaks += 1;
-        tokio::time::sleep(Duration::from_millis(300)).await;
+        let silent = match watch_to_end(&mut jobs, &id).await {
+            Watched::Ended(ended) => {
+                out.ended = Some(ended);
+                return out;
+            }
+            Watched::Broke => {
+                out.watch_breaks += 1;
+                tokio::time::sleep(Duration::from_millis(300)).await;
+                false
+            }
+            Watched::Silent => true,
+        };
         if let Ok(job) = jobs.get(GetJobRequest { job_id: id.clone() }).await {
             if let Some(ended) = ended(&job.into_inner()) {
+                out.end_unsent |= silent;
                 out.ended = Some(ended);
                 return out;
             }
@@ -463,28 +532,33 @@ async fn follow_job(
 }
 
 /// Watches `id` until it ends (`Some`) or the stream breaks (`None`).
-async fn watch_to_end(jobs: &mut JobsClient<Authed>, id: &str) -> Option<Ended> {
-    let mut events = jobs
-        .watch(WatchJobRequest {
-            job_id: id.to_owned(),
-        })
-        .await
-        .ok()?
-        .into_inner();
-    while let Some(Ok(ev)) = events.next().await {
+async fn watch_to_end(jobs: &mut JobsClient<Authed>, id: &str) -> Watched {
+    let watch = jobs.watch(WatchJobRequest {
+        job_id: id.to_owned(),
+    });
+    let mut events = match tokio::time::timeout(WATCH_SILENCE, watch).await {
+        Ok(Ok(events)) => events.into_inner(),
+        Ok(Err(_)) => return Watched::Broke,
+        Err(_) => return Watched::Silent,
+    };
+    loop {
+        let ev = match tokio::time::timeout(WATCH_SILENCE, events.next()).await {
+            Ok(Some(Ok(ev))) => ev,
+            Ok(_) => return Watched::Broke,
+            Err(_) => return Watched::Silent,
+        };
         match ev.event {
             Some(job_event::Event::Completed(c)) => {
-                return Some(match c.job {
+                return Watched::Ended(match c.job {
                     Some(job) => verified(&job),
                     None => Ended::Unverified("a completion without its job".into()),
                 })
             }
-            Some(job_event::Event::Failed(f)) => return Some(Ended::Failed(f.reason)),
-            Some(job_event::Event::Cancelled(_)) => return Some(Ended::Cancelled),
+            Some(job_event::Event::Failed(f)) => return Watched::Ended(Ended::Failed(f.reason)),
+            Some(job_event::Event::Cancelled(_)) => return Watched::Ended(Ended::Cancelled),
             _ => {}
         }
     }
-    None
 }
 
 /// How `job` ended, or `None` while it runs.

@@ -126,6 +126,13 @@ struct Args {
     /// The process-kill run: mean time between kills (exponential gaps).
     #[arg(long, default_value_t = 3_000)]
     kill_every_ms: u64,
+    /// The process-kill run with PostgreSQL restarts instead: each of the
+    /// `--kills` faults runs this shell command (one that restarts the
+    /// PostgreSQL server `--postgres` names, e.g. `pg_ctl -D DIR -m
+    /// immediate restart`) and the coordinator is not killed: it must ride
+    /// the restart out.
+    #[arg(long)]
+    restart_postgres: Option<String>,
     /// The process-kill run: how long, after the last restart, every job
     /// has to reach an end before it counts as lost.
     #[arg(long, default_value_t = 300)]
