@@ -61,6 +61,9 @@ pub struct CoordinatorConfig {
     pub heartbeat_timeout_ms: u64,
     /// How long a node has to answer the challenge with its Hello.
     pub handshake_timeout_ms: u64,
+    /// Per-source handshake rate and new-identity cap on the node link
+    /// (see [`crate::link::sources`]).
+    pub node_sources: crate::link::sources::SourceLimitsConfig,
     /// Longest a single job attempt may run before it is failed and requeued.
     pub job_timeout_ms: u64,
     /// Fees and hold lifetimes (see [`crate::ledger`]).
@@ -100,6 +103,7 @@ impl Default for CoordinatorConfig {
             heartbeat_interval_ms: 5_000,
             heartbeat_timeout_ms: 15_000,
             handshake_timeout_ms: 10_000,
+            node_sources: crate::link::sources::SourceLimitsConfig::default(),
             job_timeout_ms: 10 * 60 * 1000,
             ledger: crate::ledger::LedgerConfig::default(),
             job_lease_ms: 60_000,
@@ -133,6 +137,7 @@ impl fmt::Debug for CoordinatorConfig {
             .field("heartbeat_interval_ms", &self.heartbeat_interval_ms)
             .field("heartbeat_timeout_ms", &self.heartbeat_timeout_ms)
             .field("handshake_timeout_ms", &self.handshake_timeout_ms)
+            .field("node_sources", &self.node_sources)
             .field("job_timeout_ms", &self.job_timeout_ms)
             .field("ledger", &self.ledger)
             .field("job_lease_ms", &self.job_lease_ms)
@@ -191,6 +196,7 @@ impl CoordinatorConfig {
             heartbeat_timeout_ms: self.heartbeat_timeout_ms,
             handshake_timeout_ms: self.handshake_timeout_ms,
             max_node_connections: self.limits.max_node_connections,
+            sources: self.node_sources.clone(),
             replica_id: self.replica_id.clone().unwrap_or_default(),
         }
     }
