@@ -64,6 +64,9 @@ pub struct CoordinatorConfig {
     /// Per-source handshake rate and new-identity cap on the node link
     /// (see [`crate::link::sources`]).
     pub node_sources: crate::link::sources::SourceLimitsConfig,
+    /// An identity offline for longer, with no verified work, drops out of
+    /// the World map (a Sybil's keys do not stay there forever).
+    pub world_stale_ttl_ms: u64,
     /// Longest a single job attempt may run before it is failed and requeued.
     pub job_timeout_ms: u64,
     /// Fees and hold lifetimes (see [`crate::ledger`]).
@@ -104,6 +107,7 @@ impl Default for CoordinatorConfig {
             heartbeat_timeout_ms: 15_000,
             handshake_timeout_ms: 10_000,
             node_sources: crate::link::sources::SourceLimitsConfig::default(),
+            world_stale_ttl_ms: crate::world::DEFAULT_STALE_TTL.as_millis() as u64,
             job_timeout_ms: 10 * 60 * 1000,
             ledger: crate::ledger::LedgerConfig::default(),
             job_lease_ms: 60_000,
@@ -138,6 +142,7 @@ impl fmt::Debug for CoordinatorConfig {
             .field("heartbeat_timeout_ms", &self.heartbeat_timeout_ms)
             .field("handshake_timeout_ms", &self.handshake_timeout_ms)
             .field("node_sources", &self.node_sources)
+            .field("world_stale_ttl_ms", &self.world_stale_ttl_ms)
             .field("job_timeout_ms", &self.job_timeout_ms)
             .field("ledger", &self.ledger)
             .field("job_lease_ms", &self.job_lease_ms)

@@ -449,3 +449,5 @@ mod claims_tests;
 mod sources_tests;
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod world_map_tests;
