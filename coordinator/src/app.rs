@@ -187,7 +187,7 @@ impl Application {
         let hub = EventHub::default();
         let sessions = Sessions::default();
         let metrics = Arc::new(Metrics::default());
-        let world = World::new();
+        let world = World::with_stale_ttl(Duration::from_millis(config.world_stale_ttl_ms));
         let wake = Arc::new(Notify::new());
         let tasks = Arc::new(Tasks::default());
         let shutdown = CancellationToken::new();

@@ -61,6 +61,12 @@ pub struct CoordinatorConfig {
     pub heartbeat_timeout_ms: u64,
     /// How long a node has to answer the challenge with its Hello.
     pub handshake_timeout_ms: u64,
+    /// Per-source handshake rate and new-identity cap on the node link
+    /// (see [`crate::link::sources`]).
+    pub node_sources: crate::link::sources::SourceLimitsConfig,
+    /// An identity offline for longer, with no verified work, drops out of
+    /// the World map (a Sybil's keys do not stay there forever).
+    pub world_stale_ttl_ms: u64,
     /// Longest a single job attempt may run before it is failed and requeued.
     pub job_timeout_ms: u64,
     /// Fees and hold lifetimes (see [`crate::ledger`]).
@@ -100,6 +106,8 @@ impl Default for CoordinatorConfig {
             heartbeat_interval_ms: 5_000,
             heartbeat_timeout_ms: 15_000,
             handshake_timeout_ms: 10_000,
+            node_sources: crate::link::sources::SourceLimitsConfig::default(),
+            world_stale_ttl_ms: crate::world::DEFAULT_STALE_TTL.as_millis() as u64,
             job_timeout_ms: 10 * 60 * 1000,
             ledger: crate::ledger::LedgerConfig::default(),
             job_lease_ms: 60_000,
@@ -133,6 +141,8 @@ impl fmt::Debug for CoordinatorConfig {
             .field("heartbeat_interval_ms", &self.heartbeat_interval_ms)
             .field("heartbeat_timeout_ms", &self.heartbeat_timeout_ms)
             .field("handshake_timeout_ms", &self.handshake_timeout_ms)
+            .field("node_sources", &self.node_sources)
+            .field("world_stale_ttl_ms", &self.world_stale_ttl_ms)
             .field("job_timeout_ms", &self.job_timeout_ms)
             .field("ledger", &self.ledger)
             .field("job_lease_ms", &self.job_lease_ms)
@@ -191,6 +201,7 @@ impl CoordinatorConfig {
             heartbeat_timeout_ms: self.heartbeat_timeout_ms,
             handshake_timeout_ms: self.handshake_timeout_ms,
             max_node_connections: self.limits.max_node_connections,
+            sources: self.node_sources.clone(),
             replica_id: self.replica_id.clone().unwrap_or_default(),
         }
     }

@@ -23,6 +23,7 @@
 pub mod handshake;
 pub mod job;
 pub mod session;
+pub mod sources;
 pub mod tls;
 
 use std::{sync::Arc, time::Duration};
@@ -50,7 +51,7 @@ use crate::{
     world::{Status, World},
 };
 
-use self::session::Session;
+use self::{session::Session, sources::SourceLimits};
 
 /// Connection close code: handshake refused.
 pub const CLOSE_REJECTED: u32 = 1;
@@ -64,6 +65,9 @@ pub const CLOSE_PROTOCOL: u32 = 4;
 pub const CLOSE_SHUTDOWN: u32 = 5;
 /// Connection close code: the node is banned after failed audits.
 pub const CLOSE_BANNED: u32 = 6;
+/// Connection close code: the source address is past its handshake rate
+/// (see [`sources`]).
+pub const CLOSE_RATE_LIMITED: u32 = 7;
 
 /// The node link's settings (top-level keys of the coordinator's config
 /// file, and `limits.max_node_connections`; gathered by `config`).
@@ -77,6 +81,8 @@ pub struct LinkConfig {
     pub handshake_timeout_ms: u64,
     /// Node connections (handshakes included) at once.
     pub max_node_connections: usize,
+    /// Per-source handshake rate and new-identity cap.
+    pub sources: sources::SourceLimitsConfig,
     /// This replica's name: recorded as the owner of its nodes' sessions
     /// (and so of the attempts assigned to them).
     pub replica_id: String,
@@ -119,6 +125,7 @@ pub struct LinkContext {
 /// `config.max_node_connections` at once (more are refused at once).
 pub async fn accept_loop(endpoint: quinn::Endpoint, ctx: LinkContext) {
     let ctx = Arc::new(ctx);
+    let sources = Arc::new(SourceLimits::new(ctx.config.sources.clone()));
     let slots = Arc::new(tokio::sync::Semaphore::new(
         ctx.config.max_node_connections.max(1),
     ));
@@ -135,10 +142,11 @@ pub async fn accept_loop(endpoint: quinn::Endpoint, ctx: LinkContext) {
             continue;
         };
         let d = Arc::clone(&ctx);
+        let sources = Arc::clone(&sources);
         ctx.tasks.spawn(async move {
             let remote = incoming.remote_address();
             match incoming.await {
-                Ok(conn) => serve_connection(conn, &d).await,
+                Ok(conn) => serve_connection(conn, &d, &sources).await,
                 Err(e) => {
                     debug!(%remote, error = %e, "node connection failed before TLS completed")
                 }
@@ -149,7 +157,15 @@ pub async fn accept_loop(endpoint: quinn::Endpoint, ctx: LinkContext) {
 }
 
 #[instrument(skip_all, fields(remote = %conn.remote_address()))]
-async fn serve_connection(conn: quinn::Connection, d: &LinkContext) {
+async fn serve_connection(conn: quinn::Connection, d: &LinkContext, sources: &SourceLimits) {
+    // Counted once TLS completed: the address is the peer's own.
+    let source = conn.remote_address().ip();
+    if let Err(e) = sources.handshake(source, std::time::Instant::now()) {
+        d.metrics.handshakes_rate_limited.inc();
+        debug!(%source, "node connection closed: {e}");
+        conn.close(CLOSE_RATE_LIMITED.into(), e.to_string().as_bytes());
+        return;
+    }
     let timeout = Duration::from_millis(d.config.handshake_timeout_ms);
     let admitted = tokio::select! {
         _ = d.shutdown.cancelled() => return,
@@ -180,6 +196,27 @@ async fn serve_connection(conn: quinn::Connection, d: &LinkContext) {
         info!(node = %registration.node_id.short(), "banned node refused");
         reject(&conn, Some(send), "this node is banned after failed audits").await;
         return;
+    }
+    // A key the coordinator has no row for is a new identity: its source
+    // may register only so many per window (a Sybil's keys cost nothing).
+    if sources.counts_identities(source) {
+        let known = match d.store.get_node(&registration.node_id.to_string()).await {
+            Ok(row) => row.is_some(),
+            Err(e) => {
+                warn!(error = %error_chain(&e), "looking the node up failed");
+                reject(&conn, Some(send), "coordinator unavailable").await;
+                return;
+            }
+        };
+        if !known {
+            if let Err(e) = sources.new_identity(source, std::time::Instant::now()) {
+                d.metrics.handshakes_refused.inc();
+                d.metrics.identities_refused.inc();
+                info!(%source, node = %registration.node_id.short(), "new node identity refused: {e}");
+                reject(&conn, Some(send), &e.to_string()).await;
+                return;
+            }
+        }
     }
     if let Err(e) = d
         .store
@@ -409,4 +446,8 @@ async fn reject(conn: &quinn::Connection, send: Option<quinn::SendStream>, reaso
 #[cfg(test)]
 mod claims_tests;
 #[cfg(test)]
+mod sources_tests;
+#[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod world_map_tests;

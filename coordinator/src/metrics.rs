@@ -43,6 +43,12 @@ pub struct Metrics {
     /// Node connections refused before their handshake because the link
     /// held `limits.max_node_connections` connections.
     pub connections_refused_at_cap: Counter,
+    /// Node connections closed before their handshake: their source
+    /// address was past its handshake rate (`node_sources.max_handshakes`).
+    pub handshakes_rate_limited: Counter,
+    /// Node identities never seen before refused: their source address had
+    /// registered `node_sources.max_new_identities` in the window.
+    pub identities_refused: Counter,
     /// Model tokens streamed from nodes.
     pub tokens_streamed: Counter,
     /// Node heartbeats recorded in the store (at most one per node per
@@ -95,6 +101,14 @@ impl Default for Metrics {
         let connections_refused_at_cap = counter(
             "node_connections_refused_at_cap",
             "Node connections refused because the link held limits.max_node_connections connections.",
+        );
+        let handshakes_rate_limited = counter(
+            "node_handshakes_rate_limited",
+            "Node connections closed before their handshake: their source address was past node_sources.max_handshakes in the window.",
+        );
+        let identities_refused = counter(
+            "node_identities_refused",
+            "New node identities refused: their source address had registered node_sources.max_new_identities in the window.",
         );
         let tokens_streamed = counter("tokens_streamed", "Model tokens streamed from nodes.");
         let heartbeats_written = counter(
@@ -161,6 +175,8 @@ impl Default for Metrics {
             handshakes_accepted,
             handshakes_refused,
             connections_refused_at_cap,
+            handshakes_rate_limited,
+            identities_refused,
             tokens_streamed,
             heartbeats_written,
             heartbeats_coalesced,

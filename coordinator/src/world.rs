@@ -17,6 +17,11 @@
 //!   [`World::upsert_node`] snaps before storing.
 //! - Nodes whose owner opted out (`hidden`) count in [`Totals`] but appear in
 //!   no map view, card, or change event.
+//! - A pod reference keeps a clipped id and at most [`MAX_POD_MEMBERS`]
+//!   well-formed member ids, whatever the Hello said.
+//! - An identity offline for longer than the stale TTL with no verified
+//!   work (no job recorded) is forgotten, so identities that registered and
+//!   left do not accumulate; a node that served jobs stays, shown offline.
 //! - Every change to a drawn node is broadcast once to the live stream;
 //!   a stream that falls behind is told to resynchronise, never blocks writers.
 //!
@@ -46,6 +51,12 @@ pub use model::{Family, NodeView, PodRef, Status, Tier, Totals};
 pub const TOKENS_WINDOW: Duration = Duration::from_secs(10);
 /// Changes buffered per live-stream subscriber before it must resynchronise.
 const CHANGE_BUFFER: usize = 4096;
+/// The most members a node's pod reference keeps (a Thunderbolt pod has a
+/// handful; a Hello may list thousands).
+pub const MAX_POD_MEMBERS: usize = 32;
+/// How long an identity with no verified work stays on the map once
+/// offline, unless configured (`world_stale_ttl_ms`).
+pub const DEFAULT_STALE_TTL: Duration = Duration::from_secs(24 * 3600);
 
 /// Why a World call was refused.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -158,6 +169,8 @@ struct Inner {
     /// Cancelled by [`World::close`]: live streams end, so a graceful HTTP
     /// shutdown is not held open by browsers watching the page.
     closed: tokio_util::sync::CancellationToken,
+    /// Idle identities offline for longer are forgotten.
+    stale_ttl: Duration,
 }
 
 #[derive(Default)]
@@ -167,6 +180,10 @@ struct State {
     recent_tokens: VecDeque<(Instant, u64)>,
     /// (UTC day number, jobs completed that day).
     jobs_today: (u64, u64),
+    /// When each offline node went offline (online nodes are absent).
+    offline_at: HashMap<String, Instant>,
+    /// The last stale sweep.
+    swept_at: Option<Instant>,
 }
 
 impl Default for World {
@@ -203,14 +220,74 @@ fn check_id(id: &str) -> Result<(), WorldError> {
 }
 
 impl World {
+    /// A World that forgets identities offline for longer than
+    /// [`DEFAULT_STALE_TTL`] with no verified work.
     pub fn new() -> World {
+        World::with_stale_ttl(DEFAULT_STALE_TTL)
+    }
+
+    /// A World that forgets identities offline for longer than `ttl` with
+    /// no verified work ([`World::forget_stale`], run by every
+    /// [`World::upsert_node`] at most once per `ttl`, and at least once a
+    /// minute): a Sybil's keys that registered and left do not stay on the
+    /// map or in the totals, while a node that served jobs stays (offline).
+    pub fn with_stale_ttl(ttl: Duration) -> World {
         let (changes, _) = broadcast::channel(CHANGE_BUFFER);
         World {
             inner: Arc::new(Inner {
                 state: RwLock::new(State::default()),
                 changes,
                 closed: tokio_util::sync::CancellationToken::new(),
+                stale_ttl: ttl,
             }),
+        }
+    }
+
+    /// Forgets every node offline for longer than the stale TTL at `now`
+    /// that has no verified work (no job recorded); returns how many.
+    pub fn forget_stale(&self, now: Instant) -> usize {
+        let mut state = self.write();
+        self.sweep(&mut state, now)
+    }
+
+    fn sweep(&self, state: &mut State, now: Instant) -> usize {
+        state.swept_at = Some(now);
+        let ttl = self.inner.stale_ttl;
+        let stale: Vec<String> = state
+            .offline_at
+            .iter()
+            .filter(|(_, at)| now.saturating_duration_since(**at) >= ttl)
+            .map(|(id, _)| id.clone())
+            .collect();
+        let mut forgotten = 0;
+        for id in stale {
+            state.offline_at.remove(&id);
+            let idle = state
+                .nodes
+                .get(&id)
+                .is_some_and(|n| !n.status.is_online() && n.jobs_served == 0);
+            if !idle {
+                continue;
+            }
+            if let Some(n) = state.nodes.remove(&id) {
+                forgotten += 1;
+                let change = if n.is_visible() {
+                    Change::Gone(n.node_id)
+                } else {
+                    Change::Totals
+                };
+                let _ = self.inner.changes.send(change);
+            }
+        }
+        forgotten
+    }
+
+    /// Notes when `view` went offline (or that it is online), for the sweep.
+    fn track_offline(state: &mut State, view: &NodeView, now: Instant) {
+        if view.status.is_online() {
+            state.offline_at.remove(&view.node_id);
+        } else {
+            state.offline_at.entry(view.node_id.clone()).or_insert(now);
         }
     }
 
@@ -255,7 +332,16 @@ impl World {
             view.tokens_produced = view.tokens_produced.max(b.tokens_produced);
         }
         self.announce(before_visible, &view);
+        let now = Instant::now();
+        World::track_offline(&mut state, &view, now);
         state.nodes.insert(view.node_id.clone(), view);
+        let every = self.inner.stale_ttl.min(Duration::from_secs(60));
+        if state
+            .swept_at
+            .is_none_or(|at| now.saturating_duration_since(at) >= every)
+        {
+            self.sweep(&mut state, now);
+        }
         Ok(())
     }
 
@@ -278,6 +364,7 @@ impl World {
         node.status = status;
         let visible = node.is_visible();
         let node = node.clone();
+        World::track_offline(&mut state, &node, Instant::now());
         drop(state);
         self.announce(visible, &node);
         Ok(())
@@ -319,7 +406,11 @@ impl World {
     /// Forgets a node entirely (it is no longer counted anywhere).
     pub fn remove_node(&self, node_id: &str) -> Result<(), WorldError> {
         check_id(node_id)?;
-        let removed = self.write().nodes.remove(node_id);
+        let removed = {
+            let mut state = self.write();
+            state.offline_at.remove(node_id);
+            state.nodes.remove(node_id)
+        };
         match removed {
             Some(n) if n.is_visible() => {
                 let _ = self.inner.changes.send(Change::Gone(n.node_id));
@@ -462,5 +553,7 @@ fn prune(recent: &mut VecDeque<(Instant, u64)>, now: Instant) {
     }
 }
 
+#[cfg(test)]
+mod hygiene_tests;
 #[cfg(test)]
 mod tests;

@@ -5,7 +5,8 @@
 //!   or absent; the owner's own coordinates are dropped on insert.
 //! - Display strings (name, chip, place label) are trimmed, free of control
 //!   characters and at most [`MAX_TEXT_CHARS`] characters, so a node cannot
-//!   bloat or break the page.
+//!   bloat or break the page; a pod id likewise, and a pod keeps at most
+//!   [`super::MAX_POD_MEMBERS`] member ids, each 64 hex characters.
 //!
 //! # Failure
 //! A node id that is not 64 hex characters is a [`super::WorldError`]; a
@@ -243,13 +244,21 @@ impl NodeView {
                 view.location = Place::snapped(&loc.label, loc.latitude, loc.longitude);
             }
         }
+        // Clipped before anything is copied: a Hello may carry a pod name
+        // and member list near its 1 MiB frame cap.
         view.pod = hello
             .pod
             .as_ref()
             .filter(|p| !p.name.is_empty())
             .map(|p| PodRef {
-                pod_id: p.name.clone(),
-                members: p.members.iter().map(hex::encode).collect(),
+                pod_id: clean_text(&p.name),
+                members: p
+                    .members
+                    .iter()
+                    .filter(|m| m.len() == 32)
+                    .take(super::MAX_POD_MEMBERS)
+                    .map(hex::encode)
+                    .collect(),
             });
         view
     }
@@ -273,6 +282,14 @@ impl NodeView {
         self.chip = clean_text(&self.chip);
         if let Some(place) = self.location.take() {
             self.location = Place::snapped(&place.label, place.lat, place.lon);
+        }
+        if let Some(pod) = self.pod.as_mut() {
+            pod.pod_id = clean_text(&pod.pod_id);
+            pod.members.retain(|m| super::check_id(m).is_ok());
+            pod.members.truncate(super::MAX_POD_MEMBERS);
+        }
+        if self.pod.as_ref().is_some_and(|p| p.pod_id.is_empty()) {
+            self.pod = None;
         }
     }
 }
