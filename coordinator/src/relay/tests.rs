@@ -47,16 +47,17 @@ fn counted(metrics: &Metrics, series: &str, replica: &str) -> u64 {
 }
 
 /// Reads through `follower` until `want` chunks arrived, waiting on its
-/// wake-ups (or polls) in between.
+/// wake-ups (or polls) before each read: what it reads, a wake-up or a
+/// poll told it to.
 async fn read_all(follower: &mut Follower, want: usize) -> Vec<RelayChunk> {
     let mut got = Vec::new();
     tokio::time::timeout(DEADLINE, async {
         loop {
+            follower.changed().await;
             got.extend(follower.read().await.unwrap());
             if got.len() >= want {
                 return;
             }
-            follower.changed().await;
         }
     })
     .await
@@ -71,6 +72,7 @@ async fn a_lost_notification_only_delays_polling_delivers_every_chunk(b: impl Ba
     let (writer, written) = relay(b.store().clone(), "w", false, POLL);
     let (reader, notified) = relay(b.another().await, "r", false, Duration::from_millis(50));
     let mut follower = reader.follow(job).unwrap();
+    assert!(follower.read().await.unwrap().is_empty());
     for i in 0..600 {
         writer.tokens(job, 1, &chunk(i)).await;
     }
