@@ -66,6 +66,9 @@ pub struct ApiContext {
     pub catalogue: Arc<Catalogue>,
     /// The live events behind Watch.
     pub hub: EventHub,
+    /// Running jobs' tokens from every replica (enabled: Watch reads
+    /// through it instead of the hub).
+    pub relay: crate::relay::Relay,
     /// The online nodes (models served, network totals).
     pub sessions: Sessions,
     pub limits: Limits,

@@ -191,6 +191,12 @@ impl Application {
         let wake = Arc::new(Notify::new());
         let tasks = Arc::new(Tasks::default());
         let shutdown = CancellationToken::new();
+        let relay = crate::relay::Relay::for_store(
+            &store,
+            Arc::clone(&metrics),
+            &replica,
+            shutdown.clone(),
+        );
         let audits = Arc::new(audits);
         let dispatcher = Dispatcher::new(dispatch::Parts {
             config: config.dispatch(),
@@ -199,6 +205,7 @@ impl Application {
             catalogue: Arc::clone(&catalogue),
             audits: Arc::clone(&audits),
             hub: hub.clone(),
+            relay: relay.clone(),
             sessions: sessions.clone(),
             metrics: Arc::clone(&metrics),
             world: world.clone(),
@@ -225,6 +232,7 @@ impl Application {
             ledger,
             catalogue,
             hub,
+            relay,
             sessions: sessions.clone(),
             limits: config.limits.clone(),
             admission: Arc::new(Admission::new(&config.limits)),

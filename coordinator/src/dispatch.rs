@@ -80,6 +80,7 @@ use crate::{
         session::{Reservation, Session, Sessions, MAX_REASON_CHARS},
     },
     metrics::Metrics,
+    relay::Relay,
     scheduler::{self, Evidence, Queue, Target},
     store::{AnyStore, Store, StoreError},
     util::{clip, error_chain, lock, now_ms, Tasks},
@@ -144,6 +145,8 @@ pub struct Parts {
     /// Audit records and bans (see [`crate::audit`]).
     pub audits: Arc<Audits>,
     pub hub: EventHub,
+    /// Running jobs' tokens, to watchers on other replicas.
+    pub relay: Relay,
     pub sessions: Sessions,
     pub metrics: Arc<Metrics>,
     /// The World page's view of the nodes (see [`crate::world`]).
@@ -164,6 +167,7 @@ pub struct Dispatcher {
     ledger: Ledger,
     catalogue: Arc<Catalogue>,
     hub: EventHub,
+    relay: Relay,
     sessions: Sessions,
     metrics: Arc<Metrics>,
     world: World,
@@ -237,6 +241,7 @@ impl Dispatcher {
             catalogue,
             audits,
             hub,
+            relay,
             sessions,
             metrics,
             world,
@@ -250,6 +255,7 @@ impl Dispatcher {
             ledger,
             catalogue,
             hub,
+            relay,
             sessions,
             metrics,
             world,
@@ -268,6 +274,14 @@ impl Dispatcher {
         &self.shutdown
     }
 
+    /// Sends `event` to `job`'s watchers: this replica's through the hub,
+    /// and a wake-up to the other replicas' (they read the state from the
+    /// store).
+    fn publish(&self, job: JobId, event: job_event::Event) {
+        self.hub.publish(job, event);
+        self.relay.wake(job);
+    }
+
     /// Asks the placement loop to run soon.
     pub fn wake(&self) {
         self.wake.notify_one();
@@ -284,7 +298,7 @@ impl Dispatcher {
         let record = self.ledger.submit_job(&job, terms, now_ms()).await?;
         Metrics::observe(&self.metrics.submit_seconds, started.elapsed());
         self.metrics.jobs_submitted.inc();
-        self.hub.publish(
+        self.publish(
             record.id,
             job_event::Event::Queued(job_event::Queued {
                 attempt: record.attempt,
@@ -417,7 +431,7 @@ impl Dispatcher {
             Metrics::observe_since_ms(&self.metrics.placement_seconds, job.updated_at_ms, now_ms());
             let token = self.shutdown.child_token();
             lock(&self.running).insert(job.id, token.clone());
-            self.hub.publish(
+            self.publish(
                 job.id,
                 job_event::Event::Assigned(job_event::Assigned {
                     node_id: node.to_string(),
@@ -580,6 +594,9 @@ impl Dispatcher {
             .world
             .set_status(&node_hex, crate::world::Status::Serving);
         let (outcome, mut segment) = self.drive(&job, &model, &session, &cancel).await;
+        // Every relayed chunk of the attempt is written before its end is
+        // recorded, so a watcher that reads the end has every token.
+        self.relay.flush().await;
         self.learn(session.node_id, &job, &model, &outcome);
         if matches!(outcome, Outcome::Completed(_) | Outcome::Cancelled) {
             lock(&self.failed_on).remove(&job.id);
@@ -632,6 +649,9 @@ impl Dispatcher {
                         segment.token_ids.clear();
                         segment.text.clear();
                         self.hub.rewind(job.id, segment.first_index);
+                        self.relay
+                            .rewind(job.id, job.attempt.saturating_add(1), segment.first_index)
+                            .await;
                     }
                     self.record_failure(&job, &node_hex, &reason, retryable, &segment)
                         .await
@@ -757,7 +777,7 @@ impl Dispatcher {
 
     /// Sends `id`'s end (completed with its claim and segments, so a
     /// watcher verifies a resumed job whole; failed; cancelled) to its
-    /// watchers on this replica, reading it from the store with retries
+    /// watchers (see [`Dispatcher::publish`]), reading it from the store with retries
     /// until it is read or the coordinator stops. Nothing when the job has
     /// not ended. Sending an end twice is harmless: the hub forgets a job
     /// at its first end.
@@ -772,7 +792,7 @@ impl Dispatcher {
                 Ok::<_, StoreError>(terminal_event(&done, &segments).and_then(|e| e.event))
             };
             match read.await {
-                Ok(Some(event)) => return self.hub.publish(id, event),
+                Ok(Some(event)) => return self.publish(id, event),
                 Ok(None) => return,
                 Err(e) if !self.shutdown.is_cancelled() => {
                     tries += 1;
@@ -819,7 +839,7 @@ impl Dispatcher {
             Some(AttemptEnd::Requeued { attempt }) => {
                 self.metrics.jobs_requeued.inc();
                 info!(reason, next_attempt = attempt, "attempt failed; requeued");
-                self.hub.publish(
+                self.publish(
                     job.id,
                     job_event::Event::Queued(job_event::Queued {
                         attempt,
@@ -832,7 +852,7 @@ impl Dispatcher {
                 self.metrics.jobs_failed.inc();
                 info!(reason, "job failed");
                 self.settle(job.id).await;
-                self.hub.publish(
+                self.publish(
                     job.id,
                     job_event::Event::Failed(job_event::Failed {
                         reason: reason.to_owned(),
@@ -876,6 +896,11 @@ impl Dispatcher {
             }
         };
         segment.first_index = resumed.token_ids.len() as u32;
+        // What earlier attempts streamed past the kept tokens (a dead
+        // replica's attempt) is not part of the stream.
+        self.relay
+            .rewind(job.id, job.attempt, segment.first_index)
+            .await;
         self.hub.seed(
             job.id,
             job_event::Tokens {
@@ -1068,15 +1093,14 @@ impl Dispatcher {
                     self.metrics
                         .tokens_streamed
                         .inc_by(t.token_ids.len() as u64);
-                    self.hub.tokens(
-                        job.id,
-                        job_event::Tokens {
-                            index: t.index,
-                            token_ids: t.token_ids,
-                            text: t.text,
-                            logprobs: t.logprobs,
-                        },
-                    );
+                    let chunk = job_event::Tokens {
+                        index: t.index,
+                        token_ids: t.token_ids,
+                        text: t.text,
+                        logprobs: t.logprobs,
+                    };
+                    self.relay.tokens(job.id, job.attempt, &chunk).await;
+                    self.hub.tokens(job.id, chunk);
                 }
                 Some(job_update::Msg::Result(signed)) => {
                     let handoff = crate::link::job::is_handoff(&signed);

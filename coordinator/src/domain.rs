@@ -21,8 +21,8 @@ pub mod money;
 pub mod node;
 
 pub use job::{
-    AttemptEnd, CancelOutcome, Completion, JobRecord, JobState, JobStats, NewJob, Segment,
-    Streamed, StreamedEnd, UnknownState,
+    AttemptEnd, CancelOutcome, Completion, JobRecord, JobState, JobStats, NewJob, RelayChunk,
+    Segment, Streamed, StreamedEnd, UnknownState,
 };
 pub use key::{Caller, InvalidScopes, KeyInfo, KeyLimits, Scope, Scopes, StoredKey};
 pub use lease::{liveness_lease, Lease, LIVENESS_PREFIX};

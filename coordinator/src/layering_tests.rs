@@ -51,6 +51,7 @@ const ALLOWED: &[(&str, &[&str])] = &[
         &[
             "link",
             "jobs",
+            "relay",
             "ledger",
             "audit",
             "store",
@@ -83,6 +84,7 @@ const ALLOWED: &[(&str, &[&str])] = &[
     ("store", &["domain", "util"]),
     ("catalogue", &["domain", "scheduler"]),
     ("jobs", &["domain", "util"]),
+    ("relay", &["store", "metrics", "domain", "util"]),
     ("domain", &[]),
     ("scheduler", &[]),
     ("world", &[]),
@@ -91,12 +93,13 @@ const ALLOWED: &[(&str, &[&str])] = &[
 ];
 
 /// What `http` may import; `openai` all but itself, `api` neither of the two.
-const BELOW_HTTP: [&str; 14] = [
+const BELOW_HTTP: [&str; 15] = [
     "openai",
     "api",
     "dispatch",
     "link",
     "jobs",
+    "relay",
     "ledger",
     "audit",
     "store",

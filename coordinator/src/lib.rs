@@ -13,6 +13,8 @@
 //! - [`scheduler`]: placement as a pure module: capability and cost models,
 //!   the indexed fleet and its decisions, the fair-share queue.
 //! - [`jobs`]: the live event hub behind Watch.
+//! - [`relay`]: running jobs' tokens between replicas (batched into the
+//!   database, `LISTEN/NOTIFY` wake-ups, polling as the fallback).
 //! - [`audit`]: which completed jobs are re-scored on another node, node
 //!   records and bans; pay is held until a job's audit window closes.
 //! - [`ledger`]: accounts, two-phase transfers, API keys, job holds and settlement.
@@ -46,6 +48,7 @@ pub mod ledger;
 pub mod link;
 pub mod metrics;
 pub mod openai;
+pub mod relay;
 pub mod scheduler;
 pub mod store;
 #[cfg(any(test, feature = "test-utils"))]

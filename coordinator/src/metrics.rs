@@ -72,6 +72,12 @@ pub struct Metrics {
     /// Leases lost (taken over by another replica, or a renewal failed),
     /// per replica and lease ([`Metrics::lease_lost`]).
     lease_losses: Family<Vec<(String, String)>, Counter>,
+    /// Token-relay wake-ups (PostgreSQL notifications) received, per
+    /// replica ([`Metrics::relay_notified`]).
+    relay_notifications: Family<Vec<(String, String)>, Counter>,
+    /// Batches of relayed token chunks written to the database, per
+    /// replica ([`Metrics::relay_batch_written`]).
+    relay_token_batches: Family<Vec<(String, String)>, Counter>,
     nodes_online: Gauge,
     jobs_queued: Gauge,
 }
@@ -153,6 +159,18 @@ impl Default for Metrics {
             "Leases of singleton duties lost (taken over, or a renewal failed), by replica and lease.",
             lease_losses.clone(),
         );
+        let relay_notifications = Family::<Vec<(String, String)>, Counter>::default();
+        registry.register(
+            "relay_notifications",
+            "Token-relay notifications (LISTEN/NOTIFY wake-ups) received, by replica.",
+            relay_notifications.clone(),
+        );
+        let relay_token_batches = Family::<Vec<(String, String)>, Counter>::default();
+        registry.register(
+            "relay_token_batches",
+            "Batches of running jobs' token chunks written to the database for other replicas, by replica.",
+            relay_token_batches.clone(),
+        );
         let nodes_online = Gauge::default();
         registry.register(
             "nodes_online",
@@ -186,6 +204,8 @@ impl Default for Metrics {
             settlement_seconds,
             lease_renewals,
             lease_losses,
+            relay_notifications,
+            relay_token_batches,
             nodes_online,
             jobs_queued,
         }
@@ -219,6 +239,20 @@ impl Metrics {
     pub fn lease_renewed(&self, replica: &str, lease: &str) {
         self.lease_renewals
             .get_or_create(&lease_labels(replica, lease))
+            .inc();
+    }
+
+    /// Counts a token-relay notification `replica` received.
+    pub fn relay_notified(&self, replica: &str) {
+        self.relay_notifications
+            .get_or_create(&vec![("replica".to_owned(), replica.to_owned())])
+            .inc();
+    }
+
+    /// Counts a batch of token chunks `replica` wrote.
+    pub fn relay_batch_written(&self, replica: &str) {
+        self.relay_token_batches
+            .get_or_create(&vec![("replica".to_owned(), replica.to_owned())])
             .inc();
     }
 

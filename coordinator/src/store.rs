@@ -49,8 +49,8 @@ use mlxnet_proto::ids::JobId;
 
 use crate::domain::{
     Account, AttemptEnd, AuditRecord, Availability, CancelOutcome, Completion, JobRecord, JobStats,
-    JobTerms, KeyInfo, KeyLimits, Lease, NewJob, NodeEarnings, NodeRecord, RecordDelta, Segment,
-    StoredKey, StreamedEnd, Totals, Transfer,
+    JobTerms, KeyInfo, KeyLimits, Lease, NewJob, NodeEarnings, NodeRecord, RecordDelta, RelayChunk,
+    Segment, StoredKey, StreamedEnd, Totals, Transfer,
 };
 
 pub use postgres::PgStore;
@@ -388,6 +388,74 @@ pub trait Store: Clone + Send + Sync + 'static {
     async fn release_lease(&self, lease: &Lease) -> Result<bool>;
     /// Lease `name` as stored (`None`: never granted).
     async fn lease(&self, name: &str) -> Result<Option<Lease>>;
+
+    // ---- the token relay: running jobs' tokens, between replicas ----
+
+    /// Writes `chunks` in one transaction (a chunk already stored, same
+    /// job, attempt and first index, stays as it was) and wakes the
+    /// replicas following each job of `chunks` and of `wake` (PostgreSQL: a
+    /// `NOTIFY` per job, delivered at commit; SQLite: nothing, it serves one
+    /// replica). A wake-up is a hint: a follower that misses one finds the
+    /// chunks when it next reads ([`Store::tokens_after`]).
+    async fn append_tokens(&self, chunks: &[RelayChunk], wake: &[JobId], now_ms: i64)
+        -> Result<()>;
+    /// `job`'s chunks after `after` (an `(attempt, first index)`; `None`:
+    /// from the first), in `(attempt, first index)` order, at most `limit`.
+    async fn tokens_after(
+        &self,
+        job: JobId,
+        after: Option<(u32, u32)>,
+        limit: u32,
+    ) -> Result<Vec<RelayChunk>>;
+    /// Deletes `job`'s chunks from token `keep` on that attempts before
+    /// `attempt` wrote (their unsigned tokens, which the job does not keep).
+    /// Returns how many went.
+    async fn rewind_tokens(&self, job: JobId, attempt: u32, keep: u32) -> Result<u64>;
+    /// Deletes every chunk of the jobs that ended (completed, failed or
+    /// cancelled) before `ended_before_ms`. Returns how many went.
+    async fn purge_tokens(&self, ended_before_ms: i64) -> Result<u64>;
+    /// The wake-ups [`Store::append_tokens`] sends, as this replica
+    /// receives them (SQLite: none ever come).
+    async fn token_wakeups(&self) -> Result<TokenWakeups>;
+}
+
+/// What woke a token follower.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Wakeup {
+    /// New chunks or a new state of this job.
+    Job(JobId),
+    /// Wake-ups may have been lost (the listening connection dropped and
+    /// came back): every follower should read again.
+    Lost,
+}
+
+/// A replica's stream of [`Wakeup`]s (see [`Store::token_wakeups`]).
+#[derive(Debug)]
+pub struct TokenWakeups(Listening);
+
+#[derive(Debug)]
+enum Listening {
+    Postgres(Box<postgres::tokens::TokenListener>),
+    Never,
+}
+
+impl TokenWakeups {
+    /// Wake-ups that never come (a backend with one replica).
+    pub fn never() -> Self {
+        Self(Listening::Never)
+    }
+
+    fn listening(listener: postgres::tokens::TokenListener) -> Self {
+        Self(Listening::Postgres(Box::new(listener)))
+    }
+
+    /// The next wake-up; pending forever when none can come.
+    pub async fn next(&mut self) -> Wakeup {
+        match &mut self.0 {
+            Listening::Postgres(l) => l.next().await,
+            Listening::Never => std::future::pending().await,
+        }
+    }
 }
 
 /// A write transaction: the primitives the ledger's and the audits' rules
@@ -800,6 +868,36 @@ impl Store for AnyStore {
 
     async fn lease(&self, name: &str) -> Result<Option<Lease>> {
         on_backend!(self, s => s.lease(name).await)
+    }
+
+    async fn append_tokens(
+        &self,
+        chunks: &[RelayChunk],
+        wake: &[JobId],
+        now_ms: i64,
+    ) -> Result<()> {
+        on_backend!(self, s => s.append_tokens(chunks, wake, now_ms).await)
+    }
+
+    async fn tokens_after(
+        &self,
+        job: JobId,
+        after: Option<(u32, u32)>,
+        limit: u32,
+    ) -> Result<Vec<RelayChunk>> {
+        on_backend!(self, s => s.tokens_after(job, after, limit).await)
+    }
+
+    async fn rewind_tokens(&self, job: JobId, attempt: u32, keep: u32) -> Result<u64> {
+        on_backend!(self, s => s.rewind_tokens(job, attempt, keep).await)
+    }
+
+    async fn purge_tokens(&self, ended_before_ms: i64) -> Result<u64> {
+        on_backend!(self, s => s.purge_tokens(ended_before_ms).await)
+    }
+
+    async fn token_wakeups(&self) -> Result<TokenWakeups> {
+        on_backend!(self, s => s.token_wakeups().await)
     }
 }
 

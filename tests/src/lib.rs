@@ -56,6 +56,7 @@ pub use mlxnet_coordinator::{
 pub use mlxnet_proto::bearer::{Authed, Bearer};
 
 pub mod mirror;
+pub mod relay;
 
 /// Catalogue id of the test model.
 pub const TEST_MODEL_ID: &str = mlxnet_coordinator::test_utils::MODEL;
@@ -72,7 +73,7 @@ pub struct Accounts {
     pub operator_key: String,
 }
 
-const ACCOUNTS_FILE: &str = "harness-accounts.txt";
+pub(crate) const ACCOUNTS_FILE: &str = "harness-accounts.txt";
 
 impl Accounts {
     /// Reads the accounts from the data dir, or creates them (and writes them there).

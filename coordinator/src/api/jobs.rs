@@ -24,9 +24,10 @@ use crate::{
     catalogue::Catalogue,
     domain::{
         job::{is_terminal_event, terminal_event, to_proto, MAX_BIAS, MAX_LOGIT_BIAS, MAX_PENALTY},
-        Caller, CancelOutcome, JobRecord, JobState, JobTerms, NewJob, Scope, Segment,
+        Caller, CancelOutcome, JobRecord, JobState, JobTerms, NewJob, RelayChunk, Scope, Segment,
     },
     ledger::settle,
+    relay::Follower,
     store::{AnyStore, Store, StoreError},
 };
 
@@ -286,6 +287,9 @@ pub async fn watch_events(
     d: &Arc<ApiContext>,
     id: JobId,
 ) -> Result<mpsc::Receiver<Result<JobEvent, Status>>, ApiError> {
+    if let Some(follower) = d.relay.follow(id) {
+        return watch_relayed(d, id, follower).await;
+    }
     // Subscribe before reading the store, so nothing that happens after
     // the read is missed.
     let sub = d.hub.subscribe(id);
@@ -325,16 +329,7 @@ pub async fn watch_events(
             let _ = tx.send(Ok(end)).await;
             return;
         }
-        let first = match job.state {
-            JobState::Queued => job_event::Event::Queued(job_event::Queued {
-                attempt: job.attempt,
-                reason: job.error.clone().unwrap_or_default(),
-            }),
-            _ => job_event::Event::Assigned(job_event::Assigned {
-                node_id: job.node_id.clone().unwrap_or_default(),
-                attempt: job.attempt,
-            }),
-        };
+        let first = state_event(&job);
         // The first event says the state the store had at the read; an
         // Assigned or Queued published between the subscription and that
         // read is already in it, and sending it again would tell the client
@@ -400,6 +395,159 @@ pub async fn watch_events(
                     }
                     return;
                 }
+            }
+        }
+    });
+    Ok(rx)
+}
+
+/// The event that says an unfinished job's state as stored: Queued or
+/// Assigned (a running job is assigned).
+fn state_event(job: &JobRecord) -> job_event::Event {
+    match job.state {
+        JobState::Queued => job_event::Event::Queued(job_event::Queued {
+            attempt: job.attempt,
+            reason: job.error.clone().unwrap_or_default(),
+        }),
+        _ => job_event::Event::Assigned(job_event::Assigned {
+            node_id: job.node_id.clone().unwrap_or_default(),
+            attempt: job.attempt,
+        }),
+    }
+}
+
+/// Where a watcher following the relay stands in a job's stream: the
+/// attempt of the last chunk it sent, and the index of the next token.
+type Position = Option<(u32, u32)>;
+
+/// What to do with a relayed chunk at `pos` (see [`watch_relayed`]).
+#[derive(Debug, PartialEq, Eq)]
+enum Placed {
+    /// The next tokens (or, from a later attempt, the stream rewinding to
+    /// where that attempt resumed): send it.
+    Send,
+    /// Already sent, or an earlier attempt's: skip it.
+    Skip,
+    /// Tokens before it are missing (deleted after the job ended while the
+    /// watcher lagged): the watch cannot go on whole.
+    Gap,
+}
+
+fn place(pos: &mut Position, c: &RelayChunk) -> Placed {
+    let index = c.chunk.index;
+    let placed = match *pos {
+        None if index == 0 => Placed::Send,
+        None => Placed::Gap,
+        Some((attempt, next)) if c.attempt == attempt && index == next => Placed::Send,
+        Some((attempt, next)) if c.attempt > attempt && index <= next => Placed::Send,
+        Some((attempt, next)) if c.attempt < attempt || index < next => Placed::Skip,
+        Some(_) => Placed::Gap,
+    };
+    if placed == Placed::Send {
+        let len = u32::try_from(c.chunk.token_ids.len()).unwrap_or(u32::MAX);
+        *pos = Some((c.attempt, index.saturating_add(len)));
+    }
+    placed
+}
+
+/// [`watch_events`] through the token relay (several replicas share the
+/// database): every state comes from the job's row and every token from
+/// the relayed chunks, read on each wake-up (or poll), so a job running on
+/// any replica streams whole. Each pass reads the row first, then the
+/// chunks: a row that says the job ended was written after all its chunks
+/// (the dispatcher flushes them first), so the last pass sends every token
+/// before the end. A queue/assignment step is sent when the row shows a
+/// later one than was sent (steps between two reads are not replayed).
+async fn watch_relayed(
+    d: &Arc<ApiContext>,
+    id: JobId,
+    mut follower: Follower,
+) -> Result<mpsc::Receiver<Result<JobEvent, Status>>, ApiError> {
+    let job = d.store.get_job(id).await?.ok_or_else(|| not_found(id))?;
+    let segments = completed_segments(&d.store, &job).await?;
+    let (tx, rx) = mpsc::channel::<Result<JobEvent, Status>>(64);
+    let d = Arc::clone(d);
+    tokio::spawn(async move {
+        let event = |e: job_event::Event| {
+            Ok(JobEvent {
+                job_id: id.to_string(),
+                event: Some(e),
+            })
+        };
+        if let Some(end) = terminal_event(&job, &segments) {
+            let _ = tx.send(Ok(end)).await;
+            return;
+        }
+        let first = state_event(&job);
+        let mut seen = state_step(&first);
+        if tx.send(event(first)).await.is_err() {
+            return;
+        }
+        let mut pos: Position = None;
+        loop {
+            let pass = async {
+                let job = d.store.get_job(id).await?;
+                let chunks = follower.read().await?;
+                let segments = match &job {
+                    Some(job) => completed_segments(&d.store, job).await?,
+                    None => Vec::new(),
+                };
+                Ok::<_, StoreError>((job, chunks, segments))
+            };
+            let (job, chunks, segments) = match pass.await {
+                Ok((Some(job), chunks, segments)) => (job, chunks, segments),
+                Ok((None, _, _)) => {
+                    let _ = tx.send(Err(not_found(id).into())).await;
+                    return;
+                }
+                Err(e) => {
+                    let _ = tx.send(Err(ApiError::from(e).into())).await;
+                    return;
+                }
+            };
+            if !job.state.is_terminal() {
+                let now = state_event(&job);
+                let step = state_step(&now);
+                if step > seen {
+                    seen = step;
+                    if tx.send(event(now)).await.is_err() {
+                        return;
+                    }
+                }
+            }
+            for c in chunks {
+                match place(&mut pos, &c) {
+                    Placed::Send => {
+                        if tx
+                            .send(event(job_event::Event::Tokens(c.chunk)))
+                            .await
+                            .is_err()
+                        {
+                            return;
+                        }
+                    }
+                    Placed::Skip => {}
+                    Placed::Gap => {
+                        let _ = tx
+                            .send(Err(Status::data_loss(
+                                "the watch fell behind the job; watch again",
+                            )))
+                            .await;
+                        return;
+                    }
+                }
+            }
+            if let Some(end) = terminal_event(&job, &segments) {
+                let _ = tx.send(Ok(end)).await;
+                return;
+            }
+            tokio::select! {
+                _ = d.shutdown.cancelled() => {
+                    let _ = tx.send(Err(Status::unavailable("the coordinator is shutting down"))).await;
+                    return;
+                }
+                _ = tx.closed() => return,
+                _ = follower.changed() => {}
             }
         }
     });
@@ -620,7 +768,52 @@ impl Jobs for JobsApi {
 mod watch_tests {
     use mlxnet_proto::v1::{job_event, JobEvent};
 
-    use super::{is_stale, state_step};
+    use super::{is_stale, place, state_step, Placed, Position};
+    use crate::domain::RelayChunk;
+    use mlxnet_proto::ids::JobId;
+
+    fn chunk(attempt: u32, index: u32, len: u32) -> RelayChunk {
+        RelayChunk {
+            job: JobId::new(),
+            attempt,
+            chunk: job_event::Tokens {
+                index,
+                token_ids: vec![0; len as usize],
+                ..Default::default()
+            },
+        }
+    }
+
+    #[test]
+    fn relayed_chunks_are_sent_once_in_order_and_a_later_attempt_rewinds() {
+        let mut pos: Position = None;
+        assert_eq!(
+            place(&mut pos, &chunk(1, 2, 2)),
+            Placed::Gap,
+            "must start at 0"
+        );
+        assert_eq!(place(&mut pos, &chunk(1, 0, 3)), Placed::Send);
+        assert_eq!(place(&mut pos, &chunk(1, 0, 3)), Placed::Skip, "a repeat");
+        assert_eq!(place(&mut pos, &chunk(1, 3, 2)), Placed::Send);
+        assert_eq!(
+            place(&mut pos, &chunk(1, 7, 1)),
+            Placed::Gap,
+            "5 and 6 missing"
+        );
+        // Attempt 2 resumes after the kept 3 tokens: the stream rewinds.
+        assert_eq!(place(&mut pos, &chunk(2, 3, 4)), Placed::Send);
+        assert_eq!(pos, Some((2, 7)));
+        assert_eq!(
+            place(&mut pos, &chunk(1, 7, 1)),
+            Placed::Skip,
+            "an earlier attempt's"
+        );
+        assert_eq!(
+            place(&mut pos, &chunk(3, 8, 1)),
+            Placed::Gap,
+            "past the end"
+        );
+    }
 
     fn queued(attempt: u32) -> job_event::Event {
         job_event::Event::Queued(job_event::Queued {

@@ -2,7 +2,8 @@
 //! renews this replica's liveness lease, then (on one replica at a time)
 //! requeues the attempts of dead replicas (the orphan sweep), settles what
 //! a crash or an error left unsettled, cancels (then settles) jobs whose
-//! hold's deadline passed, and pays availability rewards.
+//! hold's deadline passed, pays availability rewards, and deletes the
+//! relayed tokens of jobs that ended over [`crate::relay::RETENTION`] ago.
 //!
 //! Liveness: every replica holds the lease `replica/<replica_id>`
 //! ([`crate::domain::liveness_lease`]), taken at start-up (after its own
@@ -88,6 +89,12 @@ pub async fn sweep_loop(d: Arc<Dispatcher>) {
                 d.wake();
             }
             sweep_once(&d, lease).await;
+            // The relayed tokens of jobs that ended a while ago.
+            match d.relay.purge(now_ms()).await {
+                Ok(0) => {}
+                Ok(n) => tracing::debug!(rows = n, "purged ended jobs' relayed tokens"),
+                Err(e) => tracing::warn!(error = %error_chain(&e), "purging relayed tokens failed"),
+            }
         }
     }
     for lease in [held, live].into_iter().flatten() {

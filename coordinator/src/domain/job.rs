@@ -223,6 +223,16 @@ pub struct Segment {
     pub claim: Option<SignedClaim>,
 }
 
+/// A chunk of tokens one attempt of a job streamed, as the token relay
+/// carries it between replicas (`Store::append_tokens`). Chunks of a job
+/// are ordered by `(attempt, chunk.index)`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RelayChunk {
+    pub job: JobId,
+    pub attempt: u32,
+    pub chunk: mlxnet_proto::v1::job_event::Tokens,
+}
+
 /// Everything a job's ended attempts streamed, in order.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Streamed {

@@ -311,6 +311,36 @@ macro_rules! store_methods {
         async fn lease(&self, name: &str) -> Result<Option<Lease>> {
             leases::get(&mut *self.conn().await?, name).await
         }
+
+        async fn append_tokens(
+            &self,
+            chunks: &[RelayChunk],
+            wake: &[JobId],
+            now_ms: i64,
+        ) -> Result<()> {
+            let mut tx = self.begin().await?;
+            tokens::insert(&mut tx, chunks, now_ms).await?;
+            tokens::notify(&mut tx, chunks, wake).await?;
+            tx.commit().await?;
+            Ok(())
+        }
+
+        async fn tokens_after(
+            &self,
+            job: JobId,
+            after: Option<(u32, u32)>,
+            limit: u32,
+        ) -> Result<Vec<RelayChunk>> {
+            tokens::after(&mut *self.conn().await?, job, after, limit).await
+        }
+
+        async fn rewind_tokens(&self, job: JobId, attempt: u32, keep: u32) -> Result<u64> {
+            tokens::rewind(&mut *self.conn().await?, job, attempt, keep).await
+        }
+
+        async fn purge_tokens(&self, ended_before_ms: i64) -> Result<u64> {
+            tokens::purge(&mut *self.conn().await?, ended_before_ms).await
+        }
     };
 }
 pub(super) use store_methods;
@@ -597,3 +627,106 @@ macro_rules! lease_queries {
     };
 }
 pub(super) use lease_queries;
+
+/// The token relay's queries ([`super::Store::append_tokens`],
+/// `tokens_after`, `rewind_tokens`, `purge_tokens`), written once: expanded
+/// in each backend's `tokens` module with its connection and database
+/// types. A chunk is stored as its protobuf encoding.
+macro_rules! token_queries {
+    ($conn:ty, $db:ty) => {
+        use mlxnet_proto::ids::JobId;
+        use prost::Message;
+
+        use crate::domain::RelayChunk;
+
+        /// Rows per INSERT statement (well under both backends' bound
+        /// variable limits at 5 per row).
+        const ROWS_PER_STATEMENT: usize = 500;
+
+        pub(super) async fn insert(
+            conn: &mut $conn,
+            chunks: &[RelayChunk],
+            now_ms: i64,
+        ) -> Result<()> {
+            for part in chunks.chunks(ROWS_PER_STATEMENT) {
+                let mut q = sqlx::QueryBuilder::<$db>::new(
+                    "INSERT INTO job_tokens (job_id, attempt, first_index, chunk, written_at_ms) ",
+                );
+                q.push_values(part, |mut row, c| {
+                    row.push_bind(c.job.to_string())
+                        .push_bind(i64::from(c.attempt))
+                        .push_bind(i64::from(c.chunk.index))
+                        .push_bind(c.chunk.encode_to_vec())
+                        .push_bind(now_ms);
+                });
+                q.push(" ON CONFLICT (job_id, attempt, first_index) DO NOTHING");
+                q.build().execute(&mut *conn).await?;
+            }
+            Ok(())
+        }
+
+        pub(super) async fn after(
+            conn: &mut $conn,
+            job: JobId,
+            after: Option<(u32, u32)>,
+            limit: u32,
+        ) -> Result<Vec<RelayChunk>> {
+            let (attempt, index) = after.map_or((-1, -1), |(a, i)| (i64::from(a), i64::from(i)));
+            let rows: Vec<(i64, Vec<u8>)> = sqlx::query_as(
+                "SELECT attempt, chunk FROM job_tokens \
+                 WHERE job_id = $1 AND (attempt > $2 OR (attempt = $2 AND first_index > $3)) \
+                 ORDER BY attempt, first_index LIMIT $4",
+            )
+            .bind(job.to_string())
+            .bind(attempt)
+            .bind(index)
+            .bind(i64::from(limit))
+            .fetch_all(&mut *conn)
+            .await?;
+            rows.into_iter()
+                .map(|(attempt, bytes)| {
+                    let corrupt = |what: String| StoreError::Corrupt {
+                        id: job.to_string(),
+                        what,
+                    };
+                    Ok(RelayChunk {
+                        job,
+                        attempt: u32::try_from(attempt)
+                            .map_err(|_| corrupt(format!("token chunk attempt {attempt}")))?,
+                        chunk: mlxnet_proto::v1::job_event::Tokens::decode(bytes.as_slice())
+                            .map_err(|e| corrupt(format!("token chunk: {e}")))?,
+                    })
+                })
+                .collect()
+        }
+
+        pub(super) async fn rewind(
+            conn: &mut $conn,
+            job: JobId,
+            attempt: u32,
+            keep: u32,
+        ) -> Result<u64> {
+            let done = sqlx::query(
+                "DELETE FROM job_tokens WHERE job_id = $1 AND attempt < $2 AND first_index >= $3",
+            )
+            .bind(job.to_string())
+            .bind(i64::from(attempt))
+            .bind(i64::from(keep))
+            .execute(&mut *conn)
+            .await?;
+            Ok(done.rows_affected())
+        }
+
+        pub(super) async fn purge(conn: &mut $conn, ended_before_ms: i64) -> Result<u64> {
+            let done = sqlx::query(
+                "DELETE FROM job_tokens WHERE job_id IN (SELECT id FROM jobs \
+                   WHERE state IN ('completed', 'failed', 'cancelled') AND updated_at_ms < $1)",
+            )
+            .bind(ended_before_ms)
+            .execute(&mut *conn)
+            .await?;
+            Ok(done.rows_affected())
+        }
+    };
+}
+pub(super) use token_queries;

@@ -29,6 +29,7 @@
 //! - [`keys`]: API keys (hashes only).
 //! - [`leases`]: the singleton duties' leases and fences.
 //! - [`audits`]: audits and node records.
+//! - [`tokens`]: the token relay's rows and its `LISTEN/NOTIFY` wake-ups.
 
 mod audits;
 mod jobs;
@@ -36,6 +37,7 @@ mod keys;
 mod leases;
 mod ledger;
 mod nodes;
+pub mod tokens;
 
 use std::{
     collections::{HashMap, HashSet},
@@ -50,12 +52,15 @@ use sqlx::{
     PgConnection, PgPool,
 };
 
-use super::{Anomaly, NewKey, OpenHold, PayerBalance, Result, Side, Store, StoreConfig, StoreTx};
+use super::{
+    Anomaly, NewKey, OpenHold, PayerBalance, Result, Side, Store, StoreConfig, StoreTx,
+    TokenWakeups,
+};
 use crate::{
     domain::{
         Account, AttemptEnd, AuditRecord, Availability, CancelOutcome, Completion, JobRecord,
         JobStats, JobTerms, KeyInfo, KeyLimits, Lease, NewJob, NodeEarnings, NodeRecord,
-        RecordDelta, Segment, StoredKey, StreamedEnd, Totals, Transfer,
+        RecordDelta, RelayChunk, Segment, StoredKey, StreamedEnd, Totals, Transfer,
     },
     util::now_ms,
 };
@@ -100,6 +105,22 @@ impl PgStore {
             pool,
             writer: Arc::default(),
         })
+    }
+
+    /// Creates a fresh, empty database on the server at `server` (the URL
+    /// of one of its databases) and returns its URL: each end-to-end test
+    /// that runs replicas gets a database of its own.
+    #[cfg(any(test, feature = "test-utils"))]
+    pub async fn fresh_database(server: &str) -> Result<String> {
+        use sqlx::{Connection, Executor};
+        let name = format!("t_{}", uuid::Uuid::new_v4().simple());
+        let mut admin = PgConnection::connect(server).await?;
+        admin
+            .execute(format!("CREATE DATABASE {name}").as_str())
+            .await?;
+        admin.close().await?;
+        let base = server.rsplit_once('/').map_or(server, |(base, _)| base);
+        Ok(format!("{base}/{name}"))
     }
 
     /// The connection pool, for the backend's own tests (schema checks).
@@ -157,6 +178,12 @@ impl Store for PgStore {
             tx,
             _writer: writer,
         })
+    }
+
+    async fn token_wakeups(&self) -> Result<TokenWakeups> {
+        Ok(TokenWakeups::listening(
+            tokens::TokenListener::connect(&self.pool).await?,
+        ))
     }
 
     super::backend::store_methods!();

@@ -32,6 +32,7 @@ mod keys;
 mod leases;
 mod ledger;
 mod nodes;
+mod tokens;
 
 use std::{
     collections::{HashMap, HashSet},
@@ -46,12 +47,12 @@ use sqlx::{
     SqliteConnection, SqlitePool,
 };
 
-use super::{Anomaly, NewKey, OpenHold, PayerBalance, Result, Side, Store, StoreTx};
+use super::{Anomaly, NewKey, OpenHold, PayerBalance, Result, Side, Store, StoreTx, TokenWakeups};
 use crate::{
     domain::{
         Account, AttemptEnd, AuditRecord, Availability, CancelOutcome, Completion, JobRecord,
         JobStats, JobTerms, KeyInfo, KeyLimits, Lease, NewJob, NodeEarnings, NodeRecord,
-        RecordDelta, Segment, StoredKey, StreamedEnd, Totals, Transfer,
+        RecordDelta, RelayChunk, Segment, StoredKey, StreamedEnd, Totals, Transfer,
     },
     util::now_ms,
 };
@@ -155,6 +156,11 @@ impl Store for SqliteStore {
             tx,
             _writer: writer,
         })
+    }
+
+    /// One replica: nobody else writes tokens, so nothing wakes.
+    async fn token_wakeups(&self) -> Result<TokenWakeups> {
+        Ok(TokenWakeups::never())
     }
 
     super::backend::store_methods!();

@@ -173,6 +173,7 @@ macro_rules! store_contracts {
             one_of_two_replicas_racing_for_a_lease_wins_it,
             an_expired_lease_is_taken_over_under_a_higher_epoch,
             a_stale_holders_fenced_write_is_refused_and_changes_nothing,
+            relayed_chunks_read_back_in_order_rewind_and_purge,
         );
     };
     (@each $backend:ty; $($name:ident),* $(,)?) => {
@@ -1599,5 +1600,90 @@ pub(crate) async fn a_stale_holders_fenced_write_is_refused_and_changes_nothing<
     let mut tx = a.write().await.unwrap();
     assert!(tx.epoch_paid(2).await.unwrap());
     drop(tx);
+    other.close().await;
+}
+
+fn relay_chunk(job: JobId, attempt: u32, index: u32, len: u32) -> crate::domain::RelayChunk {
+    crate::domain::RelayChunk {
+        job,
+        attempt,
+        chunk: mlxnet_proto::v1::job_event::Tokens {
+            index,
+            token_ids: (index..index + len).collect(),
+            text: format!("[{attempt}:{index}]"),
+            logprobs: Vec::new(),
+        },
+    }
+}
+
+/// The token relay's rows: a batch reads back after any cursor in
+/// (attempt, first index) order, as written, on another replica's handle;
+/// a repeat is ignored; a rewind drops only the unkept tokens of earlier
+/// attempts; a purge drops only ended jobs' rows older than its bound.
+pub(crate) async fn relayed_chunks_read_back_in_order_rewind_and_purge(b: impl Backend) {
+    let store = b.store();
+    let other = b.another().await;
+    let job = queued(store).await;
+    let live = queued(store).await;
+    // Attempt 1 streamed 0..6 (kept: a hand-off), attempt 2 6..10 (lost),
+    // written out of order in two batches, the second repeating a row.
+    let written = [
+        relay_chunk(job.id, 2, 6, 4),
+        relay_chunk(job.id, 1, 0, 3),
+        relay_chunk(job.id, 1, 3, 3),
+        relay_chunk(live.id, 1, 0, 2),
+    ];
+    store.append_tokens(&written, &[], 1_000).await.unwrap();
+    store
+        .append_tokens(&[relay_chunk(job.id, 1, 3, 3)], &[live.id], 1_001)
+        .await
+        .unwrap();
+    let all = other.tokens_after(job.id, None, 100).await.unwrap();
+    assert_eq!(
+        all,
+        vec![written[1].clone(), written[2].clone(), written[0].clone()]
+    );
+    let page = other.tokens_after(job.id, None, 2).await.unwrap();
+    assert_eq!(page, all[..2].to_vec(), "a page is the first rows in order");
+    let rest = other.tokens_after(job.id, Some((1, 3)), 100).await.unwrap();
+    assert_eq!(
+        rest,
+        vec![written[0].clone()],
+        "after a cursor, only later rows"
+    );
+    assert!(other
+        .tokens_after(job.id, Some((2, 6)), 100)
+        .await
+        .unwrap()
+        .is_empty());
+    // Attempt 2 failed: attempt 3 resumes at 6 and its rewind drops 6.. of
+    // the attempts before it, nothing of attempt 1's kept tokens.
+    assert_eq!(store.rewind_tokens(job.id, 3, 6).await.unwrap(), 1);
+    assert_eq!(
+        other.tokens_after(job.id, None, 100).await.unwrap(),
+        all[..2].to_vec()
+    );
+    // Purge: only ended jobs, only before the bound.
+    assert_eq!(
+        store.cancel(job.id).await.unwrap(),
+        CancelOutcome::Cancelled
+    );
+    let ended = store.get_job(job.id).await.unwrap().unwrap().updated_at_ms;
+    assert_eq!(
+        store.purge_tokens(ended).await.unwrap(),
+        0,
+        "not yet old enough"
+    );
+    assert_eq!(store.purge_tokens(ended + 1).await.unwrap(), 2);
+    assert!(store
+        .tokens_after(job.id, None, 100)
+        .await
+        .unwrap()
+        .is_empty());
+    assert_eq!(
+        store.tokens_after(live.id, None, 100).await.unwrap().len(),
+        1,
+        "an unfinished job's rows stay"
+    );
     other.close().await;
 }

@@ -16,6 +16,7 @@ mod models;
 mod openai;
 mod owner;
 mod pod;
+mod relay;
 mod restart;
 mod rewards;
 mod validation;
