@@ -75,6 +75,12 @@ pub struct CoordinatorConfig {
     /// Default: a random `replica-<12 hex>` made once per data directory
     /// and kept there (`app::REPLICA_ID_FILE`).
     pub replica_id: Option<String>,
+    /// On SIGTERM the replica drains: it claims no more queued jobs, tells
+    /// its nodes to move to another replica, and waits this long at most
+    /// for them to leave and for its attempts' ends to be recorded before
+    /// it stops (nodes get half of it to finish running jobs before they
+    /// hand them off). Default 20 s.
+    pub drain_timeout_ms: u64,
 }
 
 fn any_addr(port: u16) -> SocketAddr {
@@ -105,6 +111,7 @@ impl Default for CoordinatorConfig {
             job_lease_ms: 60_000,
             audit: crate::audit::AuditConfig::default(),
             replica_id: None,
+            drain_timeout_ms: 20_000,
         }
     }
 }
@@ -138,6 +145,7 @@ impl fmt::Debug for CoordinatorConfig {
             .field("job_lease_ms", &self.job_lease_ms)
             .field("audit", &self.audit)
             .field("replica_id", &self.replica_id)
+            .field("drain_timeout_ms", &self.drain_timeout_ms)
             .finish()
     }
 }
@@ -192,6 +200,7 @@ impl CoordinatorConfig {
             handshake_timeout_ms: self.handshake_timeout_ms,
             max_node_connections: self.limits.max_node_connections,
             replica_id: self.replica_id.clone().unwrap_or_default(),
+            drain_timeout_ms: self.drain_timeout_ms,
         }
     }
 
