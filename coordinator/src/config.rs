@@ -151,8 +151,9 @@ impl fmt::Debug for CoordinatorConfig {
 }
 
 impl CoordinatorConfig {
-    /// Defaults with `data_dir` set and every listener on `127.0.0.1:0`, and
-    /// audits off (no pay window): what tests and the devnet use.
+    /// Defaults with `data_dir` set and every listener on `127.0.0.1:0`,
+    /// audits off (no pay window) and a 2 s drain: what tests and the
+    /// devnet use.
     pub fn for_data_dir(data_dir: PathBuf) -> Self {
         Self {
             data_dir,
@@ -160,6 +161,10 @@ impl CoordinatorConfig {
             quic_addr: local_any_port(),
             http_addr: local_any_port(),
             audit: crate::audit::AuditConfig::off(),
+            // A stop drains for at most 2 s: hand-made test nodes never
+            // answer the reconnect hint, and a test stopping a coordinator
+            // must not wait the production default for them.
+            drain_timeout_ms: 2_000,
             ..Self::default()
         }
     }

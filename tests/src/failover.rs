@@ -31,13 +31,17 @@ pub async fn fresh_database() -> anyhow::Result<Option<String>> {
 
 /// A replica's config: its data in `dir`, the database at `database_url`,
 /// named `id`, with heartbeats every 500 ms (a node notices a replica that
-/// died within a few seconds rather than the default's 20).
+/// died within a few seconds rather than the default's 20) and a drain of
+/// up to 120 s.
 pub fn replica_config(dir: &Path, database_url: &str, id: &str) -> CoordinatorConfig {
     let mut config = CoordinatorConfig::for_data_dir(dir.to_path_buf());
     config.database_url = Some(database_url.to_string());
     config.replica_id = Some(id.to_string());
     config.heartbeat_interval_ms = 500;
     config.heartbeat_timeout_ms = 5_000;
+    // A drain waits for the real node to move: generously (the tests'
+    // default is 2 s, for hand-made nodes that never move).
+    config.drain_timeout_ms = 120_000;
     config
 }
 

@@ -26,14 +26,6 @@ pub fn pg_server_url() -> Option<String> {
 
 /// A fresh, empty database on the server at `server` (the URL of one of
 /// its databases): its URL.
-pub async fn pg_fresh_database(server: &str) -> Result<String, sqlx::Error> {
-    use sqlx::{Connection, Executor};
-    let name = format!("t_{}", uuid::Uuid::new_v4().simple());
-    let mut admin = sqlx::PgConnection::connect(server).await?;
-    admin
-        .execute(format!("CREATE DATABASE {name}").as_str())
-        .await?;
-    admin.close().await?;
-    let base = server.rsplit_once('/').map_or(server, |(base, _)| base);
-    Ok(format!("{base}/{name}"))
+pub async fn pg_fresh_database(server: &str) -> Result<String, crate::store::StoreError> {
+    crate::store::postgres::fresh_database(server).await
 }
