@@ -85,6 +85,9 @@ pub struct Application {
     store: AnyStore,
     tasks: Arc<Tasks>,
     shutdown: CancellationToken,
+    /// Cancelled when a requested stop begins: the replica drains first.
+    drain: CancellationToken,
+    drain_timeout: Duration,
     endpoint: quinn::Endpoint,
     grpc: TcpListener,
     http: TcpListener,
@@ -197,6 +200,7 @@ impl Application {
             &replica,
             shutdown.clone(),
         );
+        let drain = CancellationToken::new();
         let audits = Arc::new(audits);
         let dispatcher = Dispatcher::new(dispatch::Parts {
             config: config.dispatch(),
@@ -212,6 +216,7 @@ impl Application {
             wake: Arc::clone(&wake),
             tasks: Arc::clone(&tasks),
             shutdown: shutdown.clone(),
+            drain: drain.clone(),
         });
         let link = LinkContext {
             config: config.link(),
@@ -225,6 +230,7 @@ impl Application {
             placement: wake,
             tasks: Arc::clone(&tasks),
             shutdown: shutdown.clone(),
+            drain: drain.clone(),
         };
         let api = Arc::new(ApiContext {
             dispatcher: Arc::clone(&dispatcher),
@@ -244,6 +250,8 @@ impl Application {
             sessions,
             world,
             api: Arc::clone(&api),
+            replica_id: replica.clone(),
+            drain: drain.clone(),
         };
         Ok(Application {
             dispatcher,
@@ -254,6 +262,8 @@ impl Application {
             store,
             tasks,
             shutdown,
+            drain,
+            drain_timeout: Duration::from_millis(config.drain_timeout_ms),
             endpoint,
             grpc,
             http,
@@ -299,6 +309,14 @@ impl Application {
 
     /// Runs until `shutdown` resolves (or a server fails), then stops
     /// everything and releases every port and the database.
+    ///
+    /// A requested stop drains first (see [`drain`]): no queued job is
+    /// claimed any more, `/readyz` answers 503, every node is told to move
+    /// to another replica (`Reconnect`) and new node connections are
+    /// refused; the replica waits (at most `drain_timeout_ms`) until its
+    /// nodes have left and every attempt's end is recorded, and only then
+    /// stops its loops, which release its leases. A server that fails
+    /// stops everything at once.
     pub async fn run_until(
         self,
         shutdown: impl Future<Output = ()> + Send + 'static,
@@ -312,12 +330,15 @@ impl Application {
             store,
             tasks,
             shutdown: token,
+            drain: drain_token,
+            drain_timeout,
             endpoint,
             grpc,
             http,
             quic_addr,
             ..
         } = self;
+        let sessions = link.sessions.clone();
         // The loops run supervised: one that panics (or ends before
         // shutdown) is logged and started again, so a panic never stops
         // placement silently while Submit keeps taking holds.
@@ -345,7 +366,10 @@ impl Application {
         let mut grpc_done = false;
         let mut http_done = false;
         tokio::select! {
-            _ = shutdown => info!("shutting down"),
+            _ = shutdown => {
+                info!("shutting down: draining");
+                drain(&drain_token, &sessions, &d, drain_timeout).await;
+            }
             r = &mut grpc_task => {
                 grpc_done = true;
                 result = flatten(r);
@@ -379,6 +403,26 @@ impl Application {
         wait_udp_released(quic_addr).await;
         info!("stopped");
         result
+    }
+}
+
+/// The drain of a requested stop: cancels `token` (placement claims no
+/// more, nodes are told to move, new node connections are refused), then
+/// waits until every node session has ended and every attempt's end is
+/// recorded, or `limit` passed.
+async fn drain(token: &CancellationToken, sessions: &Sessions, d: &Dispatcher, limit: Duration) {
+    token.cancel();
+    let moved = async {
+        sessions.emptied().await;
+        d.attempts_ended().await;
+    };
+    match tokio::time::timeout(limit, moved).await {
+        Ok(()) => info!("drained: every node moved and every attempt's end is recorded"),
+        Err(_) => warn!(
+            nodes = sessions.len(),
+            ?limit,
+            "drain timed out: stopping with nodes still linked"
+        ),
     }
 }
 
@@ -556,6 +600,9 @@ async fn stop_signal() {
         let _ = tokio::signal::ctrl_c().await;
     }
 }
+
+#[cfg(test)]
+mod drain_tests;
 
 #[cfg(test)]
 mod tests {

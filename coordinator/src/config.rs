@@ -81,6 +81,12 @@ pub struct CoordinatorConfig {
     /// Default: a random `replica-<12 hex>` made once per data directory
     /// and kept there (`app::REPLICA_ID_FILE`).
     pub replica_id: Option<String>,
+    /// On SIGTERM the replica drains: it claims no more queued jobs, tells
+    /// its nodes to move to another replica, and waits this long at most
+    /// for them to leave and for its attempts' ends to be recorded before
+    /// it stops (nodes get half of it to finish running jobs before they
+    /// hand them off). Default 20 s.
+    pub drain_timeout_ms: u64,
 }
 
 fn any_addr(port: u16) -> SocketAddr {
@@ -113,6 +119,7 @@ impl Default for CoordinatorConfig {
             job_lease_ms: 60_000,
             audit: crate::audit::AuditConfig::default(),
             replica_id: None,
+            drain_timeout_ms: 20_000,
         }
     }
 }
@@ -148,13 +155,15 @@ impl fmt::Debug for CoordinatorConfig {
             .field("job_lease_ms", &self.job_lease_ms)
             .field("audit", &self.audit)
             .field("replica_id", &self.replica_id)
+            .field("drain_timeout_ms", &self.drain_timeout_ms)
             .finish()
     }
 }
 
 impl CoordinatorConfig {
-    /// Defaults with `data_dir` set and every listener on `127.0.0.1:0`, and
-    /// audits off (no pay window): what tests and the devnet use.
+    /// Defaults with `data_dir` set and every listener on `127.0.0.1:0`,
+    /// audits off (no pay window) and a 2 s drain: what tests and the
+    /// devnet use.
     pub fn for_data_dir(data_dir: PathBuf) -> Self {
         Self {
             data_dir,
@@ -162,6 +171,10 @@ impl CoordinatorConfig {
             quic_addr: local_any_port(),
             http_addr: local_any_port(),
             audit: crate::audit::AuditConfig::off(),
+            // A stop drains for at most 2 s: hand-made test nodes never
+            // answer the reconnect hint, and a test stopping a coordinator
+            // must not wait the production default for them.
+            drain_timeout_ms: 2_000,
             ..Self::default()
         }
     }
@@ -203,6 +216,7 @@ impl CoordinatorConfig {
             max_node_connections: self.limits.max_node_connections,
             sources: self.node_sources.clone(),
             replica_id: self.replica_id.clone().unwrap_or_default(),
+            drain_timeout_ms: self.drain_timeout_ms,
         }
     }
 

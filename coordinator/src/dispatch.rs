@@ -157,6 +157,9 @@ pub struct Parts {
     pub tasks: Arc<Tasks>,
     /// Cancelled when the application stops.
     pub shutdown: CancellationToken,
+    /// Cancelled when the replica starts draining (before `shutdown`):
+    /// placement claims no more queued jobs; running attempts go on.
+    pub drain: CancellationToken,
 }
 
 /// The dispatcher of a running coordinator: places jobs and drives their
@@ -186,7 +189,28 @@ pub struct Dispatcher {
     /// [`EVIDENCE_MAX`] (past it, only connected nodes are kept).
     evidence: Mutex<HashMap<NodeId, Evidence>>,
     shutdown: CancellationToken,
+    drain: CancellationToken,
     tasks: Arc<Tasks>,
+    /// Attempt tasks not yet ended (their end recorded, or given up at
+    /// shutdown), and what wakes [`Dispatcher::attempts_ended`].
+    attempts: Arc<(std::sync::atomic::AtomicUsize, Notify)>,
+}
+
+/// Counts one attempt task from its spawn to its end.
+struct AttemptGuard(Arc<(std::sync::atomic::AtomicUsize, Notify)>);
+
+impl AttemptGuard {
+    fn new(count: &Arc<(std::sync::atomic::AtomicUsize, Notify)>) -> Self {
+        count.0.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        Self(Arc::clone(count))
+    }
+}
+
+impl Drop for AttemptGuard {
+    fn drop(&mut self) {
+        self.0 .0.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+        self.0 .1.notify_waiters();
+    }
 }
 
 /// The most jobs [`Dispatcher`] remembers a failed node for (a job
@@ -248,6 +272,7 @@ impl Dispatcher {
             wake,
             tasks,
             shutdown,
+            drain,
         } = parts;
         Arc::new(Self {
             config,
@@ -265,8 +290,25 @@ impl Dispatcher {
             failed_on: Mutex::new(HashMap::new()),
             evidence: Mutex::new(HashMap::new()),
             shutdown,
+            drain,
             tasks,
+            attempts: Arc::default(),
         })
+    }
+
+    /// Returns once no attempt task is left: every attempt's end is
+    /// recorded (how a draining replica finishes its in-flight writes
+    /// before it releases its leases).
+    pub async fn attempts_ended(&self) {
+        loop {
+            let notified = self.attempts.1.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            if self.attempts.0.load(std::sync::atomic::Ordering::SeqCst) == 0 {
+                return;
+            }
+            notified.await;
+        }
     }
 
     /// Cancelled when the application stops.
@@ -352,7 +394,9 @@ impl Dispatcher {
     /// onto the node the cost model picks among this replica's sessions. The
     /// node's memory is reserved before the claim commits its assignment.
     async fn place_queued(self: &Arc<Self>) -> Result<(), StoreError> {
-        if self.sessions.is_empty() {
+        // A draining replica claims nothing: its nodes are leaving, and
+        // the jobs stay queued for the other replicas.
+        if self.sessions.is_empty() || self.drain.is_cancelled() {
             return Ok(());
         }
         let mut plan = Vec::new();
@@ -440,10 +484,12 @@ impl Dispatcher {
             );
             debug!(job_id = %job.id, node = %node.short(), attempt = job.attempt, reason = %reason, "assigned");
             let this = Arc::clone(self);
+            let counted = AttemptGuard::new(&self.attempts);
             self.spawn(async move {
                 let wake = Arc::clone(&this);
                 this.run_attempt(job, model, reservation, token).await;
                 drop(held);
+                drop(counted);
                 wake.wake();
             });
         }

@@ -1,5 +1,6 @@
-//! Operational HTTP (axum): `/healthz` (the process answers), `/readyz` (the
-//! database answers), `/metrics` (OpenMetrics text); and the World page
+//! Operational HTTP (axum): `/healthz` (the process answers), `/readyz`
+//! (this replica should get traffic: see [`readyz`]), `/metrics`
+//! (OpenMetrics text); and the World page
 //! ([`crate::world::router`]), whose live streams it ends at shutdown; and
 //! the OpenAI-compatible API under `/v1` ([`crate::openai`]).
 //!
@@ -12,8 +13,10 @@
 //!   its `content-length` before anything is read, and cut off there if it
 //!   comes without one.
 //! - At most `max_in_flight` requests in flight (an open World
-//!   stream counts until it ends); more get 429 at once. `/healthz` is
-//!   exempt, so the process can always say it is alive.
+//!   stream counts until it ends); more get 429 at once. `/healthz` and
+//!   `/readyz` are exempt, so the process can always say whether it is
+//!   alive and ready (open World streams must not make a load balancer
+//!   take a healthy replica out).
 //! - A handler must produce its response within `request_timeout_ms`
 //!   (503 otherwise), but for `/v1`: an answer there waits on its job, and
 //!   its body must arrive within `request_timeout_ms` instead.
@@ -43,11 +46,12 @@ use tracing::debug;
 
 use crate::{
     api::ApiContext,
+    domain::liveness_lease,
     link::session::Sessions,
     metrics::{Gauges, Metrics},
     openai::{self, OpenAiError},
     store::{AnyStore, Store},
-    util::{error_chain, net::Held},
+    util::{error_chain, net::Held, now_ms},
     world::World,
 };
 
@@ -79,6 +83,10 @@ pub struct HttpContext {
     pub sessions: Sessions,
     pub world: World,
     pub api: Arc<ApiContext>,
+    /// This replica's id: `/readyz` checks it holds `replica/<id>`.
+    pub replica_id: String,
+    /// Cancelled while the replica drains (`/readyz` answers 503).
+    pub drain: tokio_util::sync::CancellationToken,
 }
 
 /// The routes, over `ctx`.
@@ -120,7 +128,7 @@ async fn guard(State(g): State<Arc<Guard>>, req: Request, next: Next) -> Respons
         )
             .into_response();
     }
-    let permit: Option<OwnedSemaphorePermit> = if path == "/healthz" {
+    let permit: Option<OwnedSemaphorePermit> = if path == "/healthz" || path == "/readyz" {
         None
     } else {
         match Arc::clone(&g.in_flight).try_acquire_owned() {
@@ -227,9 +235,24 @@ pub async fn serve(
     Ok(())
 }
 
+/// `/readyz`: 200 while this replica should get traffic; 503 (with the
+/// reason) while it drains, when the database does not answer, and when
+/// it does not hold its liveness lease `replica/<id>` (another replica's
+/// orphan sweep may then take its jobs and nodes: it must not take new
+/// ones). The lease is read from the database, so this also checks that
+/// the database answers.
 async fn readyz(State(d): State<Arc<HttpContext>>) -> impl IntoResponse {
-    match d.store.ping().await {
-        Ok(()) => (StatusCode::OK, "ready\n"),
+    if d.drain.is_cancelled() {
+        return (StatusCode::SERVICE_UNAVAILABLE, "draining\n");
+    }
+    match d.store.lease(&liveness_lease(&d.replica_id)).await {
+        Ok(Some(lease)) if lease.holder == d.replica_id && lease.expires_at_ms > now_ms() => {
+            (StatusCode::OK, "ready\n")
+        }
+        Ok(_) => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            "this replica does not hold its liveness lease\n",
+        ),
         Err(e) => {
             tracing::warn!(error = %error_chain(&e), "readiness check failed");
             (StatusCode::SERVICE_UNAVAILABLE, "database unavailable\n")

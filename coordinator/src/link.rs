@@ -16,6 +16,14 @@
 //! - When a session ends, its connection is closed, which ends every job
 //!   stream on it: each attempt fails and is requeued by the dispatcher.
 //!
+//! # Draining
+//! When the replica drains (SIGTERM; see `app`), every session's control
+//! loop sends its node `Reconnect` once (with [`LinkConfig::reconnect_grace`])
+//! and goes on serving it until the node leaves: the node hands its
+//! running jobs off through this replica, which records them, and dials
+//! another replica. New connections are refused meanwhile. Nodes that do
+//! not know `Reconnect` ignore it and are closed at shutdown as before.
+//!
 //! # Failure
 //! A refused handshake gets `Rejected { reason }` and the connection is
 //! closed with [`CLOSE_REJECTED`]. Nothing a node sends can stop the endpoint.
@@ -31,8 +39,8 @@ use std::{sync::Arc, time::Duration};
 use mlxnet_proto::{
     frame::{read_frame, write_frame, FrameError},
     v1::{
-        coordinator_control, node_control, CoordinatorControl, HeartbeatAck, NodeControl, Rejected,
-        Welcome,
+        coordinator_control, node_control, CoordinatorControl, HeartbeatAck, NodeControl,
+        Reconnect, Rejected, Welcome,
     },
 };
 use tracing::{debug, info, instrument, warn};
@@ -86,6 +94,9 @@ pub struct LinkConfig {
     /// This replica's name: recorded as the owner of its nodes' sessions
     /// (and so of the attempts assigned to them).
     pub replica_id: String,
+    /// How long a draining replica waits for its nodes to move and its
+    /// attempts' ends to be recorded before it stops anyway.
+    pub drain_timeout_ms: u64,
 }
 
 impl LinkConfig {
@@ -93,6 +104,13 @@ impl LinkConfig {
     /// twice the heartbeat timeout (a live node heartbeats far more often).
     pub fn idle_timeout(&self) -> Duration {
         Duration::from_millis(self.heartbeat_timeout_ms.saturating_mul(2))
+    }
+
+    /// The grace a `Reconnect` gives a node's running jobs before they hand
+    /// off: half the drain timeout, so the hand-offs and the close fit in
+    /// the other half.
+    pub fn reconnect_grace(&self) -> Duration {
+        Duration::from_millis(self.drain_timeout_ms / 2)
     }
 }
 
@@ -119,6 +137,9 @@ pub struct LinkContext {
     /// Connection tasks, waited for on shutdown.
     pub tasks: Arc<Tasks>,
     pub shutdown: CancellationToken,
+    /// Cancelled when the replica starts draining: its nodes are told to
+    /// move, and new node connections are refused.
+    pub drain: CancellationToken,
 }
 
 /// Accepts node connections until the endpoint closes or shutdown; at most
@@ -135,6 +156,11 @@ pub async fn accept_loop(endpoint: quinn::Endpoint, ctx: LinkContext) {
             i = endpoint.accept() => i,
         };
         let Some(incoming) = incoming else { return };
+        if ctx.drain.is_cancelled() {
+            debug!(remote = %incoming.remote_address(), "node connection refused: draining");
+            incoming.refuse();
+            continue;
+        }
         let Ok(slot) = Arc::clone(&slots).try_acquire_owned() else {
             ctx.metrics.connections_refused_at_cap.inc();
             debug!(remote = %incoming.remote_address(), "node connection refused: at the connection cap");
@@ -310,11 +336,28 @@ async fn control_loop(
     let mut last_beat = std::time::Instant::now();
     let write_gap = Duration::from_millis(d.config.heartbeat_interval_ms / 2);
     let mut written: Option<std::time::Instant> = None;
+    let mut hinted = false;
     loop {
         let frame = tokio::select! {
             _ = d.shutdown.cancelled() => {
                 conn.close(CLOSE_SHUTDOWN.into(), b"coordinator shutting down");
                 return;
+            }
+            _ = d.drain.cancelled(), if !hinted => {
+                hinted = true;
+                let grace = d.config.reconnect_grace();
+                let hint = CoordinatorControl {
+                    msg: Some(coordinator_control::Msg::Reconnect(Reconnect {
+                        reason: "this coordinator replica is draining".into(),
+                        grace_ms: grace.as_millis().min(u128::from(u32::MAX)) as u32,
+                    })),
+                };
+                info!(node = %session.node_id.short(), ?grace, "draining: telling the node to move");
+                if write_frame(send, &hint).await.is_err() {
+                    conn.close(CLOSE_PROTOCOL.into(), b"control stream error");
+                    return;
+                }
+                continue;
             }
             r = tokio::time::timeout(silence, read_frame::<_, NodeControl>(recv)) => r,
         };

@@ -4,6 +4,7 @@
 //! made by hand that speak the wire protocol frame by frame, and a
 //! WebDriver client for the World page ([`webdriver`]).
 
+pub mod postgres;
 pub mod webdriver;
 
 use std::{net::SocketAddr, sync::Arc};

@@ -79,7 +79,8 @@ impl Node {
     /// hardware, hashes the model files and loads their engines.
     pub async fn build(config: NodeConfig) -> Result<Node, NodeError> {
         config.validate()?;
-        let client_config = link::tls::client_config(&config.coordinator_fingerprint)?;
+        let pins: Vec<&str> = config.coordinator_fingerprint.iter().collect();
+        let client_config = link::tls::client_config_pinning(&pins)?;
         let policy = Policy::new(config.mode, &config.lending)?;
         let backend = crate::engine::device::resolve(config.device)?;
         if let Some(n) = config.effective_threads() {
@@ -193,7 +194,7 @@ impl Node {
                 version: link::AGENT_VERSION.into(),
                 pid: std::process::id(),
                 state: "connecting".into(),
-                coordinator: config.coordinator.clone(),
+                coordinator: config.coordinator.to_string(),
                 mode: config.mode.to_string(),
                 models: match &pod {
                     Some(p) => vec![HeldModelView {
@@ -225,7 +226,7 @@ impl Node {
             identity: Arc::new(identity),
             models: Arc::new(models),
             hardware,
-            coordinator: config.coordinator.clone(),
+            coordinators: config.coordinator.iter().map(str::to_owned).collect(),
             client_config,
             name,
             mode: config.mode,

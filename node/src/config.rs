@@ -40,11 +40,18 @@ pub struct NodeConfig {
     /// Where the identity key (mode 0600) lives. Default `$HOME/.mlx-node`
     /// (`./.mlx-node` without `HOME`).
     pub data_dir: PathBuf,
-    /// `host:port` of the coordinator's QUIC endpoint. Default `127.0.0.1:7071`.
-    pub coordinator: String,
-    /// Lowercase hex SHA-256 of the coordinator certificate's DER (the pin).
-    /// No default: the coordinator prints it on start.
-    pub coordinator_fingerprint: String,
+    /// `host:port` of the coordinator's QUIC endpoint, or several (a list,
+    /// or `a:7071,b:7071` in one string): the replicas of one network. A
+    /// name that resolves to several addresses counts as several. The node
+    /// links to one at a time and moves to the next when it goes away or
+    /// asks the node to move (it drains). Default `127.0.0.1:7071`.
+    pub coordinator: AddressList,
+    /// Lowercase hex SHA-256 of the coordinator certificate's DER (the
+    /// pin), or several (a list, or comma-separated) when the replicas do
+    /// not share one certificate: a replica is trusted, at any of the
+    /// addresses, when its certificate matches one of them. No default: the
+    /// coordinator prints it on start (`mlxnet-coordinator certificate`).
+    pub coordinator_fingerprint: AddressList,
     /// Model files this node offers. Default none.
     pub models: Vec<ModelEntry>,
     /// Owner-chosen display name. Empty (default) means `node-<first 8 hex of id>`.
@@ -532,8 +539,8 @@ impl From<mlxnet_proto::env::EnvError> for ConfigError {
 #[serde(deny_unknown_fields)]
 pub struct ConfigLayer {
     pub data_dir: Option<PathBuf>,
-    pub coordinator: Option<String>,
-    pub coordinator_fingerprint: Option<String>,
+    pub coordinator: Option<AddressList>,
+    pub coordinator_fingerprint: Option<AddressList>,
     /// A list of `{ id, path }`; from the environment, `id=path,id=path`.
     #[serde(default, deserialize_with = "models_or_list")]
     pub models: Option<Vec<ModelEntry>>,
@@ -621,11 +628,12 @@ impl ConfigLayer {
 }
 
 impl NodeConfig {
-    /// Defaults, with the three things a node cannot guess.
+    /// Defaults, with the three things a node cannot guess (the address
+    /// and the pin each one, or several separated by commas).
     pub fn new(
         data_dir: PathBuf,
-        coordinator: impl Into<String>,
-        fingerprint: impl Into<String>,
+        coordinator: impl Into<AddressList>,
+        fingerprint: impl Into<AddressList>,
     ) -> Self {
         Self {
             data_dir,
@@ -711,8 +719,18 @@ impl NodeConfig {
     /// Checks the values the agent needs: the pin, the coordinator address,
     /// limits and model ids.
     pub fn validate(&self) -> Result<(), ConfigError> {
-        parse_fingerprint(&self.coordinator_fingerprint)?;
-        split_host_port(&self.coordinator)?;
+        if self.coordinator_fingerprint.is_empty() {
+            return Err(ConfigError::MissingFingerprint);
+        }
+        for pin in self.coordinator_fingerprint.iter() {
+            parse_fingerprint(pin)?;
+        }
+        if self.coordinator.is_empty() {
+            return Err(ConfigError::BadCoordinator(String::new()));
+        }
+        for addr in self.coordinator.iter() {
+            split_host_port(addr)?;
+        }
         for (key, v) in [
             ("max_concurrent_jobs", self.max_concurrent_jobs),
             ("batch_slots", self.batch_slots),
@@ -854,6 +872,93 @@ pub fn parse_fingerprint(hex_str: &str) -> Result<[u8; 32], ConfigError> {
     hex::decode_to_slice(s, &mut out)
         .map_err(|_| ConfigError::BadFingerprint(hex_str.to_owned()))?;
     Ok(out)
+}
+
+/// One value or several: written as a string (several separated by
+/// commas, the form of the environment and of a flag) or as a list. The
+/// coordinator's addresses and pins are such lists; empty entries are
+/// dropped, so `""` is the empty list.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct AddressList(Vec<String>);
+
+impl AddressList {
+    pub fn iter(&self) -> impl Iterator<Item = &str> {
+        self.0.iter().map(String::as_str)
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    pub fn len(&self) -> usize {
+        self.0.len()
+    }
+}
+
+impl From<&str> for AddressList {
+    fn from(text: &str) -> Self {
+        Self(
+            text.split(',')
+                .map(str::trim)
+                .filter(|s| !s.is_empty())
+                .map(str::to_owned)
+                .collect(),
+        )
+    }
+}
+
+impl From<String> for AddressList {
+    fn from(text: String) -> Self {
+        Self::from(text.as_str())
+    }
+}
+
+impl From<Vec<String>> for AddressList {
+    fn from(items: Vec<String>) -> Self {
+        Self(
+            items
+                .iter()
+                .flat_map(|i| Self::from(i.as_str()).0)
+                .collect(),
+        )
+    }
+}
+
+impl PartialEq<&str> for AddressList {
+    fn eq(&self, other: &&str) -> bool {
+        self.iter()
+            .eq(other.split(',').map(str::trim).filter(|s| !s.is_empty()))
+    }
+}
+
+impl fmt::Display for AddressList {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0.join(","))
+    }
+}
+
+impl Serialize for AddressList {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        match self.0.as_slice() {
+            [one] => s.serialize_str(one),
+            _ => self.0.serialize(s),
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for AddressList {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        #[derive(Deserialize)]
+        #[serde(untagged)]
+        enum Form {
+            One(String),
+            Many(Vec<String>),
+        }
+        Ok(match Form::deserialize(d)? {
+            Form::One(text) => Self::from(text),
+            Form::Many(items) => Self::from(items),
+        })
+    }
 }
 
 /// Splits `host:port` (`[v6]:port` too) into host and port.
@@ -1117,6 +1222,56 @@ mod tests {
 
         assert!("no-equals-sign".parse::<ModelEntry>().is_err());
         assert!("=path".parse::<ModelEntry>().is_err());
+    }
+
+    #[test]
+    fn several_coordinator_addresses_and_pins_come_as_a_list_or_comma_separated() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("node.toml");
+        let other = "a".repeat(64);
+        std::fs::write(
+            &file,
+            format!(
+                r#"
+                coordinator = ["coord-a.example:7071", "coord-b.example:7071"]
+                coordinator_fingerprint = ["{FP}", "{other}"]
+                "#
+            ),
+        )
+        .unwrap();
+        let c = NodeConfig::load(Some(&file), env(&[]), ConfigLayer::default()).unwrap();
+        assert_eq!(
+            c.coordinator.iter().collect::<Vec<_>>(),
+            ["coord-a.example:7071", "coord-b.example:7071"]
+        );
+        assert_eq!(c.coordinator_fingerprint.len(), 2);
+        c.validate().unwrap();
+        // The environment's (and a flag's) form: one string, commas between.
+        let vars = env(&[("MLX_NODE__COORDINATOR", "x.example:1, y.example:2")]);
+        let c = NodeConfig::load(Some(&file), vars, ConfigLayer::default()).unwrap();
+        assert_eq!(
+            c.coordinator.iter().collect::<Vec<_>>(),
+            ["x.example:1", "y.example:2"]
+        );
+        // One shared pin (what the deploy files use) stays a plain string.
+        let c = NodeConfig::new("/d".into(), "a:1,b:2", FP);
+        assert_eq!(c.coordinator.len(), 2);
+        c.validate().unwrap();
+        // Every entry is checked.
+        let mut bad = c.clone();
+        bad.coordinator = "a:1,no-port".into();
+        assert!(matches!(bad.validate(), Err(ConfigError::BadCoordinator(a)) if a == "no-port"));
+        let mut bad = c.clone();
+        bad.coordinator_fingerprint = format!("{FP},zz").as_str().into();
+        assert!(matches!(
+            bad.validate(),
+            Err(ConfigError::BadFingerprint(_))
+        ));
+        bad.coordinator_fingerprint = "".into();
+        assert!(matches!(
+            bad.validate(),
+            Err(ConfigError::MissingFingerprint)
+        ));
     }
 
     #[test]

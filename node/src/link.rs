@@ -37,11 +37,17 @@
 //!   network (it takes no job and earns no availability reward) until
 //!   lending resumes, and then dials again at once.
 //!
+//! - Several coordinator addresses (replicas) are tried in turn
+//!   ([`targets`]): each session goes to the next, so a node whose replica
+//!   went away moves to another. A replica that drains sends `Reconnect`:
+//!   the node drains its session as for a pause (with the hint's grace),
+//!   then dials the next address at once, with no delay.
+//!
 //! # Failure
 //! Every way a session ends is a [`LinkError`]; the reconnect loop reports
-//! it in [`LinkStatus::Disconnected`] and dials again after a jittered
-//! exponential delay (`reconnect_min_ms`..`reconnect_max_ms`), reset once a
-//! session has registered.
+//! it in [`LinkStatus::Disconnected`] and dials the next address after a
+//! jittered exponential delay (`reconnect_min_ms`..`reconnect_max_ms`),
+//! reset once a session has registered.
 
 use std::{sync::Arc, time::Duration};
 
@@ -60,6 +66,7 @@ pub mod backoff;
 pub mod drain;
 pub mod job;
 pub mod session;
+pub mod targets;
 pub mod tls;
 
 /// Version string sent in `Open` and `Hello`.
@@ -74,6 +81,8 @@ pub enum LinkStatus {
     Registered {
         /// The heartbeat interval the coordinator asked for.
         heartbeat_interval: Duration,
+        /// The address of the coordinator (replica) the node is linked to.
+        coordinator: std::net::SocketAddr,
     },
     /// Not linked; `reason` says why (the next attempt follows after a delay,
     /// unless the node is shutting down).
@@ -129,8 +138,9 @@ pub struct LinkContext {
     pub identity: Arc<Identity>,
     pub models: Arc<ModelSet>,
     pub hardware: HardwareProfile,
-    /// `host:port`.
-    pub coordinator: String,
+    /// The coordinator's addresses, `host:port` each (its replicas; a name
+    /// may resolve to several), tried in turn ([`targets`]).
+    pub coordinators: Vec<String>,
     pub client_config: quinn::ClientConfig,
     pub name: String,
     pub mode: NodeMode,
@@ -209,6 +219,7 @@ pub async fn run(
     let mut backoff =
         backoff::Backoff::new(ctx.reconnect_min, ctx.reconnect_max, StdRng::from_entropy());
     let mut lending = ctx.lending.clone();
+    let mut targets = targets::Targets::new(ctx.coordinators.clone());
     loop {
         if shutdown.is_cancelled() {
             break;
@@ -230,12 +241,25 @@ pub async fn run(
         ctx.drain.reopen();
         status.send_replace(LinkStatus::Connecting);
         let mut registered = false;
-        let outcome = session::run(&ctx, &status, &shutdown, &mut registered).await;
+        // Every session goes to the next address: one whose replica went
+        // away is not dialed again before the others were tried.
+        let outcome = match targets.next().await {
+            Ok(target) => session::run(&ctx, &target, &status, &shutdown, &mut registered)
+                .await
+                .map_err(|e| (e, Some(target))),
+            Err(e) => Err((e, None)),
+        };
         match outcome {
             Ok(session::Ended::Shutdown) => break,
             Ok(session::Ended::Paused) => continue,
-            Err(err) => {
-                tracing::warn!(error = %err, coordinator = %ctx.coordinator, "link to coordinator lost");
+            Ok(session::Ended::Moved) => {
+                tracing::info!("the coordinator replica drains: moving to another address");
+                backoff.reset();
+                continue;
+            }
+            Err((err, target)) => {
+                let at = target.map(|t| t.addr.to_string()).unwrap_or_default();
+                tracing::warn!(error = %err, coordinator = %at, "link to coordinator lost");
                 status.send_replace(LinkStatus::Disconnected {
                     reason: err.to_string(),
                 });

@@ -45,12 +45,16 @@ enum Command {
     Run {
         #[command(flatten)]
         config: ConfigArgs,
-        /// Coordinator QUIC endpoint, host:port.
-        #[arg(long)]
-        coordinator: Option<String>,
-        /// SHA-256 (hex) of the coordinator's certificate, as it prints on start.
-        #[arg(long)]
-        fingerprint: Option<String>,
+        /// Coordinator QUIC endpoint, host:port. Repeat it (or separate
+        /// with commas) for the replicas of one coordinator: the node links
+        /// to one and moves to another when it goes away or drains.
+        #[arg(long, value_name = "HOST:PORT")]
+        coordinator: Vec<String>,
+        /// SHA-256 (hex) of the coordinator's certificate, as it prints on
+        /// start (`mlxnet-coordinator certificate`). Repeat it (or separate
+        /// with commas) when the replicas do not share one certificate.
+        #[arg(long, value_name = "HEX")]
+        fingerprint: Vec<String>,
         /// A model this node serves, as catalogue-id=path (repeatable).
         #[arg(long = "model", value_name = "ID=PATH")]
         models: Vec<ModelEntry>,
@@ -384,8 +388,8 @@ fn main() -> anyhow::Result<()> {
                     max_context: None,
                     speed: None,
                 }),
-                coordinator,
-                coordinator_fingerprint: fingerprint,
+                coordinator: (!coordinator.is_empty()).then(|| coordinator.into()),
+                coordinator_fingerprint: (!fingerprint.is_empty()).then(|| fingerprint.into()),
                 models: (!models.is_empty()).then_some(models),
                 name,
                 max_concurrent_jobs,

@@ -55,6 +55,7 @@ pub use mlxnet_coordinator::{
 };
 pub use mlxnet_proto::bearer::{Authed, Bearer};
 
+pub mod failover;
 pub mod mirror;
 pub mod relay;
 
@@ -73,11 +74,12 @@ pub struct Accounts {
     pub operator_key: String,
 }
 
-pub(crate) const ACCOUNTS_FILE: &str = "harness-accounts.txt";
+/// The file in a coordinator's data directory that keeps its [`Accounts`].
+pub const ACCOUNTS_FILE: &str = "harness-accounts.txt";
 
 impl Accounts {
     /// Reads the accounts from the data dir, or creates them (and writes them there).
-    async fn load_or_create(app: &Application, data_dir: &Path) -> anyhow::Result<Self> {
+    pub async fn load_or_create(app: &Application, data_dir: &Path) -> anyhow::Result<Self> {
         use mlxnet_coordinator::ledger::{keys::Scopes, AccountKind};
         let path = data_dir.join(ACCOUNTS_FILE);
         if let Ok(text) = std::fs::read_to_string(&path) {

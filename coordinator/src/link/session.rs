@@ -214,6 +214,8 @@ impl Drop for Reservation {
 pub struct Sessions {
     inner: Arc<Mutex<HashMap<NodeId, Arc<Session>>>>,
     serials: Arc<AtomicU64>,
+    /// Woken whenever a session is removed ([`Sessions::emptied`]).
+    removed: Arc<tokio::sync::Notify>,
 }
 
 impl Sessions {
@@ -236,14 +238,32 @@ impl Sessions {
 
     /// Removes `node`'s session if it is still the one with `serial`.
     pub fn remove_if_current(&self, node: NodeId, serial: u64) -> bool {
-        self.with(|map| {
+        let removed = self.with(|map| {
             if map.get(&node).is_some_and(|s| s.serial == serial) {
                 map.remove(&node);
                 true
             } else {
                 false
             }
-        })
+        });
+        if removed {
+            self.removed.notify_waiters();
+        }
+        removed
+    }
+
+    /// Returns once no session is left (a draining replica waits for its
+    /// nodes to move).
+    pub async fn emptied(&self) {
+        loop {
+            let notified = self.removed.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            if self.is_empty() {
+                return;
+            }
+            notified.await;
+        }
     }
 
     pub fn get(&self, node: &NodeId) -> Option<Arc<Session>> {

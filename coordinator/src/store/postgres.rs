@@ -193,6 +193,21 @@ impl StoreTx for PgTx {
     super::backend::tx_methods!();
 }
 
+/// A fresh, empty database on the PostgreSQL server at `server` (the URL
+/// of one of its databases): its URL. For tests (a database each).
+#[cfg(any(test, feature = "test-utils"))]
+pub async fn fresh_database(server: &str) -> Result<String, crate::store::StoreError> {
+    use sqlx::{Connection, Executor};
+    let name = format!("t_{}", uuid::Uuid::new_v4().simple());
+    let mut admin = sqlx::PgConnection::connect(server).await?;
+    admin
+        .execute(format!("CREATE DATABASE {name}").as_str())
+        .await?;
+    admin.close().await?;
+    let base = server.rsplit_once('/').map_or(server, |(base, _)| base);
+    Ok(format!("{base}/{name}"))
+}
+
 #[cfg(test)]
 mod tests {
     use std::hash::{Hash, Hasher};

@@ -7,7 +7,10 @@
 //! [`HANDOFF_WAIT`] after the hand-off began).
 //!
 //! A pause of lending drains the same way with `lending.grace_ms` and ends
-//! the session with [`Ended::Paused`].
+//! the session with [`Ended::Paused`]. So does a `Reconnect` hint from a
+//! draining coordinator replica, with the hint's grace (at most the node's
+//! own): the session ends with [`Ended::Moved`] and the link dials another
+//! address at once.
 //!
 //! # Failure
 //! Returns `Ok` only when shut down on request or paused (after `Drain` and
@@ -32,8 +35,7 @@ use mlxnet_proto::{
 use tokio::{sync::watch, task::JoinSet, time::Instant};
 use tokio_util::sync::CancellationToken;
 
-use super::{job, LinkContext, LinkError, LinkStatus, AGENT_VERSION};
-use crate::config::split_host_port;
+use super::{job, targets::Target, LinkContext, LinkError, LinkStatus, AGENT_VERSION};
 
 /// Used when the coordinator's `Welcome` asks for no interval.
 const DEFAULT_HEARTBEAT: Duration = Duration::from_secs(5);
@@ -56,17 +58,22 @@ pub enum Ended {
     Shutdown,
     /// Lending paused; the link dials again when it resumes.
     Paused,
+    /// The coordinator replica asked the node to move (it drains): the
+    /// link dials the next address at once.
+    Moved,
 }
 
-/// Runs one session; sets `registered` once welcomed.
+/// Runs one session with the coordinator at `target`; sets `registered`
+/// once welcomed.
 pub async fn run(
     ctx: &Arc<LinkContext>,
+    target: &Target,
     status: &watch::Sender<LinkStatus>,
     shutdown: &CancellationToken,
     registered: &mut bool,
 ) -> Result<Ended, LinkError> {
     let connect = async {
-        let (endpoint, conn) = dial(ctx).await?;
+        let (endpoint, conn) = dial(ctx, target).await?;
         let (send, frames, interval) = register(ctx, &conn).await?;
         Ok::<_, LinkError>((endpoint, conn, send, frames, interval))
     };
@@ -79,8 +86,9 @@ pub async fn run(
     *registered = true;
     status.send_replace(LinkStatus::Registered {
         heartbeat_interval: interval,
+        coordinator: target.addr,
     });
-    tracing::info!(coordinator = %ctx.coordinator, node_id = %ctx.identity.node_id(), ?interval, "registered with coordinator");
+    tracing::info!(coordinator = %target.entry, addr = %target.addr, node_id = %ctx.identity.node_id(), ?interval, "registered with coordinator");
 
     let result = serve(
         ctx,
@@ -111,17 +119,12 @@ pub async fn run(
     result
 }
 
-/// Resolves the coordinator and completes the QUIC/TLS handshake.
-async fn dial(ctx: &LinkContext) -> Result<(quinn::Endpoint, quinn::Connection), LinkError> {
-    let (host, _) = split_host_port(&ctx.coordinator)?;
-    let addr = tokio::net::lookup_host(&ctx.coordinator)
-        .await
-        .map_err(|source| LinkError::Resolve {
-            addr: ctx.coordinator.clone(),
-            source,
-        })?
-        .next()
-        .ok_or_else(|| LinkError::NoAddress(ctx.coordinator.clone()))?;
+/// Completes the QUIC/TLS handshake with `target`.
+async fn dial(
+    ctx: &LinkContext,
+    target: &Target,
+) -> Result<(quinn::Endpoint, quinn::Connection), LinkError> {
+    let addr = target.addr;
     let local: SocketAddr = if addr.is_ipv6() {
         (Ipv6Addr::UNSPECIFIED, 0).into()
     } else {
@@ -131,7 +134,7 @@ async fn dial(ctx: &LinkContext) -> Result<(quinn::Endpoint, quinn::Connection),
     endpoint.set_default_client_config(ctx.client_config.clone());
     // The pin, not the name, authenticates the coordinator; the name is sent
     // as SNI only (an IP address is sent as none).
-    let conn = endpoint.connect(addr, host)?.await?;
+    let conn = endpoint.connect(addr, &target.host)?.await?;
     Ok((endpoint, conn))
 }
 
@@ -338,6 +341,28 @@ async fn serve(
                 Some(Ok(CoordinatorControl { msg: Some(coordinator_control::Msg::Rejected(r)) })) => {
                     return Err(LinkError::Rejected(r.reason));
                 }
+                Some(Ok(CoordinatorControl { msg: Some(coordinator_control::Msg::Reconnect(hint)) })) => {
+                    last_heard = Instant::now();
+                    // Already draining (shutdown, pause): that drain ends
+                    // the session anyway.
+                    if drained_at.is_none() {
+                        ctx.drain.start();
+                        drained_at = Some(Instant::now());
+                        grace = ctx
+                            .drain_grace
+                            .min(Duration::from_millis(u64::from(hint.grace_ms)));
+                        ended = Ended::Moved;
+                        // A coordinator's reason, bounded before it is logged.
+                        let reason: String = hint.reason.chars().take(256).collect();
+                        tracing::info!(running = jobs.len(), ?grace, %reason, "the coordinator replica drains: moving to another");
+                        let drain = NodeControl {
+                            msg: Some(node_control::Msg::Drain(Drain {
+                                reason: "moving to another coordinator".into(),
+                            })),
+                        };
+                        write_frame(send, &drain).await?;
+                    }
+                }
                 Some(Ok(CoordinatorControl { msg: Some(coordinator_control::Msg::ModelHint(hint)) })) => {
                     last_heard = Instant::now();
                     if drained_at.is_none() {
@@ -397,5 +422,6 @@ fn describe(msg: &Option<coordinator_control::Msg>) -> String {
         Some(coordinator_control::Msg::Rejected(r)) => format!("a rejection ({})", r.reason),
         Some(coordinator_control::Msg::HeartbeatAck(_)) => "a heartbeat ack".into(),
         Some(coordinator_control::Msg::ModelHint(_)) => "a model hint".into(),
+        Some(coordinator_control::Msg::Reconnect(_)) => "a reconnect hint".into(),
     }
 }

@@ -11,7 +11,7 @@ use mlxnet_proto::{
     v1::{
         coordinator_control, job_input, job_update, node_control, Assignment, Challenge,
         ChatMessage, ChatMessages, CoordinatorControl, Drain, HeartbeatAck, JobInput, JobUpdate,
-        NodeControl, Rejected, SamplingParams, Welcome,
+        NodeControl, Reconnect, Rejected, SamplingParams, Welcome,
     },
 };
 use tokio::sync::{watch, Semaphore};
@@ -49,6 +49,16 @@ struct TestLink {
 
 impl TestLink {
     fn start(server: SocketAddr, pin: &str, models: Arc<ModelSet>, slots: u32) -> Self {
+        Self::start_many(&[server], &[pin], models, slots)
+    }
+
+    /// A link given several coordinator addresses and pins (replicas).
+    fn start_many(
+        servers: &[SocketAddr],
+        pins: &[&str],
+        models: Arc<ModelSet>,
+        slots: u32,
+    ) -> Self {
         let identity = Arc::new(Identity::generate());
         let (lending, lending_rx) = watch::channel(Some(Decision::Lend));
         let job_slots = Arc::new(Semaphore::new(slots as usize));
@@ -56,8 +66,8 @@ impl TestLink {
             identity: identity.clone(),
             models,
             hardware: crate::hardware::detect().unwrap(),
-            coordinator: server.to_string(),
-            client_config: tls::client_config(pin).unwrap(),
+            coordinators: servers.iter().map(ToString::to_string).collect(),
+            client_config: tls::client_config_pinning(pins).unwrap(),
             name: "test-node".into(),
             mode: crate::config::NodeMode::Idle,
             operator_account: String::new(),
@@ -227,7 +237,8 @@ async fn registers_heartbeats_reconnects_and_closes_gracefully() {
     assert_eq!(
         status,
         LinkStatus::Registered {
-            heartbeat_interval: Duration::from_millis(50)
+            heartbeat_interval: Duration::from_millis(50),
+            coordinator: server.local_addr().unwrap(),
         }
     );
     // Heartbeats flow and report free memory.
@@ -271,6 +282,80 @@ async fn registers_heartbeats_reconnects_and_closes_gracefully() {
     assert!(
         matches!(&*link.status.borrow(), LinkStatus::Disconnected { reason } if reason.contains("shut down"))
     );
+}
+
+/// Waits until the link is registered with the coordinator at `at`.
+async fn registered_with(link: &mut TestLink, at: &quinn::Endpoint) {
+    let at = at.local_addr().unwrap();
+    link.wait_for(
+        "registration with the next replica",
+        |s| matches!(s, LinkStatus::Registered { coordinator, .. } if *coordinator == at),
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_two_replicas_the_node_moves_to_the_other_when_its_replica_goes_away() {
+    // Two replicas with certificates of their own: the node pins both.
+    let (a, pin_a) = tls::tests::test_server();
+    let (b, pin_b) = tls::tests::test_server();
+    let mut link = TestLink::start_many(
+        &[a.local_addr().unwrap(), b.local_addr().unwrap()],
+        &[&pin_a, &pin_b],
+        Arc::new(ModelSet::default()),
+        1,
+    );
+    let (peer, _) = Peer::accept(&a, true, 50).await;
+    registered_with(&mut link, &a).await;
+    // Replica A goes away: the next session is B's, not A's again.
+    peer.conn.close(0u32.into(), b"gone");
+    let (peer, _) = Peer::accept(&b, true, 50).await;
+    registered_with(&mut link, &b).await;
+    // And B going away brings it back round to A.
+    peer.conn.close(0u32.into(), b"gone");
+    let (_peer, _) = Peer::accept(&a, true, 50).await;
+    registered_with(&mut link, &a).await;
+    link.stop.cancel();
+    within("link task end", link.task).await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reconnect_hint_makes_the_node_drain_leave_and_dial_the_next_replica() {
+    let (a, pin_a) = tls::tests::test_server();
+    let (b, pin_b) = tls::tests::test_server();
+    let mut link = TestLink::start_many(
+        &[a.local_addr().unwrap(), b.local_addr().unwrap()],
+        &[&pin_a, &pin_b],
+        Arc::new(ModelSet::default()),
+        1,
+    );
+    // Heartbeats every 10 s: the node cannot be leaving on a timeout.
+    let (mut peer, _) = Peer::accept(&a, true, 10_000).await;
+    registered_with(&mut link, &a).await;
+    let hint = CoordinatorControl {
+        msg: Some(coordinator_control::Msg::Reconnect(Reconnect {
+            reason: "replica draining".into(),
+            grace_ms: 0,
+        })),
+    };
+    write_frame(&mut peer.send, &hint).await.unwrap();
+    // The node answers with Drain (its hand-offs are accepted), closes
+    // gracefully, and registers with B while A's endpoint is still up.
+    let (conn, drained) = peer.serve_control();
+    let drain = within("drain", drained)
+        .await
+        .unwrap()
+        .expect("a Drain before the close");
+    assert!(drain.reason.contains("another coordinator"), "{drain:?}");
+    let closed = within("close", conn.closed()).await;
+    assert!(
+        matches!(closed, quinn::ConnectionError::ApplicationClosed(ref c) if c.error_code == quinn::VarInt::from_u32(0)),
+        "{closed:?}"
+    );
+    let (_peer, _) = Peer::accept(&b, true, 50).await;
+    registered_with(&mut link, &b).await;
+    link.stop.cancel();
+    within("link task end", link.task).await.unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -1,9 +1,13 @@
 //! TLS for the node link: the coordinator's certificate is pinned by the
 //! SHA-256 of its DER encoding (the fingerprint the coordinator prints).
+//! Replicas of one coordinator usually share one certificate (one pin);
+//! where they do not, the node is given the pin of each.
 //!
 //! # Invariants
-//! - Only a certificate whose DER hashes to the pin is accepted; names,
-//!   issuers and validity dates are not consulted (the pin is the trust).
+//! - Only a certificate whose DER hashes to one of the pins is accepted;
+//!   names, issuers and validity dates are not consulted (the pins are the
+//!   trust). A pinned replica is trusted at any of the configured addresses
+//!   (a name resolving to several replicas cannot say which is where).
 //! - The handshake signatures are still verified with the ring provider's
 //!   algorithms, so a peer must hold the pinned certificate's private key:
 //!   replaying the certificate alone is not enough.
@@ -39,10 +43,22 @@ pub const IDLE_TIMEOUT: Duration = Duration::from_secs(20);
 /// A QUIC client config that trusts exactly the certificate whose DER has
 /// SHA-256 `fingerprint_hex` (64 hex digits).
 pub fn client_config(fingerprint_hex: &str) -> Result<quinn::ClientConfig, LinkError> {
-    let pin = parse_fingerprint(fingerprint_hex)?;
+    client_config_pinning(&[fingerprint_hex])
+}
+
+/// A QUIC client config that trusts exactly the certificates whose DER
+/// has one of the SHA-256 `pins` (64 hex digits each; at least one).
+pub fn client_config_pinning<S: AsRef<str>>(pins: &[S]) -> Result<quinn::ClientConfig, LinkError> {
+    let pins = pins
+        .iter()
+        .map(|p| parse_fingerprint(p.as_ref()))
+        .collect::<Result<Vec<_>, _>>()?;
+    if pins.is_empty() {
+        return Err(crate::config::ConfigError::MissingFingerprint.into());
+    }
     let provider = Arc::new(rustls::crypto::ring::default_provider());
     let verifier = PinnedCert {
-        pin,
+        pins,
         algorithms: provider.signature_verification_algorithms,
     };
     let mut tls = rustls::ClientConfig::builder_with_provider(provider.clone())
@@ -70,16 +86,19 @@ pub fn fingerprint(cert_der: &[u8]) -> String {
     hex::encode(Sha256::digest(cert_der))
 }
 
-/// Accepts only the pinned certificate; verifies handshake signatures normally.
+/// Accepts only the pinned certificates; verifies handshake signatures normally.
 struct PinnedCert {
-    pin: [u8; 32],
+    pins: Vec<[u8; 32]>,
     algorithms: WebPkiSupportedAlgorithms,
 }
 
 impl fmt::Debug for PinnedCert {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("PinnedCert")
-            .field("pin", &hex::encode(self.pin))
+            .field(
+                "pins",
+                &self.pins.iter().map(hex::encode).collect::<Vec<_>>(),
+            )
             .finish()
     }
 }
@@ -112,12 +131,17 @@ impl ServerCertVerifier for PinnedCert {
         _now: UnixTime,
     ) -> Result<ServerCertVerified, rustls::Error> {
         let got: [u8; 32] = Sha256::digest(end_entity.as_ref()).into();
-        if got == self.pin {
+        if self.pins.contains(&got) {
             Ok(ServerCertVerified::assertion())
         } else {
             Err(rustls::Error::InvalidCertificate(CertificateError::Other(
                 OtherError(Arc::new(PinMismatch {
-                    expected: hex::encode(self.pin),
+                    expected: self
+                        .pins
+                        .iter()
+                        .map(hex::encode)
+                        .collect::<Vec<_>>()
+                        .join(" or "),
                     got: hex::encode(got),
                 })),
             )))
