@@ -340,7 +340,10 @@ impl Dispatcher {
         let record = self.ledger.submit_job(&job, terms, now_ms()).await?;
         Metrics::observe(&self.metrics.submit_seconds, started.elapsed());
         self.metrics.jobs_submitted.inc();
-        self.publish(
+        // The hub only: no watcher elsewhere can know the job before
+        // Submit answers (a watch reads the row when it starts), so a
+        // relay wake-up here would cost a NOTIFY per submit for nothing.
+        self.hub.publish(
             record.id,
             job_event::Event::Queued(job_event::Queued {
                 attempt: record.attempt,

@@ -89,6 +89,23 @@ async fn jobs_submitted_on_a_run_on_c_and_stream_whole_to_watchers_on_every_repl
             );
         }
     }
+    // Per replica: only C, whose node ran the jobs, wrote token batches.
+    for (r, name, wrote) in [
+        (a, "replica-a", false),
+        (b, "replica-b", false),
+        (c, "replica-c", true),
+    ] {
+        let metrics = mlxnet_coordinator::test_utils::http_get(r.http_addr, "/metrics").await;
+        let batches = metrics
+            .lines()
+            .find_map(|l| {
+                l.strip_prefix(&format!(
+                    "mlxnet_relay_token_batches_total{{replica=\"{name}\"}} "
+                ))
+            })
+            .map_or(0, |v| v.trim().parse::<u64>().unwrap());
+        assert_eq!(batches > 0, wrote, "{name} wrote {batches} token batches");
+    }
     node.stop().await?;
     for r in replicas {
         r.stop().await?;
