@@ -423,11 +423,21 @@ fn compose_runs_two_coordinator_replicas_on_postgres_and_a_node_with_what_they_r
         words[i + 1]
     };
     assert_eq!(&words[..3], ["exec", "mlx-node", "run"]);
-    let (host, port) = flag("--coordinator").rsplit_once(':').unwrap();
-    let replica = replicas
-        .get(host)
-        .unwrap_or_else(|| panic!("--coordinator {host} is not a replica"));
-    assert_eq!(port.parse::<u16>().unwrap(), replica.quic_addr.port());
+    // Every replica's QUIC address, so the node moves when one goes away.
+    let mut dialed = Vec::new();
+    for addr in flag("--coordinator").split(',') {
+        let (host, port) = addr.rsplit_once(':').unwrap();
+        let replica = replicas
+            .get(host)
+            .unwrap_or_else(|| panic!("--coordinator {host} is not a replica"));
+        assert_eq!(port.parse::<u16>().unwrap(), replica.quic_addr.port());
+        dialed.push(host);
+    }
+    dialed.sort_unstable();
+    let mut all: Vec<&str> = replicas.keys().map(String::as_str).collect();
+    all.sort_unstable();
+    assert_eq!(dialed, all, "the node is given every replica");
+    let replica = &replicas[dialed[0]];
     let pin = script
         .split_once("--fingerprint \"$$(cat ")
         .and_then(|(_, rest)| rest.split_once(")\""))
