@@ -352,6 +352,7 @@ mod tests {
             key_id: key.into(),
             scopes: Scopes::ALL,
             limits,
+            expires_at_ms: None,
         }
     }
 
