@@ -157,4 +157,6 @@ pub async fn serve(
 #[cfg(test)]
 mod accounts_tests;
 #[cfg(test)]
+mod child_keys_tests;
+#[cfg(test)]
 mod tests;

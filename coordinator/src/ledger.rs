@@ -133,6 +133,8 @@ pub enum LedgerError {
     Corrupt(String),
     #[error("the group commit this submit was in failed: {0}")]
     BatchAborted(String),
+    #[error("the key making this key was revoked or expired")]
+    ParentKeyGone,
 }
 
 impl From<crate::domain::InvalidScopes> for LedgerError {

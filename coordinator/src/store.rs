@@ -141,6 +141,9 @@ pub struct NewKey {
     pub label: String,
     pub created_at_ms: i64,
     pub expires_at_ms: Option<i64>,
+    /// The key it was made with (`None`: a root key). The insert happens
+    /// only while that key is unrevoked and unexpired at `created_at_ms`.
+    pub parent_key_id: Option<String>,
 }
 
 /// A broken ledger invariant the store's rows show (see
@@ -340,7 +343,8 @@ pub trait Store: Clone + Send + Sync + 'static {
 
     // ---- API keys ----
 
-    async fn insert_key(&self, key: &NewKey) -> Result<()>;
+    /// False (nothing inserted) when the key's parent is revoked or expired.
+    async fn insert_key(&self, key: &NewKey) -> Result<bool>;
     /// The unrevoked key with this hash, unexpired at `now_ms`.
     async fn key_by_hash(&self, hash: &[u8; 32], now_ms: i64) -> Result<Option<StoredKey>>;
     /// False if there is no such key.
@@ -804,7 +808,7 @@ impl Store for AnyStore {
         on_backend!(self, s => s.unpaid_epochs(current).await)
     }
 
-    async fn insert_key(&self, key: &NewKey) -> Result<()> {
+    async fn insert_key(&self, key: &NewKey) -> Result<bool> {
         on_backend!(self, s => s.insert_key(key).await)
     }
 

@@ -264,7 +264,7 @@ impl Accounts for AccountsApi {
         let key = self
             .d
             .ledger
-            .create_key(&account, scopes, &r.label, expires)
+            .create_child_key(&me, &account, scopes, &r.label, expires)
             .await
             .map_err(ApiError::from)?;
         Ok(Response::new(CreateApiKeyResponse {

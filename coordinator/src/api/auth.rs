@@ -11,9 +11,11 @@
 //!   the same question in every case but a missing header.
 //! - A valid key without the scope gets PERMISSION_DENIED naming the scope.
 //! - Abuse limits ([`super::limits`]) are checked here too: every request but
-//!   the health check takes a slot under the global in-flight cap before
-//!   anything else (so overload is shed before the database is asked), and
-//!   an authenticated one a rate token and an in-flight slot of its key. The
+//!   the health check takes a slot before anything else (so overload is
+//!   shed before the database is asked): one of the public cap for a method
+//!   that needs no key, so unauthenticated calls never hold the slots
+//!   authenticated ones need; one of the global cap otherwise, and then a
+//!   rate token and an in-flight slot of its key. The
 //!   slots are held until the response body ends ([`Held`]).
 //!
 //! # Failure
@@ -166,11 +168,16 @@ where
             if req.uri().path().starts_with(HEALTH) {
                 return Ok(inner.call(req).await?.map(|b| Held::new(b, None)));
             }
-            let mut permit = match admission.admit_anonymous() {
+            let access = required(req.uri().path());
+            let admitted = match access {
+                Access::Public => admission.admit_public(),
+                Access::Needs(_) => admission.admit_anonymous(),
+            };
+            let mut permit = match admitted {
                 Ok(p) => p,
                 Err(e) => return Ok(refuse(e.into())),
             };
-            if let Access::Needs(scope) = required(req.uri().path()) {
+            if let Access::Needs(scope) = access {
                 let caller = match authenticate(&ledger, req.headers(), scope).await {
                     Ok(c) => c,
                     Err(e) => return Ok(refuse(e)),

@@ -60,6 +60,7 @@ impl From<LedgerError> for ApiError {
                 "idempotency key {id:?} was already used for another operation"
             )),
             LedgerError::Store(e) => ApiError::Internal(e),
+            LedgerError::ParentKeyGone => ApiError::Unauthenticated,
             other => ApiError::Ledger(other),
         }
     }

@@ -1,8 +1,11 @@
 //! Abuse limits of the client listeners: a global in-flight cap that sheds
-//! overload at once, and per-API-key request-rate and in-flight caps.
+//! overload at once, a separate cap for calls that need no key, and
+//! per-API-key request-rate and in-flight caps.
 //!
 //! Every gRPC request but the health check takes a [`Permit`] before its
-//! handler runs ([`Admission::admit_anonymous`], called by [`super::auth`]); the
+//! handler runs ([`Admission::admit_anonymous`] for a method that needs a
+//! key, [`Admission::admit_public`] for one that does not; called by
+//! [`super::auth`]); the
 //! permit lives until the response body has been sent (a Watch stream keeps
 //! its permit while it is open), see [`crate::util::net::Held`]. A request that finds no room is
 //! answered RESOURCE_EXHAUSTED at once, without touching the database: the
@@ -17,6 +20,13 @@
 //! - A key's rate is a token bucket: `requests_per_sec` refill, a burst of
 //!   twice that (at least 1), full again when the key's limit changes. A
 //!   refused request takes no token.
+//! - A call that needs no key (Models, Network, reflection) never holds one
+//!   of the `max_in_flight_requests` slots: it takes one of
+//!   `limits.max_public_in_flight`, so unauthenticated callers holding
+//!   streams or slow calls open cannot starve authenticated ones. A call
+//!   that needs a key holds a global slot from before its key is looked up
+//!   (overload is shed before the database is asked); with a bad key, only
+//!   for that lookup.
 //! - Per-key state is bounded: entries of idle keys are dropped when the map
 //!   holds more than [`MAX_TRACKED_KEYS`].
 //!
@@ -60,6 +70,11 @@ pub struct Limits {
     /// gRPC requests in flight at once (all keys); more are refused with
     /// RESOURCE_EXHAUSTED at once .
     pub max_in_flight_requests: usize,
+    /// Requests to methods that need no key (Models, Network, reflection)
+    /// in flight at once; more are refused with RESOURCE_EXHAUSTED at once.
+    /// Counted apart from `max_in_flight_requests`, so unauthenticated
+    /// callers cannot take the slots of authenticated ones.
+    pub max_public_in_flight: usize,
     /// Requests per second per API key (burst: twice that), unless the key
     /// has its own limit. 0 = unlimited.
     pub key_requests_per_sec: u32,
@@ -94,6 +109,7 @@ impl Default for Limits {
             max_stop_bytes: 64,
             max_chat_messages: 64,
             max_in_flight_requests: 512,
+            max_public_in_flight: 64,
             key_requests_per_sec: 200,
             key_max_in_flight: 64,
             max_connections: 4096,
@@ -114,6 +130,11 @@ pub const MAX_TRACKED_KEYS: usize = 100_000;
 pub enum Refused {
     #[error("the coordinator is overloaded ({0} requests in flight); retry later")]
     Overloaded(usize),
+    #[error(
+        "the coordinator is overloaded ({0} requests without an API key in flight); \
+         retry later"
+    )]
+    PublicOverloaded(usize),
     #[error("this API key's rate limit of {0} requests/s is exceeded; retry later")]
     RateLimited(u32),
     #[error("this API key already has {0} requests in flight (its limit); retry when one ends")]
@@ -151,6 +172,9 @@ struct KeyState {
 pub struct Admission {
     global: Arc<Semaphore>,
     global_max: usize,
+    /// Slots of calls that need no key (apart from `global`).
+    public: Arc<Semaphore>,
+    public_max: usize,
     defaults: KeyQuota,
     keys: Arc<Mutex<HashMap<String, KeyState>>>,
     queue: QueueDepth,
@@ -176,6 +200,7 @@ struct QueueDepth {
 /// What an admitted request holds until its response is sent.
 #[derive(Debug)]
 pub struct Permit {
+    /// A slot of the global cap, or of the public one.
     _global: Option<OwnedSemaphorePermit>,
     key: Option<KeyPermit>,
 }
@@ -197,9 +222,12 @@ impl Drop for KeyPermit {
 impl Admission {
     pub fn new(limits: &Limits) -> Self {
         let global_max = limits.max_in_flight_requests.max(1);
+        let public_max = limits.max_public_in_flight.max(1);
         Self {
             global: Arc::new(Semaphore::new(global_max)),
             global_max,
+            public: Arc::new(Semaphore::new(public_max)),
+            public_max,
             defaults: KeyQuota {
                 requests_per_sec: limits.key_requests_per_sec,
                 max_in_flight: limits.key_max_in_flight,
@@ -261,8 +289,20 @@ impl Admission {
         }
     }
 
-    /// A slot under the global cap (for public and not yet authenticated
-    /// requests), or [`Refused::Overloaded`].
+    /// A slot under the cap of calls that need no key, or
+    /// [`Refused::PublicOverloaded`]; never one of the global slots.
+    pub fn admit_public(&self) -> Result<Permit, Refused> {
+        let public = Arc::clone(&self.public)
+            .try_acquire_owned()
+            .map_err(|_| Refused::PublicOverloaded(self.public_max))?;
+        Ok(Permit {
+            _global: Some(public),
+            key: None,
+        })
+    }
+
+    /// A slot under the global cap for a request that needs a key, taken
+    /// before the key is looked up, or [`Refused::Overloaded`].
     pub fn admit_anonymous(&self) -> Result<Permit, Refused> {
         let global = Arc::clone(&self.global)
             .try_acquire_owned()
@@ -340,6 +380,8 @@ impl Admission {
 }
 
 #[cfg(test)]
+mod public_tests;
+#[cfg(test)]
 mod server_tests;
 #[cfg(test)]
 mod tests {
@@ -352,6 +394,7 @@ mod tests {
             key_id: key.into(),
             scopes: Scopes::ALL,
             limits,
+            expires_at_ms: None,
         }
     }
 

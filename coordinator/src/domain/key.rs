@@ -114,6 +114,8 @@ pub struct Caller {
     pub scopes: Scopes,
     /// The key's own abuse limits.
     pub limits: KeyLimits,
+    /// When the key expires (`None`: never); a key it makes expires no later.
+    pub expires_at_ms: Option<i64>,
 }
 
 /// A key as listed (no secret, no hash).

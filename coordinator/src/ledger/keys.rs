@@ -15,6 +15,11 @@
 //! another process, e.g. a second coordinator on the same database, is seen
 //! within the TTL).
 //!
+//! A key made with a key (CreateApiKey) is that key's child: its expiry is
+//! clipped to its parent's when made, it is made only while its parent is
+//! valid, revoking a key revokes every key under it, and a key is accepted
+//! only while its parent is unrevoked.
+//!
 //! # Invariants
 //! - A database dump holds no usable key: only hashes and public ids.
 //! - An unknown, revoked or expired key all read as "no caller": the API
@@ -119,6 +124,11 @@ impl KeyCache {
         );
     }
 
+    /// Drops every entry (a revoke may reach keys made under the key).
+    fn clear(&self) {
+        self.lock().clear();
+    }
+
     /// Drops the entry of key `key_id` (revoked or changed).
     fn forget(&self, key_id: &str) {
         self.lock().retain(|_, c| c.caller.key_id != key_id);
@@ -130,13 +140,46 @@ fn hash(key: &str) -> [u8; 32] {
 }
 
 impl Ledger {
-    /// Creates a key for `account`. Its secret is in the result and nowhere else.
+    /// Creates a root key for `account`. Its secret is in the result and
+    /// nowhere else.
     pub async fn create_key(
         &self,
         account: &str,
         scopes: Scopes,
         label: &str,
         expires_at_ms: Option<i64>,
+    ) -> Result<IssuedKey, LedgerError> {
+        self.insert_key(account, scopes, label, expires_at_ms, None)
+            .await
+    }
+
+    /// Creates a key for `account` made with `parent`'s key: it expires no
+    /// later than `parent`, is revoked with it, and is accepted only while
+    /// `parent` is unrevoked. [`LedgerError::ParentKeyGone`] when `parent`
+    /// was revoked or expired meanwhile.
+    pub async fn create_child_key(
+        &self,
+        parent: &Caller,
+        account: &str,
+        scopes: Scopes,
+        label: &str,
+        expires_at_ms: Option<i64>,
+    ) -> Result<IssuedKey, LedgerError> {
+        let expires_at_ms = match (expires_at_ms, parent.expires_at_ms) {
+            (Some(asked), Some(limit)) => Some(asked.min(limit)),
+            (asked, limit) => asked.or(limit),
+        };
+        self.insert_key(account, scopes, label, expires_at_ms, Some(&parent.key_id))
+            .await
+    }
+
+    async fn insert_key(
+        &self,
+        account: &str,
+        scopes: Scopes,
+        label: &str,
+        expires_at_ms: Option<i64>,
+        parent: Option<&str>,
     ) -> Result<IssuedKey, LedgerError> {
         if scopes == Scopes::default() {
             return Err(LedgerError::Invalid("a key needs at least one scope"));
@@ -152,7 +195,8 @@ impl Ledger {
         rand::RngCore::fill_bytes(&mut rand::rngs::OsRng, &mut secret_bytes);
         let secret = format!("{KEY_PREFIX}{}", hex::encode(secret_bytes));
         let id = format!("key_{}", hex::encode(rand::random::<[u8; 6]>()));
-        self.store()
+        let inserted = self
+            .store()
             .insert_key(&NewKey {
                 id: id.clone(),
                 account_id: account.to_owned(),
@@ -161,8 +205,12 @@ impl Ledger {
                 label: label.to_owned(),
                 created_at_ms: now_ms(),
                 expires_at_ms,
+                parent_key_id: parent.map(str::to_owned),
             })
             .await?;
+        if !inserted {
+            return Err(LedgerError::ParentKeyGone);
+        }
         Ok(IssuedKey {
             id,
             account_id: account.to_owned(),
@@ -207,14 +255,17 @@ impl Ledger {
     }
 
     /// Revokes key `key_id` of `account` (any account's when `account` is
-    /// `None`, for admins). False if there is no such unrevoked key.
+    /// `None`, for admins), and every key made under it. False if there is
+    /// no such unrevoked key.
     pub async fn revoke_key(
         &self,
         key_id: &str,
         account: Option<&str>,
     ) -> Result<bool, LedgerError> {
         let revoked = self.store().revoke_key(key_id, account, now_ms()).await?;
-        self.key_cache().forget(key_id);
+        // The keys under it are not known here: every cached lookup goes
+        // (revokes are rare; each key costs one query again).
+        self.key_cache().clear();
         Ok(revoked)
     }
 

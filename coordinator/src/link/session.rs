@@ -312,19 +312,20 @@ impl Sessions {
     }
 
     /// The pod `leader` speaks for, when it is whole: the leader reports no
-    /// degradation and every member it names is online, in that pod, at
-    /// that rank.
+    /// degradation and its membership is confirmed ([`pod_confirmed`]).
     fn whole_pod(sessions: &[Arc<Session>], leader: &Session) -> Option<PodSpec> {
-        let pod = leader.pod.as_ref().filter(|p| p.rank == 0)?;
-        if leader.pod_degraded().is_some() || pod.members.first() != Some(&leader.node_id) {
+        let pod = leader.pod.as_ref()?;
+        if leader.pod_degraded().is_some() {
             return None;
         }
-        for (rank, id) in pod.members.iter().enumerate() {
-            let member = sessions.iter().find(|s| s.node_id == *id)?;
-            let m = member.pod.as_ref()?;
-            if m.name != pod.name || m.rank as usize != rank {
-                return None;
-            }
+        let confirmed = pod_confirmed(&leader.node_id, pod, |id| {
+            sessions
+                .iter()
+                .find(|s| s.node_id == *id)
+                .and_then(|s| s.pod.as_ref())
+        });
+        if !confirmed {
+            return None;
         }
         let usable = |v: f64| v.is_finite() && v > 0.0;
         let typical = PodSpec::typical(&pod.name, pod.members.clone(), false);
@@ -347,3 +348,27 @@ impl Sessions {
         self.len() == 0
     }
 }
+
+/// Whether `leader`'s report of its pod is confirmed both ways: it is rank
+/// 0 and first in its own member list, and every member it names is online
+/// (`member` finds its report) and reports the same pod name, its own rank
+/// there, and the same member list (so names the leader too). A node
+/// claiming to lead an honest pod's members is not confirmed: their own
+/// Hellos name another leader.
+pub(crate) fn pod_confirmed<'a>(
+    leader: &NodeId,
+    pod: &PodMembership,
+    member: impl Fn(&NodeId) -> Option<&'a PodMembership>,
+) -> bool {
+    if pod.rank != 0 || pod.members.first() != Some(leader) {
+        return false;
+    }
+    pod.members.iter().enumerate().all(|(rank, id)| {
+        member(id).is_some_and(|m| {
+            m.name == pod.name && m.rank as usize == rank && m.members == pod.members
+        })
+    })
+}
+
+#[cfg(test)]
+mod pod_tests;

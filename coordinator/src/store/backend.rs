@@ -235,7 +235,7 @@ macro_rules! store_methods {
             ledger::unpaid_epochs(&mut *self.conn().await?, current).await
         }
 
-        async fn insert_key(&self, key: &NewKey) -> Result<()> {
+        async fn insert_key(&self, key: &NewKey) -> Result<bool> {
             keys::insert(&mut *self.conn().await?, key).await
         }
 

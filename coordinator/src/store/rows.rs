@@ -306,6 +306,7 @@ pub(super) fn stored_key(r: &impl Columns) -> Result<StoredKey> {
                 max_in_flight: limit(r.opt_int("max_in_flight")?),
             },
             key_id: id,
+            expires_at_ms: r.opt_int("expires_at_ms")?,
         },
         expires_at_ms: r.opt_int("expires_at_ms")?,
     })

@@ -166,6 +166,7 @@ macro_rules! store_contracts {
             operator_links_replace_and_accounts_insert_once,
             availability_adds_up_and_an_epoch_is_paid_once,
             keys_are_found_by_hash_until_revoked_or_expired,
+            a_revoke_reaches_every_key_made_under_the_key,
             key_limits_and_lists,
             an_audit_begins_once_ends_once_and_counts_in_the_record,
             a_nodes_record_adds_up_its_work_and_lists_in_id_order,
@@ -1235,7 +1236,65 @@ fn key(id: &str, account: &str, byte: u8, expires_at_ms: Option<i64>) -> NewKey 
         label: format!("label {id}"),
         created_at_ms: i64::from(byte),
         expires_at_ms,
+        parent_key_id: None,
     }
+}
+
+pub(crate) async fn a_revoke_reaches_every_key_made_under_the_key<B: Backend>(b: B) {
+    let store = b.store().clone();
+    funded(&store, "acct_a", 0).await;
+    let child = |id: &str, byte: u8, parent: &str, expires: Option<i64>| NewKey {
+        parent_key_id: Some(parent.into()),
+        ..key(id, "acct_a", byte, expires)
+    };
+    assert!(store
+        .insert_key(&key("root", "acct_a", 1, None))
+        .await
+        .unwrap());
+    assert!(store
+        .insert_key(&key("other", "acct_a", 2, None))
+        .await
+        .unwrap());
+    assert!(store
+        .insert_key(&child("kid", 3, "root", None))
+        .await
+        .unwrap());
+    assert!(store
+        .insert_key(&child("grandkid", 4, "kid", None))
+        .await
+        .unwrap());
+    // A parent expired at the child's creation time makes no child.
+    assert!(store
+        .insert_key(&key("old", "acct_a", 5, Some(6)))
+        .await
+        .unwrap());
+    assert!(
+        !store
+            .insert_key(&child("late", 7, "old", None))
+            .await
+            .unwrap(),
+        "a key made under an expired key"
+    );
+    assert!(store.key_by_hash(&[4; 32], 10).await.unwrap().is_some());
+    assert!(store.revoke_key("root", Some("acct_a"), 20).await.unwrap());
+    for (byte, what) in [(1, "root"), (3, "its child"), (4, "its grandchild")] {
+        assert!(
+            store.key_by_hash(&[byte; 32], 21).await.unwrap().is_none(),
+            "{what} still found"
+        );
+    }
+    assert!(store.key_by_hash(&[2; 32], 21).await.unwrap().is_some());
+    assert!(
+        !store
+            .insert_key(&child("after", 8, "root", None))
+            .await
+            .unwrap(),
+        "a key made under a revoked key"
+    );
+    assert!(
+        !store.revoke_key("root", None, 22).await.unwrap(),
+        "revoked once"
+    );
 }
 
 pub(crate) async fn keys_are_found_by_hash_until_revoked_or_expired<B: Backend>(b: B) {

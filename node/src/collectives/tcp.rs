@@ -4,7 +4,11 @@
 //! tests use port 0); rank `j` dials every rank `i < j` (retrying until the
 //! connect timeout, since members start at different times) and introduces
 //! itself with a hello (magic, its rank, the pod size); rank `i` accepts the
-//! ranks above it. Then every socket gets `TCP_NODELAY` and goes
+//! ranks above it. An accepted peer whose hello is missing (within
+//! [`HELLO_WAIT`]), malformed, of another pod size or of a rank already
+//! connected is dropped and formation goes on; the hello is not
+//! authenticated, so a stranger that sends a well-formed one first takes
+//! that rank. Then every socket gets `TCP_NODELAY` and goes
 //! non-blocking.
 //!
 //! Data: an exchange writes and reads all its messages at once. It spins
@@ -29,6 +33,8 @@ use super::group::{Header, Incoming, Outgoing, Transport};
 use super::{CollectiveError, MAX_RANKS};
 
 const HELLO_MAGIC: u32 = 0x4d4c_5850; // "MLXP"
+/// Longest wait for an accepted peer's hello before it is dropped.
+const HELLO_WAIT: Duration = Duration::from_secs(2);
 
 /// Timeouts of the TCP transport.
 #[derive(Debug, Clone, Copy)]
@@ -134,8 +140,10 @@ impl TcpTransport {
         while missing > 0 {
             match listener.accept() {
                 Ok((mut s, from)) => {
+                    // A silent stranger holds formation up for at most this.
+                    let wait = opts.connect_timeout.min(HELLO_WAIT);
                     s.set_nonblocking(false)
-                        .and_then(|_| s.set_read_timeout(Some(opts.connect_timeout)))
+                        .and_then(|_| s.set_read_timeout(Some(wait)))
                         .map_err(|e| connect_err(format!("accepting {from}: {e}")))?;
                     let mut b = [0u8; 12];
                     if let Err(e) = s.read_exact(&mut b) {
@@ -144,14 +152,19 @@ impl TcpTransport {
                     }
                     let word = |i: usize| u32::from_le_bytes([b[i], b[i + 1], b[i + 2], b[i + 3]]);
                     let (magic, peer, peer_size) = (word(0), word(4) as usize, word(8) as usize);
+                    // A stranger (no hello, another pod's, a rank taken) is
+                    // dropped; formation goes on waiting for the real peer.
                     if magic != HELLO_MAGIC || peer_size != size || peer <= rank || peer >= size {
-                        return Err(connect_err(format!(
-                            "{from} introduced itself as rank {peer} of {peer_size} \
+                        tracing::warn!(
+                            %from,
+                            "dropped a peer that introduced itself as rank {peer} of {peer_size} \
                              (this is rank {rank} of {size})"
-                        )));
+                        );
+                        continue;
                     }
                     if links[peer].is_some() {
-                        return Err(connect_err(format!("rank {peer} connected twice")));
+                        tracing::warn!(%from, "dropped a second connection claiming rank {peer}");
+                        continue;
                     }
                     links[peer] = Some(s);
                     missing -= 1;

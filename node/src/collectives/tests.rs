@@ -495,3 +495,56 @@ fn killed_process_fails_the_others_from_its_death() {
         assert_lost_not_timed_out([0, 2][i], &err, after, timeout);
     }
 }
+
+/// Strangers dialing a member's data-plane port before its real peer (one
+/// sending bytes that are no hello, one a hello of another pod size, one
+/// nothing and hanging up) are dropped, and the pod still forms.
+#[test]
+fn a_stray_or_malformed_peer_is_dropped_and_formation_continues() {
+    use std::io::Write;
+    let listeners: Vec<TcpListener> = (0..2)
+        .map(|_| TcpListener::bind("127.0.0.1:0").unwrap())
+        .collect();
+    let addrs: Vec<SocketAddr> = listeners.iter().map(|l| l.local_addr().unwrap()).collect();
+    let opts = TcpOptions {
+        connect_timeout: Duration::from_secs(10),
+        ..TcpOptions::default()
+    };
+    let mut garbage = std::net::TcpStream::connect(addrs[0]).unwrap();
+    garbage.write_all(b"GET / HTTP/1.1\r\n").unwrap();
+    let mut other_pod = std::net::TcpStream::connect(addrs[0]).unwrap();
+    let mut hello = Vec::new();
+    for w in [0x4d4c_5850u32, 1, 7] {
+        hello.extend_from_slice(&w.to_le_bytes());
+    }
+    other_pod.write_all(&hello).unwrap();
+    drop(std::net::TcpStream::connect(addrs[0]).unwrap());
+    let mut it = listeners.into_iter();
+    let (l0, l1) = (it.next().unwrap(), it.next().unwrap());
+    let a0 = addrs.clone();
+    let rank0 = std::thread::spawn(move || TcpTransport::connect(0, l0, &a0, opts));
+    let rank1 = std::thread::spawn(move || TcpTransport::connect(1, l1, &addrs, opts));
+    let t0 = rank0
+        .join()
+        .unwrap()
+        .expect("rank 0 formed despite the strangers");
+    let t1 = rank1.join().unwrap().expect("rank 1 formed");
+    let mut g: Vec<Boxed> = vec![
+        Box::new(Group::new(t0, GroupOptions::default())),
+        Box::new(Group::new(t1, GroupOptions::default())),
+    ];
+    let sums: Vec<Vec<f32>> = std::thread::scope(|s| {
+        let handles: Vec<_> = g
+            .iter_mut()
+            .map(|c| {
+                s.spawn(move || {
+                    let mut v = vec![1.0f32; 16];
+                    all_reduce(c.as_mut(), &mut v).unwrap();
+                    v
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    assert!(sums.iter().all(|v| v.iter().all(|x| *x == 2.0)), "{sums:?}");
+}

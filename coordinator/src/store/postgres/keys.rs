@@ -6,10 +6,15 @@ use sqlx::PgConnection;
 use super::super::{rows, NewKey, Result};
 use crate::domain::{KeyInfo, KeyLimits, StoredKey};
 
-pub(super) async fn insert(conn: &mut PgConnection, k: &NewKey) -> Result<()> {
-    sqlx::query(
-        "INSERT INTO api_keys (id, account_id, hash, scopes, label, created_at_ms, expires_at_ms) \
-         VALUES ($1, $2, $3, $4, $5, $6, $7)",
+pub(super) async fn insert(conn: &mut PgConnection, k: &NewKey) -> Result<bool> {
+    // A child is inserted only while its parent is valid: a key revoked (or
+    // expired) a moment ago cannot still make keys that outlive it.
+    let n = sqlx::query(
+        "INSERT INTO api_keys \
+         (id, account_id, hash, scopes, label, created_at_ms, expires_at_ms, parent_key_id) \
+         SELECT $1, $2, $3, $4, $5, $6, $7, $8::text \
+         WHERE $8::text IS NULL OR EXISTS (SELECT 1 FROM api_keys p WHERE p.id = $8::text \
+         AND p.revoked_at_ms IS NULL AND (p.expires_at_ms IS NULL OR p.expires_at_ms > $6))",
     )
     .bind(&k.id)
     .bind(&k.account_id)
@@ -18,9 +23,11 @@ pub(super) async fn insert(conn: &mut PgConnection, k: &NewKey) -> Result<()> {
     .bind(&k.label)
     .bind(k.created_at_ms)
     .bind(k.expires_at_ms)
+    .bind(k.parent_key_id.as_deref())
     .execute(&mut *conn)
-    .await?;
-    Ok(())
+    .await?
+    .rows_affected();
+    Ok(n == 1)
 }
 
 pub(super) async fn by_hash(
@@ -29,9 +36,11 @@ pub(super) async fn by_hash(
     now_ms: i64,
 ) -> Result<Option<StoredKey>> {
     let row = sqlx::query(
-        "SELECT id, account_id, scopes, expires_at_ms, max_requests_per_sec, max_in_flight \
-         FROM api_keys WHERE hash = $1 AND revoked_at_ms IS NULL \
-         AND (expires_at_ms IS NULL OR expires_at_ms > $2)",
+        "SELECT k.id, k.account_id, k.scopes, k.expires_at_ms, k.max_requests_per_sec, \
+         k.max_in_flight FROM api_keys k WHERE k.hash = $1 AND k.revoked_at_ms IS NULL \
+         AND (k.expires_at_ms IS NULL OR k.expires_at_ms > $2) \
+         AND (k.parent_key_id IS NULL OR EXISTS (SELECT 1 FROM api_keys p \
+         WHERE p.id = k.parent_key_id AND p.revoked_at_ms IS NULL))",
     )
     .bind(hash.to_vec())
     .bind(now_ms)
@@ -63,9 +72,16 @@ pub(super) async fn revoke(
     account: Option<&str>,
     now_ms: i64,
 ) -> Result<bool> {
+    // The key and every key made under it, at any depth; the key itself
+    // first (nothing is revoked when it is not this account's, or was
+    // already revoked).
     let n = sqlx::query(
-        "UPDATE api_keys SET revoked_at_ms = $1 WHERE id = $2 AND revoked_at_ms IS NULL \
-         AND ($3::text IS NULL OR account_id = $3::text)",
+        "WITH RECURSIVE tree (id) AS ( \
+           SELECT id FROM api_keys WHERE id = $2 AND revoked_at_ms IS NULL \
+             AND ($3::text IS NULL OR account_id = $3::text) \
+           UNION SELECT k.id FROM api_keys k JOIN tree t ON k.parent_key_id = t.id) \
+         UPDATE api_keys SET revoked_at_ms = $1 \
+         WHERE id IN (SELECT id FROM tree) AND revoked_at_ms IS NULL",
     )
     .bind(now_ms)
     .bind(key_id)
@@ -73,7 +89,7 @@ pub(super) async fn revoke(
     .execute(&mut *conn)
     .await?
     .rows_affected();
-    Ok(n == 1)
+    Ok(n >= 1)
 }
 
 pub(super) async fn list(conn: &mut PgConnection, account: &str) -> Result<Vec<KeyInfo>> {
