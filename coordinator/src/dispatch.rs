@@ -67,8 +67,8 @@ use crate::{
     audit::Audits,
     catalogue::{Catalogue, Model},
     domain::{
-        job::terminal_event, AttemptEnd, CancelOutcome, Completion, JobRecord, JobTerms, NewJob,
-        RecordDelta, Segment, Streamed, StreamedEnd,
+        job::terminal_event, AttemptEnd, CancelOutcome, Completion, JobRecord, JobState, JobTerms,
+        NewJob, RecordDelta, Segment, Streamed, StreamedEnd,
     },
     jobs::EventHub,
     ledger::{self, Ledger, LedgerError},
@@ -461,7 +461,19 @@ impl Dispatcher {
                     .map(|p| (p.job.id, p.job.attempt, p.node.to_string()))
                     .collect()
             })
-            .await?;
+            .await;
+        let assigned = match assigned {
+            Ok(assigned) => assigned,
+            Err(e) if plan.is_empty() => return Err(e),
+            // The commit may have landed with only its answer lost (the
+            // database went away): jobs it assigned would then stay
+            // assigned with no attempt running them, so what it did is
+            // read back.
+            Err(e) => {
+                warn!(error = %error_chain(&e), "the placement's commit failed; reading back what it assigned");
+                self.assigned_after_all(&plan).await
+            }
+        };
         for (p, assigned) in plan.into_iter().zip(assigned) {
             if !assigned || self.shutdown.is_cancelled() {
                 continue;
@@ -741,6 +753,36 @@ impl Dispatcher {
             let _ = self.world.set_status(&node_hex, crate::world::Status::Idle);
         }
         self.wake();
+    }
+
+    /// Which of `plan`'s picks the store shows assigned as planned (the
+    /// job at its planned attempt on its planned node), read with retries
+    /// until read; none once the coordinator stops.
+    async fn assigned_after_all(&self, plan: &[Planned]) -> Vec<bool> {
+        let mut out = Vec::with_capacity(plan.len());
+        for p in plan {
+            let mut tries = 0;
+            let job = loop {
+                match self.store.get_job(p.job.id).await {
+                    Ok(job) => break job,
+                    Err(_) if self.shutdown.is_cancelled() => break None,
+                    Err(e) => {
+                        tries += 1;
+                        warn!(error = %error_chain(&e), tries, "reading back a placement failed; retrying");
+                        if let Some(wait) = record_backoff(tries) {
+                            tokio::time::sleep(wait).await;
+                        }
+                    }
+                }
+            };
+            let node = p.node.to_string();
+            out.push(job.is_some_and(|j| {
+                j.state == JobState::Assigned
+                    && j.attempt == p.job.attempt
+                    && j.node_id.as_deref() == Some(node.as_str())
+            }));
+        }
+        out
     }
 
     /// Adds an attempt's end to its node's [`Evidence`]: a verified claim

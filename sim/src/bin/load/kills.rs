@@ -11,7 +11,9 @@
 //! - **broken books**: every invariant `Ledger::violations` checks (stored
 //!   balances against transfer rows, sums over accounts zero, a hold
 //!   resolved twice, an open hold past its deadline, an ended job whose hold
-//!   is open, payouts and fee against the post, a failed job that paid);
+//!   is open, payouts and fee against the post, a failed job that paid),
+//!   judged two sweep passes after the last job ended (a settlement the
+//!   database failed is redone by the coordinator's sweep);
 //!   so a double payment or a hold resolved twice is a violation;
 //! - **ends sent**: a watch silent for 20 s is checked with Get; a job
 //!   that had ended by then was never sent to its watcher (an end event
@@ -294,6 +296,10 @@ async fn kills(args: &Args, dir: &std::path::Path) -> Result<()> {
     }
     let unsettled = tasks.len();
     tasks.shutdown().await;
+    // A settlement that failed with the database is redone by the
+    // coordinator's sweep: two of its passes before the books are judged.
+    let sweep = Duration::from_millis(LedgerConfig::default().sweep_interval_ms);
+    tokio::time::sleep(sweep * 2 + Duration::from_secs(1)).await;
     let settle_s = started.elapsed().as_secs_f64() - kill_s;
     // A clean stop, then the database is the judge.
     drop(coordinator);
