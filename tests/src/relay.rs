@@ -10,8 +10,9 @@
 //!   so a stream it returns is whole and in order.
 //!
 //! # Failure
-//! Without a PostgreSQL server ([`PG_URL_VAR`] unset) [`pg_server`] says
-//! so and the caller skips; under CI (`CI` set) that is a failure.
+//! Without a PostgreSQL server (`MLXNET_TEST_DATABASE_URL` unset) the
+//! caller skips (`test_utils::postgres::pg_server_url` says so); under CI
+//! (`CI` set) that is a failure.
 
 use std::path::Path;
 
@@ -20,25 +21,6 @@ use mlxnet_proto::v1::{job_event, Job, JobEvent, WatchJobRequest};
 
 use crate::{coordinator_config, spawn_coordinator, within, Client, TestCoordinator};
 
-/// The variable naming the PostgreSQL server tests may create databases on.
-pub const PG_URL_VAR: &str = "MLXNET_TEST_DATABASE_URL";
-
-/// The PostgreSQL test server's URL, or `None` (the caller skips) when
-/// none is configured; under CI a missing server fails.
-pub fn pg_server() -> Option<String> {
-    match std::env::var(PG_URL_VAR) {
-        Ok(url) if !url.is_empty() => Some(url),
-        _ => {
-            assert!(
-                std::env::var_os("CI").is_none(),
-                "{PG_URL_VAR} is not set: CI must run the PostgreSQL tests"
-            );
-            eprintln!("skipped: {PG_URL_VAR} is not set (scripts/pg-test-server.sh starts one)");
-            None
-        }
-    }
-}
-
 /// Starts `names.len()` replicas, each named by its entry, on a fresh
 /// database of the PostgreSQL server at `server`, with data under `dir`.
 pub async fn spawn_replicas(
@@ -46,7 +28,7 @@ pub async fn spawn_replicas(
     server: &str,
     names: &[&str],
 ) -> anyhow::Result<Vec<TestCoordinator>> {
-    let url = mlxnet_coordinator::store::PgStore::fresh_database(server)
+    let url = mlxnet_coordinator::test_utils::postgres::pg_fresh_database(server)
         .await
         .context("creating a fresh database")?;
     let mut replicas: Vec<TestCoordinator> = Vec::with_capacity(names.len());

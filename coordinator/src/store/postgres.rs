@@ -107,22 +107,6 @@ impl PgStore {
         })
     }
 
-    /// Creates a fresh, empty database on the server at `server` (the URL
-    /// of one of its databases) and returns its URL: each end-to-end test
-    /// that runs replicas gets a database of its own.
-    #[cfg(any(test, feature = "test-utils"))]
-    pub async fn fresh_database(server: &str) -> Result<String> {
-        use sqlx::{Connection, Executor};
-        let name = format!("t_{}", uuid::Uuid::new_v4().simple());
-        let mut admin = PgConnection::connect(server).await?;
-        admin
-            .execute(format!("CREATE DATABASE {name}").as_str())
-            .await?;
-        admin.close().await?;
-        let base = server.rsplit_once('/').map_or(server, |(base, _)| base);
-        Ok(format!("{base}/{name}"))
-    }
-
     /// The connection pool, for the backend's own tests (schema checks).
     #[cfg(test)]
     pub(crate) fn pool(&self) -> &PgPool {

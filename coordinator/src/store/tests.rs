@@ -1,7 +1,7 @@
 //! The store's conformance suite: one contract per function, each run on
 //! every backend compiled in through [`store_contracts!`]: SQLite in a
 //! temporary directory, PostgreSQL in a fresh database on the server
-//! [`PG_URL_VAR`] names (`scripts/pg-test-server.sh` starts one).
+//! [`crate::test_utils::postgres::PG_URL_VAR`] names (`scripts/pg-test-server.sh` starts one).
 //!
 //! Without that variable the PostgreSQL contracts say so and pass, except
 //! under CI (`CI` set), where they fail: CI must run both backends.
@@ -76,41 +76,14 @@ impl Backend for Sqlite {
     }
 }
 
-/// The variable naming a PostgreSQL server the tests may create databases
-/// on (`postgres://USER@HOST:PORT/postgres`).
-pub(crate) const PG_URL_VAR: &str = "MLXNET_TEST_DATABASE_URL";
-
-/// The PostgreSQL server's URL, or `None` when none is configured here
-/// (then the caller skips, saying so). Under CI a missing URL fails.
-pub(crate) fn pg_server_url() -> Option<String> {
-    match std::env::var(PG_URL_VAR) {
-        Ok(url) if !url.is_empty() => Some(url),
-        _ => {
-            assert!(
-                std::env::var_os("CI").is_none(),
-                "{PG_URL_VAR} is not set: CI must run the PostgreSQL tests (.ci/run starts a server)"
-            );
-            eprintln!(
-                "skipped: {PG_URL_VAR} is not set (scripts/pg-test-server.sh starts a server)"
-            );
-            None
-        }
-    }
-}
+pub(crate) use crate::test_utils::postgres::pg_server_url;
 
 /// A fresh, empty database on the server at `server` (the URL of one of
 /// its databases): its URL.
 pub(crate) async fn pg_fresh_database(server: &str) -> String {
-    use sqlx::{Connection, Executor};
-    let name = format!("t_{}", uuid::Uuid::new_v4().simple());
-    let mut admin = sqlx::PgConnection::connect(server).await.unwrap();
-    admin
-        .execute(format!("CREATE DATABASE {name}").as_str())
+    crate::store::postgres::fresh_database(server)
         .await
-        .unwrap();
-    admin.close().await.unwrap();
-    let (base, _db) = server.rsplit_once('/').unwrap();
-    format!("{base}/{name}")
+        .unwrap()
 }
 
 /// PostgreSQL: a database of its own on the test server.

@@ -9,14 +9,14 @@ use mlxnet_proto::{
 };
 use mlxnet_tests::{
     chat_job,
-    relay::{pg_server, spawn_replicas, Watch},
+    relay::{spawn_replicas, Watch},
     spawn_node, state, test_model,
 };
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn jobs_submitted_on_a_run_on_c_and_stream_whole_to_watchers_on_every_replica(
 ) -> anyhow::Result<()> {
-    let Some(server) = pg_server() else {
+    let Some(server) = mlxnet_coordinator::test_utils::postgres::pg_server_url() else {
         return Ok(());
     };
     test_model();
