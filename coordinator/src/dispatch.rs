@@ -38,7 +38,7 @@
 //! wake; they never take the process down.
 
 use std::{
-    collections::{BTreeSet, HashMap},
+    collections::{BTreeSet, HashMap, HashSet},
     sync::{Arc, Mutex},
     time::Duration,
 };
@@ -81,7 +81,7 @@ use crate::{
     },
     metrics::Metrics,
     relay::Relay,
-    scheduler::{self, Evidence, Queue, Target},
+    scheduler::{self, affinity, Affinity, Evidence, Queue, Target},
     store::{AnyStore, Store, StoreError},
     util::{clip, error_chain, lock, now_ms, Tasks},
     world::World,
@@ -114,6 +114,10 @@ struct Planned {
     reservation: Reservation,
     /// The reservations on a pod's other members.
     held: Vec<Reservation>,
+    /// The job's input prefixes, and how many bytes of them the node last
+    /// ran (see [`affinity`]).
+    prefixes: Vec<affinity::Prefix>,
+    prefix_match: u64,
     reason: String,
 }
 
@@ -188,6 +192,10 @@ pub struct Dispatcher {
     /// alone. In memory, per process, like `failed_on`; bounded by
     /// [`EVIDENCE_MAX`] (past it, only connected nodes are kept).
     evidence: Mutex<HashMap<NodeId, Evidence>>,
+    /// Which nodes last ran which input prefixes, so placement prefers a
+    /// node whose prefix cache holds a job's (a hint, in memory, bounded
+    /// by [`AFFINITY_KEYS`]; see [`affinity`]).
+    affinity: Mutex<Affinity>,
     shutdown: CancellationToken,
     drain: CancellationToken,
     tasks: Arc<Tasks>,
@@ -220,6 +228,9 @@ const FAILED_ON_MAX: usize = 100_000;
 /// The most nodes [`Dispatcher`] keeps [`Evidence`] for (past this, the
 /// evidence of nodes not connected is dropped).
 const EVIDENCE_MAX: usize = 100_000;
+
+/// Input prefixes [`Dispatcher`] remembers nodes for (about 20 MB).
+const AFFINITY_KEYS: usize = 1 << 16;
 
 /// The backoff step between tries of recording an attempt's end after a
 /// store error, and the most it grows to.
@@ -289,6 +300,7 @@ impl Dispatcher {
             running: Mutex::new(HashMap::new()),
             failed_on: Mutex::new(HashMap::new()),
             evidence: Mutex::new(HashMap::new()),
+            affinity: Mutex::new(Affinity::new(AFFINITY_KEYS)),
             shutdown,
             drain,
             tasks,
@@ -418,6 +430,8 @@ impl Dispatcher {
                     .into_iter()
                     .filter(|s| !self.audits.is_banned(&s.node_id))
                     .collect();
+                let online: HashSet<NodeId> = sessions.iter().map(|s| s.node_id).collect();
+                lock(&self.affinity).retain_nodes(|id| online.contains(id));
                 // Probation's share of placement (see `audit`): a node on
                 // probation takes at most `probation_running` jobs at once beside
                 // the established nodes (pass 1); the jobs left go to established
@@ -484,9 +498,23 @@ impl Dispatcher {
                 model,
                 reservation,
                 held,
+                prefixes,
+                prefix_match,
                 reason,
                 ..
             } = p;
+            // A single node's prefix cache now holds the job's input (a
+            // pod's is not tracked).
+            let check = if held.is_empty() {
+                let mut held_by = lock(&self.affinity);
+                held_by.record(node, &prefixes);
+                (prefix_match > 0).then(|| {
+                    self.metrics.prefix_affinity_placements.inc();
+                    held_by.expect_hit(node, &prefixes)
+                })
+            } else {
+                None
+            };
             Metrics::observe_since_ms(&self.metrics.placement_seconds, job.updated_at_ms, now_ms());
             let token = self.shutdown.child_token();
             lock(&self.running).insert(job.id, token.clone());
@@ -503,6 +531,9 @@ impl Dispatcher {
             self.spawn(async move {
                 let wake = Arc::clone(&this);
                 this.run_attempt(job, model, reservation, token).await;
+                if let Some(check) = check {
+                    lock(&wake.affinity).ended(&node, check);
+                }
                 drop(held);
                 drop(counted);
                 wake.wake();
@@ -572,10 +603,28 @@ impl Dispatcher {
             let level = if job.attempt > 1 { RESUME_LEVEL } else { 0 };
             let _ = queue.push_ranked(&account, level, job.priority, job);
         }
-        let placed = scheduler::schedule(&mut queue, &mut fleet, |job| {
-            let model = self.catalogue.get(&job.model)?;
-            Some(model.job(input_bytes(&job.input), job.sampling.max_tokens))
-        });
+        let mut prefixes: HashMap<JobId, Vec<affinity::Prefix>> = HashMap::new();
+        let placed = {
+            let mut held_by = lock(&self.affinity);
+            for s in sessions {
+                let dropped = held_by.report(s.node_id, s.prefix_report());
+                let n = u64::from(dropped.reset) + dropped.missed as u64;
+                if n > 0 {
+                    debug!(node = %s.node_id.short(), reset = dropped.reset, missed = dropped.missed, "prefix affinity dropped");
+                    self.metrics.prefix_affinity_dropped.inc_by(n);
+                }
+            }
+            scheduler::schedule_with(&mut queue, &mut fleet, |job| {
+                let model = self.catalogue.get(&job.model)?;
+                let keys = prefixes
+                    .entry(job.id)
+                    .or_insert_with(|| affinity::prefixes(&model.sha256, &job.input));
+                Some((
+                    model.job(input_bytes(&job.input), job.sampling.max_tokens),
+                    held_by.matches(keys),
+                ))
+            })
+        };
         let mut plan = Vec::with_capacity(placed.len());
         for (job, placement) in placed {
             if self.shutdown.is_cancelled() {
@@ -611,6 +660,8 @@ impl Dispatcher {
             plan.push(Planned {
                 reservation: session.reserve(placement.memory_per_member),
                 account: accounts.remove(&job.id).flatten(),
+                prefixes: prefixes.remove(&job.id).unwrap_or_default(),
+                prefix_match: placement.prefix_match,
                 job,
                 node,
                 model,

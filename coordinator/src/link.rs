@@ -381,6 +381,9 @@ async fn control_loop(
         match msg.msg {
             Some(node_control::Msg::Heartbeat(hb)) => {
                 session.report_free_memory(hb.free_memory_bytes);
+                d.metrics
+                    .prefix_hit_tokens
+                    .inc_by(session.report_prefix(hb.prompt_tokens, hb.prefix_hit_tokens));
                 if session.pod.is_some() {
                     session.report_pod_degraded(&hb.pod_degraded);
                 }

@@ -56,6 +56,14 @@ pub struct Metrics {
     pub heartbeats_written: Counter,
     /// Node heartbeats answered but not written (they came sooner).
     pub heartbeats_coalesced: Counter,
+    /// Prompt tokens nodes say they served from their prefix caches (the
+    /// growth of their heartbeats' counters; their word, never paid).
+    pub prefix_hit_tokens: Counter,
+    /// Jobs placed on a node that last ran a prefix of their input.
+    pub prefix_affinity_placements: Counter,
+    /// Prefix affinities dropped: a node reconnected or restarted, or a
+    /// job placed for its prefix did not hit.
+    pub prefix_affinity_dropped: Counter,
     /// A durable Submit: the job and its hold in one transaction.
     pub submit_seconds: Histogram,
     /// A job's wait in the queue (from its submit or requeue) until a node
@@ -124,6 +132,18 @@ impl Default for Metrics {
         let heartbeats_coalesced = counter(
             "node_heartbeats_coalesced",
             "Node heartbeats answered without a store write: they came within half an interval of the last written one.",
+        );
+        let prefix_hit_tokens = counter(
+            "node_prefix_hit_tokens",
+            "Prompt tokens nodes report serving from their prefix caches (unverified).",
+        );
+        let prefix_affinity_placements = counter(
+            "prefix_affinity_placements",
+            "Jobs placed on a node that last ran a prefix of their input.",
+        );
+        let prefix_affinity_dropped = counter(
+            "prefix_affinity_dropped",
+            "Prefix affinities dropped: the node reconnected or restarted, or a job placed for its prefix did not hit.",
         );
         let mut histogram = |name: &str, help: &str| {
             // 1 ms, 2 ms, ... 2^16 ms (about 65 s).
@@ -198,6 +218,9 @@ impl Default for Metrics {
             tokens_streamed,
             heartbeats_written,
             heartbeats_coalesced,
+            prefix_hit_tokens,
+            prefix_affinity_placements,
+            prefix_affinity_dropped,
             submit_seconds,
             placement_seconds,
             first_token_seconds,

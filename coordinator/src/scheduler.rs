@@ -7,6 +7,8 @@
 //! pass, then records each placement in the store.
 //!
 //! # Layout
+//! - [`affinity`]: which nodes last ran a prefix of a job's input (chat
+//!   turns, prompt chunks), kept honest by the nodes' prefix-cache reports.
 //! - [`capability`]: what a node or pod can do; measured figures win over
 //!   the chip table ([`mlxnet_proto::chips`]), and what a node has shown
 //!   ([`Evidence`]: decayed reliability, observed speed) caps them.
@@ -23,6 +25,7 @@
 //!   of that model needing at least as much memory is tried: the fleet only
 //!   loses capacity during a pass, so it could not be placed either.
 
+pub mod affinity;
 pub mod capability;
 pub mod cost;
 pub mod fleet;
@@ -33,6 +36,9 @@ mod tests;
 
 use std::collections::HashMap;
 
+use mlxnet_proto::ids::NodeId;
+
+pub use affinity::{Affinity, Prefix, Report};
 pub use capability::{memory_cap, Capability, Evidence, Measured, Mode, NodeSpec, PodSpec};
 pub use cost::{BatchCurve, Estimate, JobShape, ModelShape};
 pub use fleet::{Decision, Fleet, FleetError, Placement, Policy, Target};
@@ -47,17 +53,27 @@ pub fn schedule<'m, T>(
     fleet: &mut Fleet,
     mut shape: impl FnMut(&T) -> Option<JobShape<'m>>,
 ) -> Vec<(T, Placement)> {
+    schedule_with(queue, fleet, |job| shape(job).map(|s| (s, Vec::new())))
+}
+
+/// [`schedule`], with each job's shape and the nodes that last ran a
+/// prefix of its input (see [`Fleet::decide_with`]).
+pub fn schedule_with<'m, T>(
+    queue: &mut Queue<T>,
+    fleet: &mut Fleet,
+    mut shape: impl FnMut(&T) -> Option<(JobShape<'m>, Vec<(NodeId, u64)>)>,
+) -> Vec<(T, Placement)> {
     let mut placements = Vec::new();
     let mut blocked: HashMap<[u8; 32], u64> = HashMap::new();
     let jobs = queue.pass(|job| {
-        let Some(s) = shape(job) else {
+        let Some((s, affinity)) = shape(job) else {
             return Offer::Blocked;
         };
         let need = s.memory_needed();
         if blocked.get(&s.model.sha256).is_some_and(|&b| need >= b) {
             return Offer::Blocked;
         }
-        match fleet.decide(&s) {
+        match fleet.decide_with(&s, &affinity) {
             Decision::Place(p) if fleet.commit(&p).is_ok() => {
                 placements.push(p);
                 Offer::Placed

@@ -21,7 +21,7 @@ use mlxnet_proto::ids::NodeId;
 
 use super::handshake::{PodMembership, Registration};
 use crate::{
-    scheduler::{BatchCurve, Evidence, Fleet, Measured, Mode, NodeSpec, PodSpec, Policy},
+    scheduler::{affinity, BatchCurve, Evidence, Fleet, Measured, Mode, NodeSpec, PodSpec, Policy},
     util::clip,
 };
 
@@ -59,6 +59,10 @@ pub struct Session {
     pub pod: Option<PodMembership>,
     /// Leader only: why the pod cannot take jobs now (empty: whole).
     pod_degraded: Mutex<String>,
+    /// Heartbeats received, and the last one's prefix-cache counters
+    /// (prompt tokens, hit tokens): the node's word, used only to take
+    /// prefix affinity away ([`affinity`]), never for money.
+    prefix: Mutex<(u64, u64, u64)>,
 }
 
 impl Session {
@@ -90,6 +94,27 @@ impl Session {
             drained: tokio::sync::Notify::new(),
             pod: node.pod.clone(),
             pod_degraded: Mutex::new(String::new()),
+            prefix: Mutex::new((0, 0, 0)),
+        }
+    }
+
+    /// Records a heartbeat's prefix-cache counters; returns by how many
+    /// hit tokens they grew since the last one (0 if they went back).
+    pub fn report_prefix(&self, prompt_tokens: u64, hit_tokens: u64) -> u64 {
+        let mut p = self.prefix.lock().unwrap_or_else(|p| p.into_inner());
+        let grew = hit_tokens.saturating_sub(p.2);
+        *p = (p.0.saturating_add(1), prompt_tokens, hit_tokens);
+        grew
+    }
+
+    /// What the node's heartbeats said, for [`affinity::Affinity::report`].
+    pub fn prefix_report(&self) -> affinity::Report {
+        let p = *self.prefix.lock().unwrap_or_else(|p| p.into_inner());
+        affinity::Report {
+            session: self.serial,
+            beats: p.0,
+            prompt_tokens: p.1,
+            hit_tokens: p.2,
         }
     }
 

@@ -21,6 +21,13 @@
 //!    Macs stay free for the big models when a small Mac is nearly as fast.
 //!    Ties go to a single Mac over a pod (fewer machines tied up), then to
 //!    the faster candidate, then to the earliest added.
+//! 4. Prefix affinity ([`Fleet::decide_with`], [`super::affinity`]): when
+//!    nodes inside that band last ran a prefix of the job's input, the one
+//!    with the longest prefix wins instead (its prefix cache makes the
+//!    prefill nearly free), looked at even when it is not its class's best
+//!    fit. Outside the band, or in a worse tier, affinity counts for
+//!    nothing: it breaks near-ties and never makes a clearly slower or
+//!    busier node win.
 //!
 //! # Index
 //! Nodes are grouped into classes of identical figures: chip table values
@@ -117,6 +124,9 @@ pub struct Placement {
     /// Memory reserved on the node, or on each pod member.
     pub memory_per_member: u64,
     pub estimate: Estimate,
+    /// Bytes of the job's input prefix the chosen node last ran, as the
+    /// caller's affinity said (0 for a pod, or none).
+    pub prefix_match: u64,
     pub reason: String,
 }
 
@@ -219,6 +229,8 @@ struct Candidate {
     free: u64,
     /// Jobs the node already runs (0 for a pod, which runs one).
     load: u32,
+    /// Bytes of the job's input prefix the node last ran (0: none known).
+    affinity: u64,
 }
 
 /// Below this reliability (after rounding to quarters) a node or pod ranks
@@ -545,6 +557,7 @@ impl Fleet {
             need,
             free,
             load,
+            affinity: 0,
         }
     }
 
@@ -587,11 +600,21 @@ impl Fleet {
             need,
             free,
             load: 0,
+            affinity: 0,
         })
     }
 
     /// Chooses where `job` runs now, with the reason.
     pub fn decide(&self, job: &JobShape<'_>) -> Decision {
+        self.decide_with(job, &[])
+    }
+
+    /// [`Fleet::decide`], knowing which nodes last ran a prefix of the
+    /// job's input and how many bytes of it (`affinity`, from
+    /// [`super::affinity::Affinity::matches`]). Among the candidates of the
+    /// best tier within the near-best band, the one holding the longest
+    /// prefix wins; outside the band affinity counts for nothing.
+    pub fn decide_with(&self, job: &JobShape<'_>, affinity: &[(NodeId, u64)]) -> Decision {
         let need = job.memory_needed();
         if !self.could_ever_hold(job) {
             return Decision::Never(format!(
@@ -618,6 +641,28 @@ impl Fleet {
                 self.class_candidates(job, c, &c.available, need, false, &mut cands);
             }
         }
+        // A node holding a prefix may not be the best fit of its class:
+        // it is looked at on its own.
+        for &(id, bytes) in affinity {
+            if bytes == 0 {
+                continue;
+            }
+            let Some(&slot) = self.by_id.get(&id) else {
+                continue;
+            };
+            if let Some(c) = cands.iter_mut().find(|c| c.slot == Slot::Node(slot)) {
+                c.affinity = c.affinity.max(bytes);
+                continue;
+            }
+            let n = &self.nodes[slot as usize];
+            if !n.solo_available() || n.free < need || !n.spec.cached.contains(&job.model.sha256) {
+                continue;
+            }
+            let class = &self.speed_classes[n.speed_class as usize];
+            let mut c = self.node_candidate(job, class, (n.free, slot), need, true);
+            c.affinity = bytes;
+            cands.push(c);
+        }
         let Some(best_tier) = cands.iter().map(|c| c.tier).min() else {
             return Decision::Wait(self.wait_reason(job, need));
         };
@@ -626,13 +671,25 @@ impl Fleet {
         let band =
             fastest + (fastest * self.policy.near_best_ratio).max(self.policy.near_best_floor_s);
         let near = cands.iter().filter(|c| c.time <= band).count();
-        let Some(pick) = cands.iter().filter(|c| c.time <= band).min_by(|a, b| {
-            a.leftover
-                .cmp(&b.leftover)
-                .then(a.order.0.cmp(&b.order.0))
-                .then(a.time.total_cmp(&b.time))
-                .then(a.order.cmp(&b.order))
-        }) else {
+        let by_affinity = cands
+            .iter()
+            .filter(|c| c.time <= band && c.affinity > 0)
+            .max_by(|a, b| {
+                a.affinity
+                    .cmp(&b.affinity)
+                    .then(b.time.total_cmp(&a.time))
+                    .then(b.order.cmp(&a.order))
+            });
+        let by_fit = || {
+            cands.iter().filter(|c| c.time <= band).min_by(|a, b| {
+                a.leftover
+                    .cmp(&b.leftover)
+                    .then(a.order.0.cmp(&b.order.0))
+                    .then(a.time.total_cmp(&b.time))
+                    .then(a.order.cmp(&b.order))
+            })
+        };
+        let Some(pick) = by_affinity.or_else(by_fit) else {
             return Decision::Wait(self.wait_reason(job, need));
         };
         Decision::Place(self.placement(job, pick, fastest, near, cands.len()))
@@ -756,7 +813,15 @@ impl Fleet {
             gb(c.free),
             gb(c.leftover)
         );
-        if near > 1 {
+        if c.affinity > 0 && near > 1 {
+            let _ = write!(
+                reason,
+                "; holds {} bytes of the input's prefix, of {near} within {} of the fastest ({})",
+                c.affinity,
+                secs((fastest * self.policy.near_best_ratio).max(self.policy.near_best_floor_s)),
+                secs(fastest)
+            );
+        } else if near > 1 {
             let _ = write!(
                 reason,
                 "; tightest fit of {near} within {} of the fastest ({})",
@@ -774,6 +839,7 @@ impl Fleet {
                 Slot::Pod(pod) => job.memory_per_member(self.pods[pod as usize].members.len()),
             },
             estimate: c.estimate,
+            prefix_match: c.affinity,
             reason,
         }
     }

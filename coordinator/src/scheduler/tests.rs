@@ -903,3 +903,139 @@ fn a_nodes_memory_is_believed_up_to_its_chips_largest_configuration() {
     // An honest 16 GB M1 reports 16 GiB: believed whole.
     assert_eq!((16 * GIB).min(memory_cap("Apple M1")), 16 * GIB);
 }
+
+fn chat_input(turns: &[(&str, &str)]) -> mlxnet_proto::v1::JobInput {
+    use mlxnet_proto::v1::{job_input, ChatMessage, ChatMessages, JobInput};
+    JobInput {
+        kind: Some(job_input::Kind::Chat(ChatMessages {
+            messages: turns
+                .iter()
+                .map(|(role, content)| ChatMessage {
+                    role: (*role).into(),
+                    content: (*content).into(),
+                })
+                .collect(),
+        })),
+    }
+}
+
+/// Issue 25: the second turn of a conversation goes to the node that ran
+/// the first when that node is as good as the best, and not when it is
+/// clearly busier or slower, however long a prefix it holds.
+#[test]
+fn the_next_turn_goes_to_the_node_holding_its_prefix_only_when_it_is_near_best() {
+    let ms = models();
+    let model = &ms[1];
+    let node = |seed: u64, bandwidth: f64| {
+        let mut spec = NodeSpec::new(
+            id(seed),
+            "a box",
+            64 * GIB,
+            Mode::Dedicated,
+            &Measured {
+                memory_bandwidth: Some(bandwidth),
+                compute: Some(10e12),
+                internet: None,
+            },
+        );
+        spec.cached = vec![model.sha256];
+        spec.max_concurrent_jobs = 8;
+        spec
+    };
+    let system = ("system", "You are a patient tutor. Explain every step.");
+    let turn1 = affinity::prefixes(
+        &model.sha256,
+        &chat_input(&[system, ("user", "What is a monad?")]),
+    );
+    let turn2 = affinity::prefixes(
+        &model.sha256,
+        &chat_input(&[
+            system,
+            ("user", "What is a monad?"),
+            ("assistant", "A monoid in the category of endofunctors."),
+            ("user", "Say it simply."),
+        ]),
+    );
+    let job = JobShape {
+        model,
+        prompt_tokens: 2000,
+        max_tokens: 512,
+    };
+    let mut aff = Affinity::new(1024);
+
+    // Turn 1 on two equal idle nodes: the first added wins the tie.
+    let mut f = Fleet::new(Policy::default());
+    f.add_node(node(1, 300e9)).unwrap();
+    f.add_node(node(2, 300e9)).unwrap();
+    let Decision::Place(p1) = f.decide_with(&job, &aff.matches(&turn1)) else {
+        panic!("should place")
+    };
+    assert_eq!(p1.target, Target::Node(id(1)), "{}", p1.reason);
+    assert_eq!(p1.prefix_match, 0);
+    aff.record(id(1), &turn1);
+
+    // Turn 2, on a fleet that lists node 2 first, so that a plain tie
+    // would go to node 2.
+    let place = |first: NodeSpec, affinity: &[(NodeId, u64)]| {
+        let mut f = Fleet::new(Policy::default());
+        f.add_node(node(2, 300e9)).unwrap();
+        f.add_node(first).unwrap();
+        let Decision::Place(p) = f.decide_with(&job, affinity) else {
+            panic!("should place")
+        };
+        println!("{}", p.reason);
+        p
+    };
+    let matches = aff.matches(&turn2);
+    assert_eq!(matches, vec![(id(1), turn1[1].depth)]);
+    let plain = place(node(1, 300e9), &[]);
+    assert_eq!(plain.target, Target::Node(id(2)), "{}", plain.reason);
+    let p2 = place(node(1, 300e9), &matches);
+    assert_eq!(p2.target, Target::Node(id(1)), "{}", p2.reason);
+    assert_eq!(p2.prefix_match, turn1[1].depth);
+    assert!(
+        p2.reason.contains("bytes of the input's prefix"),
+        "{}",
+        p2.reason
+    );
+    // A little slower (within the near-best band) still wins by its prefix.
+    let p = place(node(1, 280e9), &matches);
+    assert_eq!(p.target, Target::Node(id(1)), "{}", p.reason);
+
+    // Much busier: three jobs running and no batch curve, so the fourth
+    // stream takes four times as long. The idle node wins.
+    let mut busy = node(1, 300e9);
+    busy.running_jobs = 3;
+    let p = place(busy, &matches);
+    assert_eq!(p.target, Target::Node(id(2)), "{}", p.reason);
+    // Much slower: half the bandwidth. However long a prefix it is said to
+    // hold, the faster node wins.
+    let p = place(node(1, 150e9), &[(id(1), u64::MAX)]);
+    assert_eq!(p.target, Target::Node(id(2)), "{}", p.reason);
+    assert_eq!(p.prefix_match, 0);
+
+    // The affine node need not be its class's best fit: with less memory
+    // free, node 2 fits tighter and is the class's first pick, yet node 1
+    // (same class) is looked at for its prefix.
+    let mut roomy = node(1, 300e9);
+    roomy.free_memory_bytes = 64 * GIB;
+    let mut f = Fleet::new(Policy::default());
+    let mut tight = node(2, 300e9);
+    tight.free_memory_bytes = 16 * GIB;
+    f.add_node(tight).unwrap();
+    f.add_node(roomy).unwrap();
+    let Decision::Place(p) = f.decide_with(&job, &matches) else {
+        panic!("should place")
+    };
+    assert_eq!(p.target, Target::Node(id(1)), "{}", p.reason);
+
+    // Through a whole pass: the second turn follows the first.
+    let mut q = Queue::new(4);
+    q.push("alice", 0, turn2.clone()).unwrap();
+    let mut f = Fleet::new(Policy::default());
+    f.add_node(node(2, 300e9)).unwrap();
+    f.add_node(node(1, 300e9)).unwrap();
+    let placed = schedule_with(&mut q, &mut f, |keys| Some((job, aff.matches(keys))));
+    assert_eq!(placed.len(), 1);
+    assert_eq!(placed[0].1.target, Target::Node(id(1)));
+}

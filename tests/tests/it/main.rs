@@ -2,6 +2,7 @@
 //! model, real QUIC and gRPC on ports the OS chose, a fresh database each.
 //! One binary; the harness is the `mlxnet_tests` library.
 
+mod affinity;
 mod audit;
 mod audit_driver;
 mod auth;
