@@ -200,8 +200,13 @@ pub trait Store: Clone + Send + Sync + 'static {
     async fn job_accounts(&self, jobs: &[JobId]) -> Result<HashMap<JobId, String>>;
     async fn count_queued(&self) -> Result<u64>;
     async fn job_stats(&self) -> Result<JobStats>;
-    /// `queued -> assigned` to `node_id` for `attempt`. False if the job is
-    /// not queued at that attempt any more.
+    /// `queued -> assigned` to `node_id` for `attempt`, booking one of the
+    /// node's slots (`NodeRecord::slots`, from its registration). False if
+    /// the job is not queued at that attempt any more, or the node's
+    /// assigned and running jobs already fill its slots (the job stays
+    /// queued). Bookings of one node by several replicas are serialized
+    /// (PostgreSQL: its row locked until the booking commits; SQLite: one
+    /// writer), so no node is ever booked past its slots.
     async fn assign(&self, id: JobId, attempt: u32, node_id: &str) -> Result<bool>;
     /// [`Store::assign`] for a batch (job, attempt, node) in one
     /// transaction; one flag per entry.
@@ -213,8 +218,10 @@ pub trait Store: Clone + Send + Sync + 'static {
     ///
     /// Claims of several replicas on one database never see the same job
     /// at once (PostgreSQL: `FOR UPDATE SKIP LOCKED`; SQLite: one writer),
-    /// so a pick of a claimed job is assigned unless it was not claimed;
-    /// jobs `place` leaves are free again when the claim ends.
+    /// so a pick of a claimed job is assigned unless it was not claimed or
+    /// its node is full (see [`Store::assign`]: a replica's view of a node
+    /// may miss another replica's bookings); jobs `place` leaves, and picks
+    /// refused, are free again when the claim ends.
     async fn claim_queued<F>(&self, limit: u32, place: F) -> Result<Vec<bool>>
     where
         F: FnOnce(Vec<(JobRecord, Option<String>)>) -> Vec<(JobId, u32, String)> + Send;

@@ -1294,6 +1294,9 @@ impl Sim {
             hardware: format!("{{\"chip\":\"{}\",\"memory_bytes\":{}}}", n.chip, n.memory),
             models: "[]".into(),
             version: "sim".into(),
+            // The sim's store books with no bound (its nodes' slots are
+            // the dispatcher's to keep).
+            slots: 0,
         };
         let hex = n.hex.clone();
         if self.write_fails() == Some(false) {

@@ -3,7 +3,8 @@
 //! stop one as SIGTERM does ([`Replica::drain`]: the same shutdown future
 //! `run_until_stopped` waits on) or as a crash does ([`Replica::kill`]:
 //! its runtime dropped, every task, socket and database connection gone at
-//! once, nothing sent to its nodes).
+//! once, nothing sent to its nodes). [`process`] runs replicas as child
+//! processes instead, for a real SIGKILL.
 //!
 //! # Invariants
 //! - Each replica binds `127.0.0.1:0` (or the ports its config names, to
@@ -19,6 +20,8 @@ use mlxnet_coordinator::{app::Application, config::CoordinatorConfig, test_utils
 use tokio::sync::{oneshot, watch};
 
 use crate::{init_tracing, within, Accounts, ACCOUNTS_FILE};
+
+pub mod process;
 
 /// A fresh database on the PostgreSQL test server (`None`: no server is
 /// configured here; the caller skips).

@@ -11,6 +11,10 @@ pub struct NodeRecord {
     /// JSON of the cached models.
     pub models: String,
     pub version: String,
+    /// Jobs it runs at once (its Hello's `max_concurrent_jobs`, at least
+    /// 1): the store books no more onto it. 0: no bound (a record that
+    /// does not say).
+    pub slots: u32,
 }
 
 /// A node's record, built from verified work only: how many of its

@@ -1433,6 +1433,7 @@ async fn a_dead_replicas_job_is_requeued_once_and_its_hold_resolved_once() {
             hardware: "{}".into(),
             models: "[]".into(),
             version: "1".into(),
+            slots: 0,
         };
         s.upsert_node(&record, replica).await.unwrap();
     }

@@ -260,6 +260,7 @@ fn registration(node_id: NodeId, hello: &Hello, catalogue: &Catalogue) -> Regist
             hardware: hardware.to_string(),
             models: serde_json::Value::Array(reported).to_string(),
             version: hello.version.chars().take(64).collect(),
+            slots: hello.max_concurrent_jobs.max(1),
         },
         world: crate::world::NodeView::from_hello(node_id.to_string(), hello),
         operator_account: hello.operator_account.chars().take(64).collect(),

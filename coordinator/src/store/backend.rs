@@ -10,6 +10,14 @@
 //! transition's own transaction) and `conn(tx)` (a write transaction's
 //! connection).
 
+/// The distinct nodes of a batch of picks `(job, attempt, node)`, sorted.
+pub(super) fn nodes_of(picks: &[(mlxnet_proto::ids::JobId, u32, String)]) -> Vec<&str> {
+    let mut nodes: Vec<&str> = picks.iter().map(|(_, _, n)| n.as_str()).collect();
+    nodes.sort_unstable();
+    nodes.dedup();
+    nodes
+}
+
 /// The [`super::Store`] methods from `insert_job` on.
 macro_rules! store_methods {
     () => {
@@ -45,6 +53,7 @@ macro_rules! store_methods {
 
         async fn assign(&self, id: JobId, attempt: u32, node_id: &str) -> Result<bool> {
             let mut tx = self.begin().await?;
+            jobs::lock_nodes(&mut tx, &[node_id]).await?;
             let done = jobs::assign(&mut tx, id, attempt, node_id, now_ms()).await?;
             tx.commit().await?;
             Ok(done)
@@ -53,6 +62,7 @@ macro_rules! store_methods {
         async fn assign_many(&self, batch: &[(JobId, u32, String)]) -> Result<Vec<bool>> {
             let now = now_ms();
             let mut tx = self.begin().await?;
+            jobs::lock_nodes(&mut tx, &super::backend::nodes_of(batch)).await?;
             let mut done = Vec::with_capacity(batch.len());
             for (id, attempt, node_id) in batch {
                 done.push(jobs::assign(&mut tx, *id, *attempt, node_id, now).await?);
@@ -68,6 +78,7 @@ macro_rules! store_methods {
             let mut tx = self.begin().await?;
             let claimed = jobs::claim(&mut tx, limit).await?;
             let picks = place(claimed);
+            jobs::lock_nodes(&mut tx, &super::backend::nodes_of(&picks)).await?;
             let now = now_ms();
             let mut done = Vec::with_capacity(picks.len());
             for (id, attempt, node_id) in &picks {

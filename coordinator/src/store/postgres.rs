@@ -380,4 +380,160 @@ mod tests {
             proptest::prop_assert_eq!(attempts, jobs as i64, "one attempt row per job");
         }
     }
+
+    /// `replicas` stores on one database (each its own pool, as separate
+    /// processes have) over `jobs` queued jobs and the nodes `slots`
+    /// (`node-<i>` with `slots[i]` slots), each placing every job it claims
+    /// onto the nodes as if it alone booked them (up to each node's slots,
+    /// less what it booked itself: the stale view of a replica that has not
+    /// heard of the others' bookings), in a seeded order, until a pass
+    /// books nothing (a pass may stop a replica while another node has
+    /// room: the property is about over-booking, not about filling every
+    /// slot). What each replica was told it booked, per node.
+    async fn book_race(
+        server: &str,
+        replicas: usize,
+        jobs: usize,
+        slots: &[u32],
+        batch: u32,
+        seed: u64,
+    ) -> (PgStore, Vec<HashMap<String, usize>>) {
+        use rand::{seq::SliceRandom, SeedableRng};
+        let url = pg_fresh_database(server).await;
+        let mut stores = Vec::new();
+        for _ in 0..replicas {
+            stores.push(
+                PgStore::connect(&url, &StoreConfig::default())
+                    .await
+                    .unwrap(),
+            );
+        }
+        for (i, n) in slots.iter().enumerate() {
+            let record = NodeRecord {
+                id: format!("node-{i}"),
+                name: format!("node {i}"),
+                hardware: "{}".into(),
+                models: "[]".into(),
+                version: "1".into(),
+                slots: *n,
+            };
+            stores[0].upsert_node(&record, "replica-a").await.unwrap();
+        }
+        let new: Vec<NewJob> = (0..jobs)
+            .map(|_| NewJob {
+                id: JobId::new(),
+                model: "m".into(),
+                input: JobInput::default(),
+                sampling: SamplingParams::default(),
+                priority: 0,
+            })
+            .collect();
+        let mut tx = stores[0].write().await.unwrap();
+        let rows: Vec<(&NewJob, i64)> = new.iter().zip(0..).collect();
+        tx.insert_jobs(&rows).await.unwrap();
+        tx.commit().await.unwrap();
+        let first = stores[0].clone();
+        let slots = slots.to_vec();
+        let tasks: Vec<_> = stores
+            .into_iter()
+            .enumerate()
+            .map(|(r, store)| {
+                let slots = slots.clone();
+                tokio::spawn(async move {
+                    let mut rng = rand::rngs::StdRng::seed_from_u64(seed ^ r as u64);
+                    let mut booked: HashMap<String, usize> = HashMap::new();
+                    loop {
+                        let mut picks: Vec<(JobId, u32, String)> = Vec::new();
+                        let mut order: Vec<usize> = (0..slots.len()).collect();
+                        order.shuffle(&mut rng);
+                        let done = store
+                            .claim_queued(batch, |claimed| {
+                                let mut free: Vec<(String, usize)> = order
+                                    .iter()
+                                    .map(|&i| {
+                                        let node = format!("node-{i}");
+                                        let mine = booked.get(&node).copied().unwrap_or(0);
+                                        (node, (slots[i] as usize).saturating_sub(mine))
+                                    })
+                                    .collect();
+                                for (j, _) in &claimed {
+                                    if let Some((node, left)) =
+                                        free.iter_mut().find(|(_, left)| *left > 0)
+                                    {
+                                        *left -= 1;
+                                        picks.push((j.id, j.attempt, node.clone()));
+                                    }
+                                }
+                                picks.clone()
+                            })
+                            .await
+                            .unwrap();
+                        let mut any = false;
+                        for ((_, _, node), ok) in picks.iter().zip(&done) {
+                            if *ok {
+                                any = true;
+                                *booked.entry(node.clone()).or_default() += 1;
+                            }
+                        }
+                        if !any {
+                            break;
+                        }
+                        tokio::task::yield_now().await;
+                    }
+                    booked
+                })
+            })
+            .collect();
+        let mut out = Vec::new();
+        for t in tasks {
+            out.push(t.await.unwrap());
+        }
+        (first, out)
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::test_runner::Config::with_cases(8))]
+
+        /// Replicas racing for one queue never double-book a node: each
+        /// places what it claims onto the same nodes as if it alone booked
+        /// them, and the store's conditional booking lets no node hold
+        /// more assigned jobs than its slots; what each replica was told
+        /// it booked is exactly what the database holds.
+        #[test]
+        fn replicas_racing_for_one_queue_never_double_book_a_node(
+            replicas in 2usize..=3,
+            jobs in 1usize..60,
+            slots in proptest::collection::vec(1u32..6, 1..4),
+            batch in 1u32..12,
+            seed in proptest::prelude::any::<u64>(),
+        ) {
+            let Some(server) = pg_server_url() else {
+                return Ok(());
+            };
+            let rt = tokio::runtime::Runtime::new().unwrap();
+            let (store, per_replica) =
+                rt.block_on(book_race(&server, replicas, jobs, &slots, batch, seed));
+            let held: Vec<(String, i64)> = rt
+                .block_on(
+                    sqlx::query_as(
+                        "SELECT node_id, COUNT(*) FROM jobs WHERE state = 'assigned' GROUP BY node_id",
+                    )
+                    .fetch_all(store.pool()),
+                )
+                .unwrap();
+            let held: HashMap<String, i64> = held.into_iter().collect();
+            for (i, n) in slots.iter().enumerate() {
+                let node = format!("node-{i}");
+                let booked = held.get(&node).copied().unwrap_or(0);
+                proptest::prop_assert!(
+                    booked <= i64::from(*n),
+                    "{} holds {} jobs, over its {} slots", node, booked, n
+                );
+                let told: usize = per_replica.iter().filter_map(|b| b.get(&node)).sum();
+                proptest::prop_assert_eq!(told as i64, booked, "told of bookings the database lacks");
+            }
+            let total: i64 = held.values().sum();
+            proptest::prop_assert!(total >= 1, "nothing was booked");
+        }
+    }
 }

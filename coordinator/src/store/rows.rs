@@ -254,6 +254,7 @@ pub(super) fn node(row: &impl Columns) -> Result<(NodeRecord, String)> {
             hardware: row.text("hardware")?,
             models: row.text("models")?,
             version: row.text("version")?,
+            slots: u32::try_from(row.int("slots")?).unwrap_or(0),
         },
         row.text("status")?,
     ))

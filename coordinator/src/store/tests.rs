@@ -126,6 +126,7 @@ macro_rules! store_contracts {
             ended_attempts_leave_their_tokens_and_the_result_joins_them,
             a_batch_of_assignments_takes_each_queued_job_once,
             a_claim_assigns_what_is_placed_and_frees_the_rest,
+            a_node_is_booked_up_to_its_slots_and_freed_as_its_jobs_end,
             queued_jobs_come_oldest_first_with_their_paying_accounts,
             nodes_register_beat_go_offline_and_count,
             debits_never_overdraw_and_unknown_accounts_refuse,
@@ -460,6 +461,7 @@ pub(crate) async fn restart_requeues_orphans_and_keeps_finished_jobs<B: Backend>
                 hardware: "{}".into(),
                 models: "[]".into(),
                 version: "0.1.0".into(),
+                slots: 0,
             },
             "replica-a",
         )
@@ -573,6 +575,77 @@ pub(crate) async fn a_batch_of_assignments_takes_each_queued_job_once<B: Backend
         JobState::Queued
     );
     assert!(store.assign_many(&[]).await.unwrap().is_empty());
+}
+
+/// A node registered with `slots`, owned by `replica-a`.
+pub(crate) async fn node_with_slots(store: &AnyStore, id: &str, slots: u32) {
+    store
+        .upsert_node(
+            &NodeRecord {
+                id: id.into(),
+                name: id.into(),
+                hardware: "{}".into(),
+                models: "[]".into(),
+                version: "1".into(),
+                slots,
+            },
+            "replica-a",
+        )
+        .await
+        .unwrap();
+}
+
+/// An assignment books one of its node's slots: none lands beyond them
+/// (by `assign`, a batch or a claim), and a job that ends (completed,
+/// failed, requeued) frees its slot. A node with no row, or registered
+/// with 0 slots, has no bound.
+pub(crate) async fn a_node_is_booked_up_to_its_slots_and_freed_as_its_jobs_end<B: Backend>(b: B) {
+    let store = b.store().clone();
+    node_with_slots(&store, "n2", 2).await;
+    node_with_slots(&store, "n0", 0).await;
+    let mut jobs = Vec::new();
+    for _ in 0..5 {
+        jobs.push(queued(&store).await);
+    }
+    let on_n2: Vec<_> = jobs.iter().map(|j| (j.id, 1, "n2".to_owned())).collect();
+    assert_eq!(
+        store.assign_many(&on_n2[..3]).await.unwrap(),
+        [true, true, false],
+        "two slots: the third booking is refused"
+    );
+    assert!(!store.assign(jobs[3].id, 1, "n2").await.unwrap());
+    let done = store
+        .claim_queued(10, |claimed| {
+            claimed
+                .iter()
+                .map(|(j, _)| (j.id, j.attempt, "n2".to_owned()))
+                .collect()
+        })
+        .await
+        .unwrap();
+    assert_eq!(done, [false, false, false], "a full node takes no claim");
+    assert_eq!(
+        store.count_queued().await.unwrap(),
+        3,
+        "refused: still queued"
+    );
+
+    // A running job keeps its slot; an ended one (failed here) frees it.
+    assert!(store.mark_running(jobs[0].id, 1, "n2").await.unwrap());
+    assert!(!store.assign(jobs[2].id, 1, "n2").await.unwrap());
+    store
+        .fail_attempt(jobs[1].id, 1, "n2", "lost", true, 3)
+        .await
+        .unwrap();
+    assert!(store.assign(jobs[2].id, 1, "n2").await.unwrap());
+    assert!(
+        !store.assign(jobs[1].id, 2, "n2").await.unwrap(),
+        "the requeued job finds the node full again"
+    );
+
+    // No bound: a node with 0 slots, or with no row.
+    assert!(store.assign(jobs[3].id, 1, "n0").await.unwrap());
+    assert!(store.assign(jobs[4].id, 1, "ghost").await.unwrap());
 }
 
 pub(crate) async fn a_claim_assigns_what_is_placed_and_frees_the_rest<B: Backend>(b: B) {
@@ -690,6 +763,7 @@ async fn attempt_on(store: &AnyStore, node: &str, replica: &str, running: bool) 
                 hardware: "{}".into(),
                 models: "[]".into(),
                 version: "1".into(),
+                slots: 0,
             },
             replica,
         )
@@ -820,6 +894,7 @@ pub(crate) async fn nodes_register_beat_go_offline_and_count<B: Backend>(b: B) {
         hardware: "{}".into(),
         models: "[]".into(),
         version: "1".into(),
+        slots: 4,
     };
     assert!(store.get_node("n1").await.unwrap().is_none());
     store

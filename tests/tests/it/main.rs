@@ -19,6 +19,7 @@ mod openai;
 mod owner;
 mod pod;
 mod relay;
+mod replica_kill;
 mod restart;
 mod rewards;
 mod validation;

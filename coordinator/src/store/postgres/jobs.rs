@@ -134,7 +134,32 @@ pub(super) async fn stats(conn: &mut PgConnection) -> Result<JobStats> {
     ))
 }
 
-/// `queued -> assigned` (see `Store::assign`).
+/// Locks the rows of `nodes` (in id order, so two claims never wait on
+/// each other in a circle) until the caller's transaction ends: a booking
+/// made after it counts every booking another replica committed before
+/// (each statement reads what was committed when it began), so two
+/// replicas never both take a node's last slot.
+pub(super) async fn lock_nodes(conn: &mut PgConnection, nodes: &[&str]) -> Result<()> {
+    if nodes.is_empty() {
+        return Ok(());
+    }
+    sqlx::query("SELECT id FROM nodes WHERE id = ANY($1) ORDER BY id FOR UPDATE")
+        .bind(
+            nodes
+                .iter()
+                .map(|n| (*n).to_owned())
+                .collect::<Vec<String>>(),
+        )
+        .fetch_all(&mut *conn)
+        .await?;
+    Ok(())
+}
+
+/// `queued -> assigned` (see `Store::assign`), booking one of the node's
+/// slots: the update lands only while the node's assigned and running
+/// jobs are fewer than its slots (a node with no row, or 0 slots, has no
+/// bound). Under [`lock_nodes`], so concurrent bookings of one node are
+/// counted.
 pub(super) async fn assign(
     conn: &mut PgConnection,
     id: JobId,
@@ -145,7 +170,11 @@ pub(super) async fn assign(
     let n = sqlx::query(
         "WITH a AS (UPDATE jobs SET state = 'assigned', node_id = $1, error = NULL, updated_at_ms = $2, \
            replica = (SELECT replica FROM nodes WHERE id = $1) \
-           WHERE id = $3 AND state = 'queued' AND attempt = $4 RETURNING id, attempt) \
+           WHERE id = $3 AND state = 'queued' AND attempt = $4 AND (\
+             SELECT slots = 0 OR slots > (SELECT COUNT(*) FROM jobs b \
+               WHERE b.node_id = $1 AND b.state IN ('assigned', 'running')) \
+             FROM nodes WHERE id = $1) IS NOT FALSE \
+           RETURNING id, attempt) \
          INSERT INTO job_attempts (job_id, attempt, node_id, outcome, started_at_ms) \
          SELECT id, attempt, $1, 'assigned', $2 FROM a \
          ON CONFLICT (job_id, attempt) DO UPDATE SET node_id = EXCLUDED.node_id, \

@@ -171,7 +171,16 @@ pub(super) async fn stats(conn: &mut SqliteConnection) -> Result<JobStats> {
     ))
 }
 
-/// `queued -> assigned` (see `Store::assign`), on the caller's transaction.
+/// Nothing to lock: one writer at a time (see the PostgreSQL backend's
+/// `lock_nodes`).
+pub(super) async fn lock_nodes(_conn: &mut SqliteConnection, _nodes: &[&str]) -> Result<()> {
+    Ok(())
+}
+
+/// `queued -> assigned` (see `Store::assign`), on the caller's transaction,
+/// booking one of the node's slots: the update lands only while the node's
+/// assigned and running jobs are fewer than its slots (a node with no row,
+/// or 0 slots, has no bound).
 pub(super) async fn assign(
     conn: &mut SqliteConnection,
     id: JobId,
@@ -182,7 +191,10 @@ pub(super) async fn assign(
     let done = sqlx::query(
         "UPDATE jobs SET state = 'assigned', node_id = ?1, error = NULL, updated_at_ms = ?2, \
            replica = (SELECT replica FROM nodes WHERE id = ?1) \
-         WHERE id = ?3 AND state = 'queued' AND attempt = ?4",
+         WHERE id = ?3 AND state = 'queued' AND attempt = ?4 AND (\
+           SELECT slots = 0 OR slots > (SELECT COUNT(*) FROM jobs b \
+             WHERE b.node_id = ?1 AND b.state IN ('assigned', 'running')) \
+           FROM nodes WHERE id = ?1) IS NOT 0",
     )
     .bind(node_id)
     .bind(now)

@@ -12,10 +12,10 @@ pub(super) async fn upsert(
     now: i64,
 ) -> Result<()> {
     sqlx::query(
-        "INSERT INTO nodes (id, name, hardware, models, version, status, first_seen_ms, last_seen_ms, replica) \
-         VALUES (?1, ?2, ?3, ?4, ?5, 'online', ?6, ?6, ?7) \
+        "INSERT INTO nodes (id, name, hardware, models, version, status, first_seen_ms, last_seen_ms, replica, slots) \
+         VALUES (?1, ?2, ?3, ?4, ?5, 'online', ?6, ?6, ?7, ?8) \
          ON CONFLICT (id) DO UPDATE SET name = ?2, hardware = ?3, models = ?4, version = ?5, \
-           status = 'online', last_seen_ms = ?6, replica = ?7",
+           status = 'online', last_seen_ms = ?6, replica = ?7, slots = ?8",
     )
     .bind(&node.id)
     .bind(&node.name)
@@ -24,6 +24,7 @@ pub(super) async fn upsert(
     .bind(&node.version)
     .bind(now)
     .bind(replica)
+    .bind(i64::from(node.slots))
     .execute(&mut *conn)
     .await?;
     Ok(())
@@ -57,11 +58,12 @@ pub(super) async fn get(
     conn: &mut SqliteConnection,
     id: &str,
 ) -> Result<Option<(NodeRecord, String)>> {
-    let row =
-        sqlx::query("SELECT id, name, hardware, models, version, status FROM nodes WHERE id = ?")
-            .bind(id)
-            .fetch_optional(&mut *conn)
-            .await?;
+    let row = sqlx::query(
+        "SELECT id, name, hardware, models, version, status, slots FROM nodes WHERE id = ?",
+    )
+    .bind(id)
+    .fetch_optional(&mut *conn)
+    .await?;
     row.as_ref().map(rows::node).transpose()
 }
 
