@@ -18,6 +18,8 @@
 //!   pod can shard heads and feed-forward columns.
 //! - `gemma3`: what Gemma 3 adds to that block (post norms, GeGLU, scaled
 //!   embeddings, interleaved sliding-window and global layers).
+//! - `moe`: routed experts as a block's feed-forward (Qwen3-MoE): the
+//!   router, top-k gating, each chosen expert run once per pass.
 //! - [`kv`]: the paged KV cache (a fixed pool of pages shared by the
 //!   sequences of a batch) and the attention over it.
 //! - [`batch`]: continuous batching: [`batch::BatchModel`] (the per-
@@ -70,6 +72,7 @@ pub mod kernels;
 pub mod kv;
 mod linear;
 mod model;
+mod moe;
 mod ops;
 pub mod prefix;
 pub mod profile;
@@ -170,6 +173,9 @@ pub struct ModelInfo {
     pub architecture: String,
     /// Total number of weights.
     pub parameters: u64,
+    /// Weights one token reads: `parameters` less the routed experts a
+    /// token does not use (equal to `parameters` for a dense model).
+    pub active_parameters: u64,
     /// The longest sequence (prompt + generated) the model accepts.
     pub context_length: usize,
     pub layers: usize,
@@ -379,7 +385,7 @@ pub enum EngineError {
     #[error("unsupported tensor type for {name}: {dtype}")]
     UnsupportedTensorType { name: String, dtype: String },
     #[error(
-        "unsupported model architecture {0:?} (supported: llama, mistral, qwen2, qwen3, gemma3)"
+        "unsupported model architecture {0:?} (supported: llama, mistral, qwen2, qwen3, qwen3moe, gemma3)"
     )]
     UnsupportedArchitecture(String),
     #[error("tokenizer: {0}")]
@@ -457,6 +463,7 @@ impl Engine {
         let info = ModelInfo {
             architecture: cfg.architecture_name.clone(),
             parameters: model.parameters(),
+            active_parameters: model.active_parameters(),
             context_length: cfg.context_length,
             layers: cfg.layers,
             kv_heads: cfg.kv_heads,
@@ -790,6 +797,10 @@ pub struct FileFacts {
     pub architecture: String,
     /// Elements of every tensor.
     pub parameters: u64,
+    /// Elements one token reads: `parameters` less the routed experts it
+    /// does not use (stacked `*_exps` tensors count `expert_used_count` of
+    /// their `expert_count` experts); `parameters` for a dense file.
+    pub active_parameters: u64,
     /// From `general.file_type` ("Q4_K_M", "Q8_0", ...), or "unknown".
     pub quantization: String,
     pub context_length: usize,
@@ -848,8 +859,18 @@ pub fn describe_gguf(path: &Path) -> Result<FileFacts, EngineError> {
         .values()
         .map(|t| t.shape.iter().product::<usize>() as u64)
         .sum();
+    let unused_experts: u64 = match (int("expert_count"), int("expert_used_count")) {
+        (Some(n), Some(used)) if used <= n => file
+            .tensors
+            .iter()
+            .filter(|(name, t)| name.contains("_exps.") && t.shape.first() == Some(&n))
+            .map(|(_, t)| (t.shape.iter().product::<usize>() / n * (n - used)) as u64)
+            .sum(),
+        _ => 0,
+    };
     Ok(FileFacts {
         parameters,
+        active_parameters: parameters - unused_experts,
         quantization: file
             .get("general.file_type")
             .and_then(gguf::MetaValue::as_u64)

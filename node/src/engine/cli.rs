@@ -270,14 +270,17 @@ pub fn bench(args: BenchArgs) -> anyhow::Result<()> {
     } else {
         Vec::new()
     };
-    // Bytes read per generated token: the weights plus the KV cache (f32) at
-    // mid-generation, as the scheduler's cost model counts them.
+    // Bytes read per generated token: the weights a token reads (all of a
+    // dense model's; a mixture of experts' active share of the file) plus
+    // the KV cache (f32) at mid-generation, as the scheduler's cost model
+    // counts them.
+    let active_share = engine.info.active_parameters as f64 / engine.info.parameters.max(1) as f64;
     let kv_per_token = 2 * engine.info.layers * engine.info.kv_heads * engine.info.head_dim * 4;
-    let bytes_per_token = model_bytes(&args.model)? as f64
+    let bytes_per_token = model_bytes(&args.model)? as f64 * active_share
         + (kv_per_token * (args.prompt_tokens + args.gen_tokens / 2)) as f64;
     let figures = crate::hardware::BenchFigures {
         memory_bandwidth_bytes_per_s: (bytes_per_token * decode_tok_s) as u64,
-        compute_flops: (2.0 * engine.info.parameters as f64 * prefill_tok_s) as u64,
+        compute_flops: (2.0 * engine.info.active_parameters as f64 * prefill_tok_s) as u64,
     };
     if let Some(path) = &args.save {
         let mut saved = serde_json::to_value(figures)?;
@@ -292,6 +295,7 @@ pub fn bench(args: BenchArgs) -> anyhow::Result<()> {
         "architecture": engine.info.architecture,
         "backend": engine.backend(),
         "parameters": engine.info.parameters,
+        "active_parameters": engine.info.active_parameters,
         "threads": candle_core::utils::get_num_threads(),
         "prompt_tokens": args.prompt_tokens,
         "gen_tokens": args.gen_tokens,

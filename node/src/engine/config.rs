@@ -16,6 +16,7 @@ use std::collections::HashMap;
 use serde::Deserialize;
 
 use super::gguf::MetaValue;
+use super::moe::MoeConfig;
 use super::EngineError;
 
 /// Which Llama-family variant; decides biases, norms and RoPE layout.
@@ -27,6 +28,9 @@ pub enum Architecture {
     Qwen2,
     /// Qwen3: RMS norm on each head of q and k, no biases.
     Qwen3,
+    /// Qwen3-MoE: Qwen3's attention, routed experts as the feed-forward
+    /// (`super::moe`).
+    Qwen3Moe,
     /// Gemma 3 (`super::gemma3`): q/k norms, norms after attention and the
     /// feed-forward, GeGLU, scaled embeddings, sliding-window layers.
     Gemma3,
@@ -38,6 +42,7 @@ impl Architecture {
             "llama" | "mistral" => Ok(Architecture::Llama),
             "qwen2" => Ok(Architecture::Qwen2),
             "qwen3" => Ok(Architecture::Qwen3),
+            "qwen3moe" => Ok(Architecture::Qwen3Moe),
             "gemma3" | "gemma3_text" => Ok(Architecture::Gemma3),
             other => Err(EngineError::UnsupportedArchitecture(other.to_string())),
         }
@@ -120,6 +125,8 @@ pub struct ModelConfig {
     /// model says otherwise).
     pub attn_scale: f32,
     pub sliding_window: Option<SlidingWindow>,
+    /// Routed experts in place of every layer's dense feed-forward.
+    pub moe: Option<MoeConfig>,
 }
 
 impl ModelConfig {
@@ -264,6 +271,15 @@ impl ModelConfig {
             }
         };
         let gemma = architecture == Architecture::Gemma3;
+        let intermediate_size = int("feed_forward_length")?;
+        let moe = match architecture {
+            Architecture::Qwen3Moe => Some(MoeConfig::from_gguf(
+                &|k| meta.get(&key(k)),
+                &arch_name,
+                intermediate_size,
+            )?),
+            _ => None,
+        };
         let cfg = ModelConfig {
             architecture,
             hidden_size,
@@ -271,7 +287,7 @@ impl ModelConfig {
             heads,
             kv_heads,
             head_dim,
-            intermediate_size: int("feed_forward_length")?,
+            intermediate_size,
             vocab_size,
             context_length: int("context_length")?,
             rms_eps: opt_f32("attention.layer_norm_rms_epsilon").unwrap_or(1e-5),
@@ -280,12 +296,16 @@ impl ModelConfig {
             rope_interleaved: architecture == Architecture::Llama,
             rope_scaling,
             qkv_bias: architecture == Architecture::Qwen2,
-            qk_norm: matches!(architecture, Architecture::Qwen3 | Architecture::Gemma3),
+            qk_norm: matches!(
+                architecture,
+                Architecture::Qwen3 | Architecture::Qwen3Moe | Architecture::Gemma3
+            ),
             activation: Activation::Silu,
             post_norms: false,
             embed_scale: 1.0,
             attn_scale: 1.0 / (head_dim as f32).sqrt(),
             sliding_window: None,
+            moe,
             architecture_name: arch_name.clone(),
         };
         if gemma {
@@ -304,6 +324,11 @@ impl ModelConfig {
             .clone()
             .ok_or_else(|| EngineError::Config("config.json: missing model_type".into()))?;
         let architecture = Architecture::parse(&arch_name)?;
+        if architecture == Architecture::Qwen3Moe {
+            return Err(EngineError::UnsupportedArchitecture(format!(
+                "{arch_name} from safetensors (use its GGUF)"
+            )));
+        }
         if architecture == Architecture::Gemma3 {
             // Gemma's norms are stored as `w - 1` in checkpoints (GGUF adds
             // the 1); only its GGUF form is read here.
@@ -367,6 +392,7 @@ impl ModelConfig {
             embed_scale: 1.0,
             attn_scale: 1.0 / (head_dim as f32).sqrt(),
             sliding_window: None,
+            moe: None,
             architecture_name: arch_name,
         }
         .validate()

@@ -272,6 +272,12 @@ impl DeviceModel {
         w: &WeightSource<'_>,
         device: &Device,
     ) -> Result<Self, EngineError> {
+        if cfg.moe.is_some() {
+            return Err(EngineError::Config(format!(
+                "{} (mixture of experts) runs on the CPU path only (--device cpu)",
+                cfg.architecture_name
+            )));
+        }
         if cfg.architecture == super::config::Architecture::Gemma3 {
             // Windowed layers, post-norms, GeGLU and scaled embeddings are
             // in the fast CPU path only ([`EngineModel::load`] sends it there).
@@ -627,6 +633,14 @@ impl EngineModel {
                 );
                 EngineModel::Native(Model::load(cfg, w)?)
             }
+            Backend::Device(_) if cfg.moe.is_some() => {
+                tracing::warn!(
+                    backend = backend.name(),
+                    architecture = %cfg.architecture_name,
+                    "mixture-of-experts models run on the CPU path only: this model computes on the CPU"
+                );
+                EngineModel::Native(Model::load(cfg, w)?)
+            }
             Backend::Device(d) => EngineModel::Device(DeviceModel::load(cfg, w, d)?),
         })
     }
@@ -641,6 +655,14 @@ impl EngineModel {
     pub fn parameters(&self) -> u64 {
         match self {
             EngineModel::Native(m) => m.parameters(),
+            EngineModel::Device(m) => m.parameters(),
+        }
+    }
+
+    /// Weights one token reads (see [`Model::active_parameters`]).
+    pub fn active_parameters(&self) -> u64 {
+        match self {
+            EngineModel::Native(m) => m.active_parameters(),
             EngineModel::Device(m) => m.parameters(),
         }
     }

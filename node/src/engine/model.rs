@@ -1,6 +1,8 @@
 //! The Llama-family decoder: Llama 2/3, SmolLM2, Mistral, Qwen2 (q/k/v bias),
-//! Qwen3 (per-head q/k RMS norm), and Gemma 3 (`super::gemma3`: post norms,
-//! GeGLU, scaled embeddings, sliding-window layers with their own rotary base).
+//! Qwen3 (per-head q/k RMS norm), Qwen3-MoE (Qwen3's attention, routed
+//! experts as the feed-forward: `super::moe`), and Gemma 3 (`super::gemma3`:
+//! post norms, GeGLU, scaled embeddings, sliding-window layers with their own
+//! rotary base).
 //!
 //! Architecture (as in Hugging Face's `modeling_llama.py` and llama.cpp's
 //! `llm_build_llama`): token embedding, then per layer
@@ -30,6 +32,7 @@ use super::batch::{Pass, SeqChunk};
 use super::config::{Activation, ModelConfig, RopeScaling};
 use super::kv::{self, Attend, KvLayer, KvPool, KvShape, Rows};
 use super::linear::Linear;
+use super::moe::MoeFfn;
 use super::ops::{self, AttnShape, LayerCache, Rope};
 use super::profile::{self, Part};
 use super::weights::{Embedding, WeightSource};
@@ -48,11 +51,58 @@ pub struct Block {
     pub(crate) q_norm: Option<Vec<f32>>,
     pub(crate) k_norm: Option<Vec<f32>>,
     pub(crate) ffn_norm: Vec<f32>,
-    pub(crate) gate: Linear,
-    pub(crate) up: Linear,
-    pub(crate) down: Linear,
+    pub(crate) ffn: FeedForward,
     /// What Gemma adds; empty for the Llama family.
     pub(crate) extras: LayerExtras,
+}
+
+/// A block's feed-forward.
+#[derive(Debug, Clone)]
+pub(crate) enum FeedForward {
+    /// One gated MLP for every token (a pod rank's share of its columns).
+    Dense {
+        gate: Linear,
+        up: Linear,
+        down: Linear,
+    },
+    /// Routed experts (`super::moe`).
+    Moe(MoeFfn),
+}
+
+impl FeedForward {
+    /// The dense MLP of `cfg`'s layer `i`, or its experts when `cfg` has them.
+    fn load(cfg: &ModelConfig, w: &WeightSource<'_>, i: usize) -> Result<Self, EngineError> {
+        let (h, ff) = (cfg.hidden_size, cfg.intermediate_size);
+        let p = |s: &str| format!("blk.{i}.{s}");
+        Ok(match &cfg.moe {
+            Some(moe) => FeedForward::Moe(MoeFfn::load(moe, w, i, h)?),
+            None => FeedForward::Dense {
+                gate: w.linear(&p("ffn_gate"), ff, h, false)?,
+                up: w.linear(&p("ffn_up"), ff, h, false)?,
+                down: w.linear(&p("ffn_down"), h, ff, false)?,
+            },
+        })
+    }
+
+    /// Weights held, and weights one token reads.
+    fn parameters(&self) -> (u64, u64) {
+        let lin = |l: &Linear| (l.out_features() * l.in_features()) as u64;
+        match self {
+            FeedForward::Dense { gate, up, down } => {
+                let n = lin(gate) + lin(up) + lin(down);
+                (n, n)
+            }
+            FeedForward::Moe(m) => m.parameters(),
+        }
+    }
+}
+
+/// In place: `gate <- act(gate) * up`.
+pub(crate) fn activate(act: Activation, gate: &mut [f32], up: &[f32]) {
+    match act {
+        Activation::Silu => ops::swiglu(gate, up),
+        Activation::GeluTanh => super::gemma3::geglu(gate, up),
+    }
 }
 
 /// A layer's parts beyond the Llama block (Gemma 3).
@@ -227,12 +277,14 @@ impl Block {
         });
 
         let hn = norm(x, &self.ffn_norm);
-        let [mut g, u] = Linear::forward_shared([&self.gate, &self.up], &hn, s)?;
-        profile::time(Part::Norm, || match step.act {
-            Activation::Silu => ops::swiglu(&mut g, &u),
-            Activation::GeluTanh => super::gemma3::geglu(&mut g, &u),
-        });
-        let mut d = self.down.forward_slice(&g, s)?;
+        let mut d = match &self.ffn {
+            FeedForward::Dense { gate, up, down } => {
+                let [mut g, u] = Linear::forward_shared([gate, up], &hn, s)?;
+                profile::time(Part::Norm, || activate(step.act, &mut g, &u));
+                down.forward_slice(&g, s)?
+            }
+            FeedForward::Moe(moe) => moe.forward(&hn, s, step.act)?,
+        };
         profile::time(Part::Collective, || reduce(&mut d))?;
         profile::time(Part::Norm, || {
             if let Some(w) = &self.extras.post_ffn_norm {
@@ -279,7 +331,6 @@ impl Model {
         let hd = cfg.head_dim;
         let q_out = cfg.heads * hd;
         let kv_out = cfg.kv_heads * hd;
-        let ff = cfg.intermediate_size;
         let embed = w.embedding("token_embd", cfg.vocab_size, h)?;
         let mut blocks = Vec::with_capacity(cfg.layers);
         for i in 0..cfg.layers {
@@ -301,9 +352,7 @@ impl Model {
                 q_norm,
                 k_norm,
                 ffn_norm: w.vector(&p("ffn_norm"), "weight", h)?,
-                gate: w.linear(&p("ffn_gate"), ff, h, false)?,
-                up: w.linear(&p("ffn_up"), ff, h, false)?,
-                down: w.linear(&p("ffn_down"), h, ff, false)?,
+                ffn: FeedForward::load(&cfg, w, i)?,
                 extras: LayerExtras::load(&cfg, w, i)?,
             });
         }
@@ -335,9 +384,21 @@ impl Model {
 
     /// Total number of weights.
     pub fn parameters(&self) -> u64 {
+        self.parameter_counts().0
+    }
+
+    /// Weights one token reads: [`Model::parameters`] less the experts a
+    /// token does not use (the same for a dense model).
+    pub fn active_parameters(&self) -> u64 {
+        self.parameter_counts().1
+    }
+
+    /// (total, active) numbers of weights.
+    fn parameter_counts(&self) -> (u64, u64) {
         let lin = |l: &Linear| (l.out_features() * l.in_features()) as u64;
         let h = self.cfg.hidden_size as u64;
         let mut n = (self.embed.rows() as u64) * h + h;
+        let mut unused = 0;
         for b in &self.blocks {
             n += 2 * h;
             n += [&b.extras.post_attn_norm, &b.extras.post_ffn_norm]
@@ -346,7 +407,9 @@ impl Model {
                 .map(|v| v.len() as u64)
                 .sum::<u64>();
             n += lin(&b.q) + lin(&b.k) + lin(&b.v) + lin(&b.o);
-            n += lin(&b.gate) + lin(&b.up) + lin(&b.down);
+            let (all, active) = b.ffn.parameters();
+            n += all;
+            unused += all - active;
             n += [&b.q_norm, &b.k_norm]
                 .iter()
                 .filter_map(|v| v.as_ref())
@@ -356,7 +419,7 @@ impl Model {
         if !self.tied() {
             n += lin(&self.lm_head);
         }
-        n
+        (n, n - unused)
     }
 
     fn tied(&self) -> bool {

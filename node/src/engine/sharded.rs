@@ -50,7 +50,9 @@ use candle_core::{Device, Tensor};
 use super::config::ModelConfig;
 use super::gguf::GgufFile;
 use super::linear::Linear;
-use super::model::{local_rope_for, rope_for, scale_embeddings, Block, LayerExtras, Step};
+use super::model::{
+    local_rope_for, rope_for, scale_embeddings, Block, FeedForward, LayerExtras, Step,
+};
 use super::ops::{self, AttnShape, LayerCache, Rope};
 use super::profile::{self, Part};
 use super::weights::{Embedding, WeightSource};
@@ -535,6 +537,12 @@ impl PodModel {
         if rank >= n {
             return Err(PodModelError::Plan(format!("rank {rank} in a pod of {n}")));
         }
+        if cfg.moe.is_some() {
+            return Err(PodModelError::Plan(format!(
+                "{} is a mixture-of-experts model: pods do not split experts yet (issue 19)",
+                cfg.architecture_name
+            )));
+        }
         let w = WeightSource::Gguf(g);
         let s = Slicer { g, compute };
         let (h, hd, ff) = (cfg.hidden_size, cfg.head_dim, cfg.intermediate_size);
@@ -595,9 +603,11 @@ impl PodModel {
                 q_norm,
                 k_norm,
                 ffn_norm: w.vector(&p("ffn_norm"), "weight", h)?,
-                gate: s.rows(&p("ffn_gate"), ff, h, ffr.clone(), false)?,
-                up: s.rows(&p("ffn_up"), ff, h, ffr.clone(), false)?,
-                down: s.cols(&p("ffn_down"), h, ff, ffr.clone())?,
+                ffn: FeedForward::Dense {
+                    gate: s.rows(&p("ffn_gate"), ff, h, ffr.clone(), false)?,
+                    up: s.rows(&p("ffn_up"), ff, h, ffr.clone(), false)?,
+                    down: s.cols(&p("ffn_down"), h, ff, ffr.clone())?,
+                },
                 extras: LayerExtras::load(&cfg, &w, i)?,
             });
         }

@@ -1,6 +1,7 @@
 //! Writers of small random-weight model files for fast tests: GGUF (every
-//! supported tensor type, every architecture) and safetensors directories
-//! (config.json, tokenizer.json, f32/f16/bf16 weights).
+//! supported tensor type, every architecture, Qwen3-MoE's stacked experts)
+//! and safetensors directories (config.json, tokenizer.json, f32/f16/bf16
+//! weights).
 //!
 //! Weights are drawn from a ChaCha generator with a fixed seed, in Hugging
 //! Face layout; the GGUF writer permutes the q/k rows of "llama" files exactly
@@ -16,10 +17,25 @@ use candle_core::{DType, Device, Tensor};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
+/// The routed experts of a tiny `qwen3moe` model (each expert's MLP is
+/// [`TinySpec::ffn`] wide).
+#[derive(Debug, Clone, PartialEq)]
+pub struct MoeSpec {
+    pub experts: usize,
+    /// Experts chosen per token.
+    pub used: usize,
+    /// Every expert is the MLP a `qwen3` spec of the same sizes and seed
+    /// draws for that layer (so with normalised weights the MoE file
+    /// computes what that dense file computes); otherwise each expert is
+    /// drawn on its own.
+    pub identical: bool,
+}
+
 /// Shape and kind of a tiny model.
 #[derive(Debug, Clone)]
 pub struct TinySpec {
-    /// "llama", "mistral", "qwen2", "qwen3" or "gemma3" (GGUF writes mistral as llama).
+    /// "llama", "mistral", "qwen2", "qwen3", "qwen3moe" or "gemma3" (GGUF
+    /// writes mistral as llama).
     pub arch: &'static str,
     pub hidden: usize,
     pub layers: usize,
@@ -32,13 +48,18 @@ pub struct TinySpec {
     pub seed: u64,
     /// Gemma 3: sliding window and local/global pattern written to the file.
     pub sliding_window: Option<(usize, usize)>,
+    /// `qwen3moe`: the experts (None for the dense architectures).
+    pub moe: Option<MoeSpec>,
 }
 
 impl TinySpec {
     /// A model every quantized type can hold (sizes are multiples of 256).
-    /// Gemma 3 ties its output head and windows both layers by 4 positions.
+    /// Gemma 3 ties its output head and windows both layers by 4 positions;
+    /// `qwen3moe` has 8 experts of width 128 (a multiple of the 32-value
+    /// blocks, not of the K-quants' 256), 2 used per token.
     pub fn new(arch: &'static str) -> Self {
         let gemma = arch == "gemma3";
+        let moe = arch == "qwen3moe";
         TinySpec {
             arch,
             hidden: 256,
@@ -46,11 +67,16 @@ impl TinySpec {
             heads: 4,
             kv_heads: 2,
             head_dim: 64,
-            ffn: 512,
+            ffn: if moe { 128 } else { 512 },
             context: 128,
             tied: gemma,
             seed: 7,
             sliding_window: gemma.then_some((4, 6)),
+            moe: moe.then_some(MoeSpec {
+                experts: 8,
+                used: 2,
+                identical: false,
+            }),
         }
     }
 }
@@ -106,84 +132,203 @@ pub fn hf_weights(spec: &TinySpec) -> BTreeMap<String, Tensor> {
 
 /// The weights of [`hf_weights`], handed to `f` one at a time as they are
 /// drawn (so a large model never holds all its f32 weights at once).
+///
+/// A `qwen3moe` spec draws everything a `qwen3` spec of the same sizes and
+/// seed draws, in the same order from the same generator (its dense MLP
+/// included, which becomes every expert when [`MoeSpec::identical`]); the
+/// router and independent experts come from a second generator, so the two
+/// files share their attention, norms and embeddings.
 pub fn each_hf_weight(spec: &TinySpec, f: &mut dyn FnMut(String, Tensor)) {
     let mut rng = ChaCha8Rng::seed_from_u64(spec.seed);
+    let mut moe_rng = ChaCha8Rng::seed_from_u64(spec.seed ^ 0x6d6f_655f_7267);
     let vocab = tiny_vocab().len();
     let (h, hd, ff) = (spec.hidden, spec.head_dim, spec.ffn);
-    let mut put = |name: String, shape: &[usize], center: f32, spread: f32| {
-        f(name, rand_tensor(&mut rng, shape, center, spread));
+    let put = |f: &mut dyn FnMut(String, Tensor),
+               rng: &mut ChaCha8Rng,
+               name: String,
+               shape: &[usize],
+               center: f32,
+               spread: f32| {
+        f(name, rand_tensor(rng, shape, center, spread));
     };
-    put("model.embed_tokens.weight".into(), &[vocab, h], 0.0, 0.5);
+    put(
+        f,
+        &mut rng,
+        "model.embed_tokens.weight".into(),
+        &[vocab, h],
+        0.0,
+        0.5,
+    );
     for i in 0..spec.layers {
         let p = format!("model.layers.{i}");
-        put(format!("{p}.input_layernorm.weight"), &[h], 1.0, 0.1);
         put(
+            f,
+            &mut rng,
+            format!("{p}.input_layernorm.weight"),
+            &[h],
+            1.0,
+            0.1,
+        );
+        put(
+            f,
+            &mut rng,
             format!("{p}.post_attention_layernorm.weight"),
             &[h],
             1.0,
             0.1,
         );
         put(
+            f,
+            &mut rng,
             format!("{p}.self_attn.q_proj.weight"),
             &[spec.heads * hd, h],
             0.0,
             0.1,
         );
         put(
+            f,
+            &mut rng,
             format!("{p}.self_attn.k_proj.weight"),
             &[spec.kv_heads * hd, h],
             0.0,
             0.1,
         );
         put(
+            f,
+            &mut rng,
             format!("{p}.self_attn.v_proj.weight"),
             &[spec.kv_heads * hd, h],
             0.0,
             0.1,
         );
         put(
+            f,
+            &mut rng,
             format!("{p}.self_attn.o_proj.weight"),
             &[h, spec.heads * hd],
             0.0,
             0.1,
         );
-        put(format!("{p}.mlp.gate_proj.weight"), &[ff, h], 0.0, 0.1);
-        put(format!("{p}.mlp.up_proj.weight"), &[ff, h], 0.0, 0.1);
-        put(format!("{p}.mlp.down_proj.weight"), &[h, ff], 0.0, 0.1);
+        match &spec.moe {
+            None => {
+                put(
+                    f,
+                    &mut rng,
+                    format!("{p}.mlp.gate_proj.weight"),
+                    &[ff, h],
+                    0.0,
+                    0.1,
+                );
+                put(
+                    f,
+                    &mut rng,
+                    format!("{p}.mlp.up_proj.weight"),
+                    &[ff, h],
+                    0.0,
+                    0.1,
+                );
+                put(
+                    f,
+                    &mut rng,
+                    format!("{p}.mlp.down_proj.weight"),
+                    &[h, ff],
+                    0.0,
+                    0.1,
+                );
+            }
+            Some(moe) => {
+                let shapes = [
+                    ("gate_proj", [ff, h]),
+                    ("up_proj", [ff, h]),
+                    ("down_proj", [h, ff]),
+                ];
+                // The dense MLP a qwen3 spec draws here (keeps the two in step).
+                let dense: Vec<Tensor> = shapes
+                    .iter()
+                    .map(|(_, shape)| rand_tensor(&mut rng, shape, 0.0, 0.1))
+                    .collect();
+                let router = rand_tensor(&mut moe_rng, &[moe.experts, h], 0.0, 0.1);
+                f(format!("{p}.mlp.gate.weight"), router);
+                for e in 0..moe.experts {
+                    for ((name, shape), d) in shapes.iter().zip(&dense) {
+                        let t = if moe.identical {
+                            d.clone()
+                        } else {
+                            rand_tensor(&mut moe_rng, shape, 0.0, 0.1)
+                        };
+                        f(format!("{p}.mlp.experts.{e}.{name}.weight"), t);
+                    }
+                }
+            }
+        }
         if spec.arch == "qwen2" {
             put(
+                f,
+                &mut rng,
                 format!("{p}.self_attn.q_proj.bias"),
                 &[spec.heads * hd],
                 0.0,
                 0.1,
             );
             put(
+                f,
+                &mut rng,
                 format!("{p}.self_attn.k_proj.bias"),
                 &[spec.kv_heads * hd],
                 0.0,
                 0.1,
             );
             put(
+                f,
+                &mut rng,
                 format!("{p}.self_attn.v_proj.bias"),
                 &[spec.kv_heads * hd],
                 0.0,
                 0.1,
             );
         }
-        if spec.arch == "qwen3" || spec.arch == "gemma3" {
-            put(format!("{p}.self_attn.q_norm.weight"), &[hd], 1.0, 0.1);
-            put(format!("{p}.self_attn.k_norm.weight"), &[hd], 1.0, 0.1);
+        if matches!(spec.arch, "qwen3" | "qwen3moe" | "gemma3") {
+            put(
+                f,
+                &mut rng,
+                format!("{p}.self_attn.q_norm.weight"),
+                &[hd],
+                1.0,
+                0.1,
+            );
+            put(
+                f,
+                &mut rng,
+                format!("{p}.self_attn.k_norm.weight"),
+                &[hd],
+                1.0,
+                0.1,
+            );
         }
         if spec.arch == "gemma3" {
             // Test-only names for Gemma's two extra norms (GGUF is the only
             // Gemma form read).
-            put(format!("{p}.gemma_post_attn_norm.weight"), &[h], 1.0, 0.1);
-            put(format!("{p}.gemma_post_ffw_norm.weight"), &[h], 1.0, 0.1);
+            put(
+                f,
+                &mut rng,
+                format!("{p}.gemma_post_attn_norm.weight"),
+                &[h],
+                1.0,
+                0.1,
+            );
+            put(
+                f,
+                &mut rng,
+                format!("{p}.gemma_post_ffw_norm.weight"),
+                &[h],
+                1.0,
+                0.1,
+            );
         }
     }
-    put("model.norm.weight".into(), &[h], 1.0, 0.1);
+    put(f, &mut rng, "model.norm.weight".into(), &[h], 1.0, 0.1);
     if !spec.tied {
-        put("lm_head.weight".into(), &[vocab, h], 0.0, 0.1);
+        put(f, &mut rng, "lm_head.weight".into(), &[vocab, h], 0.0, 0.1);
     }
 }
 
@@ -223,6 +368,7 @@ fn gguf_name(hf: &str) -> String {
                 "mlp.gate_proj" => "ffn_gate",
                 "mlp.up_proj" => "ffn_up",
                 "mlp.down_proj" => "ffn_down",
+                "mlp.gate" => "ffn_gate_inp",
                 "gemma_post_attn_norm" => "post_attention_norm",
                 "gemma_post_ffw_norm" => "post_ffw_norm",
                 other => panic!("unknown {other}"),
@@ -247,6 +393,26 @@ pub struct GgufTweaks {
     /// written: an f32 file holding exactly the values a file of that type
     /// holds (the exact function a quantized file stands for).
     pub roundtrip: Option<GgmlDType>,
+    /// Metadata written after the spec's own, replacing a key of the same
+    /// name (malformed-metadata tests).
+    pub meta: Vec<(String, Value)>,
+    /// Metadata keys left out.
+    pub drop_meta: Vec<String>,
+}
+
+/// The expert index and GGUF stacked name of a Hugging Face expert weight
+/// (`model.layers.3.mlp.experts.5.up_proj.weight` -> 5, `blk.3.ffn_up_exps.weight`).
+fn expert_name(hf: &str) -> Option<(usize, String)> {
+    let rest = hf.strip_prefix("model.layers.")?;
+    let (layer, rest) = rest.split_once(".mlp.experts.")?;
+    let (e, proj) = rest.split_once('.')?;
+    let g = match proj {
+        "gate_proj.weight" => "ffn_gate_exps",
+        "up_proj.weight" => "ffn_up_exps",
+        "down_proj.weight" => "ffn_down_exps",
+        _ => return None,
+    };
+    Some((e.parse().ok()?, format!("blk.{layer}.{g}.weight")))
 }
 
 /// `t` quantized to `dtype` and back to f32.
@@ -325,6 +491,16 @@ pub fn write_gguf(path: &Path, spec: &TinySpec, dtype: GgmlDType, tweaks: &GgufT
         ),
     ];
     let mut meta = meta;
+    if let Some(moe) = &spec.moe {
+        meta.push((a("expert_count"), Value::U32(moe.experts as u32)));
+        meta.push((a("expert_used_count"), Value::U32(moe.used as u32)));
+        meta.push((a("expert_feed_forward_length"), Value::U32(spec.ffn as u32)));
+    }
+    for (k, v) in &tweaks.meta {
+        meta.retain(|(have, _)| have != k);
+        meta.push((k.clone(), v.clone()));
+    }
+    meta.retain(|(k, _)| !tweaks.drop_meta.contains(k));
     if let Some((window, pattern)) = spec.sliding_window {
         meta.push((a("attention.sliding_window"), Value::U32(window as u32)));
         meta.push((
@@ -334,8 +510,24 @@ pub fn write_gguf(path: &Path, spec: &TinySpec, dtype: GgmlDType, tweaks: &GgufT
     }
     // Quantized as drawn; written in Hugging Face name order.
     let mut tensors: Vec<(String, String, QTensor)> = Vec::new();
+    // Experts of each stacked tensor, until the last one is drawn.
+    let mut stacking: BTreeMap<String, Vec<Tensor>> = BTreeMap::new();
     each_hf_weight(spec, &mut |name, t| {
-        let g = gguf_name(&name);
+        let (name, t, g) = match expert_name(&name) {
+            None => {
+                let g = gguf_name(&name);
+                (name, t, g)
+            }
+            Some((e, g)) => {
+                let experts = stacking.entry(g.clone()).or_default();
+                experts.push(t);
+                if e + 1 < spec.moe.as_ref().map_or(0, |m| m.experts) {
+                    return;
+                }
+                let stacked = Tensor::stack(&std::mem::take(experts), 0).unwrap();
+                (g.clone(), stacked, g)
+            }
+        };
         if tweaks.drop_tensor.as_deref() == Some(g.as_str()) {
             return;
         }
@@ -355,7 +547,8 @@ pub fn write_gguf(path: &Path, spec: &TinySpec, dtype: GgmlDType, tweaks: &GgufT
         } else {
             t
         };
-        let q = if t.rank() == 1 {
+        // Norms, biases and routers stay F32, as llama.cpp stores them.
+        let q = if t.rank() == 1 || g.contains("ffn_gate_inp") {
             QTensor::quantize(&t, GgmlDType::F32).unwrap()
         } else if let Some(through) = tweaks.roundtrip {
             QTensor::quantize(&roundtrip(&t, through), dtype).unwrap()

@@ -287,6 +287,49 @@ impl WeightSource<'_> {
         }
     }
 
+    /// `n` experts' projections `[out, in]`, stacked in one GGUF tensor
+    /// `[n, out, in]` (`blk.i.ffn_gate_exps`), one [`Linear`] each: an
+    /// expert's rows are contiguous in the file, so each is cut out whole
+    /// and keeps its type (quantized experts stay quantized).
+    pub fn experts(
+        &self,
+        base: &str,
+        n: usize,
+        out: usize,
+        inp: usize,
+    ) -> Result<Vec<Linear>, EngineError> {
+        let name = self.file_name(base, "weight");
+        match self {
+            WeightSource::Gguf(g) => {
+                let entry = gguf_entry(g, &name, &[n, out, inp])?;
+                if !inp.is_multiple_of(entry.dtype.block_size()) {
+                    return Err(EngineError::Gguf(format!(
+                        "{name}: rows of {inp} values are not whole {:?} blocks",
+                        entry.dtype
+                    )));
+                }
+                // The reader checked the length is whole blocks of `dtype`
+                // for every element; experts are equal slices of it.
+                let per = entry.len / n;
+                let bytes = g.tensor_bytes(entry);
+                (0..n)
+                    .map(|e| {
+                        let q = candle_core::quantized::ggml_file::qtensor_from_ggml(
+                            entry.dtype,
+                            &bytes[e * per..(e + 1) * per],
+                            vec![out, inp],
+                            &Device::Cpu,
+                        )?;
+                        Linear::from_qtensor(q, None)
+                    })
+                    .collect()
+            }
+            WeightSource::Safetensors(_) => Err(EngineError::UnsupportedArchitecture(
+                "stacked experts from safetensors (use the GGUF file)".into(),
+            )),
+        }
+    }
+
     /// An optional 1-D f32 tensor stored under its full name (e.g. `rope_freqs.weight`).
     pub fn optional_vector(
         &self,

@@ -222,7 +222,12 @@ pub fn describe(
         id: id.to_owned(),
         architecture: facts.architecture,
         parameters: facts.parameters,
-        active_parameters: 0,
+        // The catalogue's 0 means "every weight" (a dense model).
+        active_parameters: if facts.active_parameters < facts.parameters {
+            facts.active_parameters
+        } else {
+            0
+        },
         quantization: facts.quantization,
         context_length: u32::try_from(facts.context_length).unwrap_or(u32::MAX),
         license: license
