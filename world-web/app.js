@@ -441,6 +441,8 @@ function setTotals(t) {
   set("total-memory", t.memory_online_bytes, memory(t.memory_online_bytes));
   set("total-tps", t.tokens_per_s, t.tokens_per_s >= 100 ? compact(Math.round(t.tokens_per_s)) : t.tokens_per_s.toFixed(1));
   set("total-jobs", t.jobs_today, compact(t.jobs_today));
+  const tpj = t.tokens_per_joule;
+  set("total-tpj", tpj ?? "", tpj == null ? "–" : tpj >= 100 ? compact(Math.round(tpj)) : tpj.toFixed(tpj >= 10 ? 1 : 2));
   notify();
 }
 

@@ -902,14 +902,13 @@ impl Dispatcher {
         self.maybe_audit(job, node_hex, &completion.result).await;
         // Pays now unless the audit window holds the pay (then the sweep does).
         self.settle(job.id).await;
-        let tokens = completion
-            .result
-            .claim
-            .as_ref()
-            .map_or(0, |c| u64::from(c.completion_tokens));
+        let (tokens, energy) = completion.result.claim.as_ref().map_or((0, 0), |c| {
+            (u64::from(c.completion_tokens), c.energy_microjoules)
+        });
         if let Err(e) = self.world.record_job(node_hex, tokens) {
             debug!(error = %e, "world map: job of a node it does not show");
         }
+        self.world.record_energy(tokens, energy);
         // The completion is committed: nothing after it may fail this
         // record, or the caller's retry would find the attempt ended and
         // the watchers would never be sent the end.

@@ -49,6 +49,10 @@ pub use model::{Family, NodeView, PodRef, Status, Tier, Totals};
 
 /// The moving window of "tokens per second now".
 pub const TOKENS_WINDOW: Duration = Duration::from_secs(10);
+
+/// How many metered jobs the network's tokens-per-joule figure is drawn
+/// from (the most recent ones).
+pub const ENERGY_SAMPLES: usize = 1024;
 /// Changes buffered per live-stream subscriber before it must resynchronise.
 const CHANGE_BUFFER: usize = 4096;
 /// The most members a node's pod reference keeps (a Thunderbolt pod has a
@@ -180,6 +184,9 @@ struct State {
     recent_tokens: VecDeque<(Instant, u64)>,
     /// (UTC day number, jobs completed that day).
     jobs_today: (u64, u64),
+    /// (tokens, microjoules) of the last [`ENERGY_SAMPLES`] completed jobs
+    /// whose claim carried energy, oldest first.
+    energy: VecDeque<(u64, u64)>,
     /// When each offline node went offline (online nodes are absent).
     offline_at: HashMap<String, Instant>,
     /// The last stale sweep.
@@ -439,6 +446,22 @@ impl World {
         self.len() == 0
     }
 
+    /// Records the energy a completed job of `tokens` tokens claimed
+    /// (`microjoules`). Jobs without energy or without tokens say nothing
+    /// about tokens per joule and are not kept.
+    pub fn record_energy(&self, tokens: u64, microjoules: u64) {
+        if tokens == 0 || microjoules == 0 {
+            return;
+        }
+        let mut state = self.write();
+        if state.energy.len() == ENERGY_SAMPLES {
+            state.energy.pop_front();
+        }
+        state.energy.push_back((tokens, microjoules));
+        drop(state);
+        let _ = self.inner.changes.send(Change::Totals);
+    }
+
     /// A drawn node's card; `None` for unknown, hidden or unplaced nodes.
     pub fn card(&self, node_id: &str) -> Option<NodeCard> {
         let state = self.read();
@@ -517,6 +540,7 @@ impl World {
         } else {
             0
         };
+        t.tokens_per_joule = tokens_per_joule(&state.energy);
         t
     }
 
@@ -542,6 +566,32 @@ impl World {
     pub async fn closed(&self) {
         self.inner.closed.cancelled().await
     }
+}
+
+/// The network's tokens per joule over `jobs` (tokens, microjoules): the
+/// token-weighted median of each job's own figure, so that the figure a
+/// node claims (self-reported: nothing checks a meter) moves it only as
+/// far as that node's share of the tokens, and a minority of nodes lying
+/// about their energy cannot set it. `None` without a metered job.
+pub fn tokens_per_joule(jobs: &VecDeque<(u64, u64)>) -> Option<f64> {
+    let mut rates: Vec<(f64, u64)> = jobs
+        .iter()
+        .filter(|(t, uj)| *t > 0 && *uj > 0)
+        .map(|&(t, uj)| (t as f64 * 1e6 / uj as f64, t))
+        .collect();
+    if rates.is_empty() {
+        return None;
+    }
+    rates.sort_by(|a, b| a.0.total_cmp(&b.0));
+    let total: u64 = rates.iter().map(|r| r.1).sum();
+    let mut seen = 0;
+    for (rate, tokens) in &rates {
+        seen += tokens;
+        if 2 * seen >= total {
+            return Some(*rate);
+        }
+    }
+    rates.last().map(|r| r.0)
 }
 
 fn prune(recent: &mut VecDeque<(Instant, u64)>, now: Instant) {

@@ -6,9 +6,10 @@
 //! defined here, by hand, once: a domain tag, then every field in a fixed
 //! order, integers little-endian, strings and byte strings prefixed by their
 //! u32 length, lists by their u32 count. It never depends on protobuf encoding
-//! details, so any implementation can reproduce it. A field added later
-//! (`grammar_sha256`, 13) is appended only when set, after its field number
-//! as one byte, so every claim without it keeps its bytes.
+//! details, so any implementation can reproduce it. Fields added later
+//! (`grammar_sha256`, 13; the energy, 14 and 15) are appended only when
+//! set, each after its field number as one byte, so every claim without
+//! them keeps its bytes.
 //!
 //! # Invariants
 //! - Every field of the claim is covered: changing any field changes the bytes.
@@ -44,6 +45,9 @@ const INPUT_DOMAIN: &[u8] = b"mlxnet/input/v1\0";
 const RESUME_DOMAIN: &[u8] = b"mlxnet/resume/v1\0";
 /// The tag before `grammar_sha256` in the canonical bytes (its field number).
 const GRAMMAR_FIELD: u8 = 13;
+/// The tag before the energy (`energy_microjoules` then
+/// `microjoules_per_token`, both little-endian u64) in the canonical bytes.
+const ENERGY_FIELD: u8 = 14;
 
 /// `finish_reason` of a partial claim: a draining node stopped here and the
 /// job resumes elsewhere.
@@ -89,7 +93,20 @@ pub fn canonical_bytes(claim: &ResultClaim) -> Vec<u8> {
         out.push(GRAMMAR_FIELD);
         put_bytes(&mut out, &claim.grammar_sha256);
     }
+    // A claim with no energy but a per-token figure is refused by the
+    // coordinator; it still signs differently from one without either.
+    if claim.energy_microjoules != 0 || claim.microjoules_per_token != 0 {
+        out.push(ENERGY_FIELD);
+        out.extend_from_slice(&claim.energy_microjoules.to_le_bytes());
+        out.extend_from_slice(&claim.microjoules_per_token.to_le_bytes());
+    }
     out
+}
+
+/// The per-token energy a claim of `energy_microjoules` over
+/// `completion_tokens` tokens must carry (`microjoules_per_token`).
+pub fn microjoules_per_token(energy_microjoules: u64, completion_tokens: u32) -> u64 {
+    energy_microjoules / u64::from(completion_tokens.max(1))
 }
 
 /// Signs `claim` with `key`. The claim's `node_id` must already be the key's
@@ -484,6 +501,8 @@ mod tests {
             node_id: key.verifying_key().to_bytes().to_vec(),
             finish_reason: "eos".into(),
             grammar_sha256: Vec::new(),
+            energy_microjoules: 0,
+            microjoules_per_token: 0,
         }
     }
 
@@ -620,6 +639,44 @@ mod tests {
             edit(bad.claim.as_mut().unwrap());
             assert_eq!(verify(&bad), Err(ClaimError::BadSignature));
         }
+    }
+
+    /// A claim without energy keeps the bytes it had before the energy
+    /// fields existed (the pinned digest above); with it, the bytes are
+    /// those followed by the tag 14 and both figures; both are signed.
+    #[test]
+    fn a_claim_without_energy_keeps_its_bytes_and_its_energy_is_signed() {
+        let mut c = sample(&SigningKey::from_bytes(&[3; 32]));
+        c.node_id = vec![3; 32];
+        let before = canonical_bytes(&c);
+        c.energy_microjoules = 3_000_000;
+        c.microjoules_per_token = microjoules_per_token(3_000_000, c.completion_tokens);
+        assert_eq!(c.microjoules_per_token, 1_000_000);
+        let mut tail = vec![14u8];
+        tail.extend_from_slice(&3_000_000u64.to_le_bytes());
+        tail.extend_from_slice(&1_000_000u64.to_le_bytes());
+        assert_eq!(canonical_bytes(&c), [before, tail].concat());
+        let key = SigningKey::from_bytes(&[4; 32]);
+        let mut c = sample(&key);
+        c.energy_microjoules = 3_000_000;
+        c.microjoules_per_token = 1_000_000;
+        let good = sign(c, &key);
+        assert!(verify(&good).is_ok());
+        let edits: Vec<fn(&mut ResultClaim)> = vec![
+            |c| c.energy_microjoules -= 1,
+            |c| c.microjoules_per_token += 1,
+            |c| {
+                c.energy_microjoules = 0;
+                c.microjoules_per_token = 0;
+            },
+        ];
+        for (i, edit) in edits.iter().enumerate() {
+            let mut bad = good.clone();
+            edit(bad.claim.as_mut().unwrap());
+            assert_eq!(verify(&bad), Err(ClaimError::BadSignature), "edit {i}");
+        }
+        // No tokens: the whole energy is the per-token figure.
+        assert_eq!(microjoules_per_token(7, 0), 7);
     }
 
     /// A job with a grammar verifies only with a claim binding that

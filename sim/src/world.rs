@@ -1245,8 +1245,10 @@ impl Sim {
             } else {
                 "length".into()
             },
-            // The simulator's jobs have no grammar.
+            // The simulator's jobs have no grammar and measure no energy.
             grammar_sha256: Vec::new(),
+            energy_microjoules: 0,
+            microjoules_per_token: 0,
         };
         let mut key = n.key.clone();
         match hostile {

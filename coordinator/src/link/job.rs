@@ -80,7 +80,19 @@ pub enum ResultError {
     TooManyPromptTokens { claimed: u32, max: u64 },
     #[error("claim lists token id {id}, outside the model's vocabulary of {vocab} tokens")]
     OutOfVocabulary { id: u32, vocab: u32 },
+    #[error(
+        "claim says {claimed} microjoules per token, but its energy over its tokens is {expected}"
+    )]
+    EnergyPerToken { claimed: u64, expected: u64 },
+    #[error("claim says the attempt used {claimed} microjoules, more than the {MAX_ENERGY_MICROJOULES} any attempt can")]
+    TooMuchEnergy { claimed: u64 },
 }
+
+/// The most energy one attempt may claim: a kilowatt-hour (6 kW for the
+/// 10 minutes a job may run by default; a Mac Studio draws under 0.5 kW).
+/// The figure is self-reported and pays nothing; the bound keeps one
+/// claim from swamping the network's energy figure.
+pub const MAX_ENERGY_MICROJOULES: u64 = 3_600_000_000_000;
 
 /// The most bytes a token (chosen or alternative) may carry in its logprobs.
 pub const MAX_TOKEN_BYTES: usize = 256;
@@ -226,6 +238,18 @@ pub fn check_result(signed: &SignedClaim, expected: &Expected) -> Result<(), Res
         return Err(ResultError::TooManyPromptTokens {
             claimed: c.prompt_tokens,
             max: expected.max_prompt_tokens,
+        });
+    }
+    let per_token = claim::microjoules_per_token(c.energy_microjoules, c.completion_tokens);
+    if c.microjoules_per_token != per_token {
+        return Err(ResultError::EnergyPerToken {
+            claimed: c.microjoules_per_token,
+            expected: per_token,
+        });
+    }
+    if c.energy_microjoules > MAX_ENERGY_MICROJOULES {
+        return Err(ResultError::TooMuchEnergy {
+            claimed: c.energy_microjoules,
         });
     }
     if expected.vocab_size > 0 {
@@ -476,6 +500,54 @@ mod tests {
         assert_eq!(
             check_result(&missing, &expected),
             Err(ResultError::Claim(ClaimError::Missing))
+        );
+    }
+
+    /// A claim's energy is optional, but when it has one its per-token
+    /// figure must be its energy over its tokens, and no attempt may claim
+    /// more than [`MAX_ENERGY_MICROJOULES`].
+    #[test]
+    fn a_claims_energy_must_add_up_and_stay_within_bounds() {
+        let (key, expected, good) = setup();
+        let with = |energy: u64, per_token: u64| {
+            let mut c = good.clone();
+            c.energy_microjoules = energy;
+            c.microjoules_per_token = per_token;
+            check_result(&claim::sign(c, &key), &expected)
+        };
+        // Two tokens.
+        assert_eq!(with(0, 0), Ok(()));
+        assert_eq!(with(5_000_001, 2_500_000), Ok(()));
+        assert_eq!(
+            with(5_000_001, 2_500_001),
+            Err(ResultError::EnergyPerToken {
+                claimed: 2_500_001,
+                expected: 2_500_000
+            })
+        );
+        assert_eq!(
+            with(0, 7),
+            Err(ResultError::EnergyPerToken {
+                claimed: 7,
+                expected: 0
+            })
+        );
+        assert_eq!(
+            with(5_000_000, 0),
+            Err(ResultError::EnergyPerToken {
+                claimed: 0,
+                expected: 2_500_000
+            })
+        );
+        assert_eq!(
+            with(MAX_ENERGY_MICROJOULES, MAX_ENERGY_MICROJOULES / 2),
+            Ok(())
+        );
+        assert_eq!(
+            with(MAX_ENERGY_MICROJOULES + 2, MAX_ENERGY_MICROJOULES / 2 + 1),
+            Err(ResultError::TooMuchEnergy {
+                claimed: MAX_ENERGY_MICROJOULES + 2
+            })
         );
     }
 

@@ -322,6 +322,9 @@ pub struct Totals {
     pub tokens_per_s: f64,
     /// Jobs completed since 00:00 UTC.
     pub jobs_today: u64,
+    /// Model tokens per joule of the recent jobs that measured their
+    /// energy ([`super::tokens_per_joule`]); `null` when none did.
+    pub tokens_per_joule: Option<f64>,
 }
 
 #[cfg(test)]

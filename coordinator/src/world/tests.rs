@@ -300,3 +300,28 @@ async fn live_streams_end_when_the_world_is_closed() {
     .await;
     assert!(end.is_ok(), "the stream did not end after close");
 }
+
+/// Tokens per joule is the token-weighted median of the metered jobs:
+/// jobs without energy do not count, and a node lying about its energy
+/// moves the figure only as far as its share of the tokens.
+#[test]
+fn tokens_per_joule_is_the_token_weighted_median_of_metered_jobs() {
+    let w = World::new();
+    assert_eq!(w.totals().tokens_per_joule, None);
+    w.record_energy(100, 0);
+    w.record_energy(0, 5_000_000);
+    assert_eq!(w.totals().tokens_per_joule, None);
+    // Honest jobs: 2 and 4 tokens per joule, as many tokens each.
+    w.record_energy(100, 50_000_000);
+    w.record_energy(100, 25_000_000);
+    w.record_energy(100, 25_000_000);
+    assert_eq!(w.totals().tokens_per_joule, Some(4.0));
+    // A liar claiming almost no energy, with fewer tokens than the rest.
+    w.record_energy(250, 1);
+    assert_eq!(w.totals().tokens_per_joule, Some(4.0));
+    // Only the last ENERGY_SAMPLES jobs count.
+    for _ in 0..ENERGY_SAMPLES {
+        w.record_energy(10, 10_000_000);
+    }
+    assert_eq!(w.totals().tokens_per_joule, Some(1.0));
+}

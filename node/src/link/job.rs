@@ -532,6 +532,7 @@ async fn run(
                 grammar_sha256: grammar::claim_digest(
                     a.sampling.as_ref().and_then(|s| s.grammar.as_ref()),
                 ),
+                joules: watch.joules(),
             };
             outcome(ctx, &attempt, result, streamed)
         }
@@ -575,8 +576,13 @@ impl<'a> JobWatch<'a> {
         Some(j / f64::from(self.ctx.running_jobs().max(1)))
     }
 
+    /// Journals the attempt `signed` claims, with the energy it claims.
     fn signed(&mut self, signed: &SignedClaim) {
         let Some(c) = &signed.claim else { return };
+        let joules = match (c.energy_microjoules, &self.span) {
+            (0, None) => None,
+            (uj, _) => Some(uj as f64 / 1e6),
+        };
         self.entry = Some(crate::status::JournalEntry {
             ts_ms: crate::status::now_ms(),
             job_id: c.job_id.clone(),
@@ -585,7 +591,7 @@ impl<'a> JobWatch<'a> {
             prompt_tokens: u64::from(c.prompt_tokens),
             tokens: u64::from(c.completion_tokens),
             finish: c.finish_reason.clone(),
-            joules: self.joules(),
+            joules,
         });
     }
 }
@@ -646,6 +652,8 @@ struct Attempt<'a> {
     model_sha256: &'a [u8; 32],
     /// The job's grammar (`grammar::claim_digest`), none without one.
     grammar_sha256: Option<[u8; 32]>,
+    /// The attempt's energy ([`JobWatch::joules`]), none without a meter.
+    joules: Option<f64>,
 }
 
 fn outcome(
@@ -654,14 +662,16 @@ fn outcome(
     result: Result<Generation, (String, bool)>,
     streamed: Streamed,
 ) -> Outcome {
+    let energy_microjoules = at.joules.map_or(0, |j| (j.max(0.0) * 1e6).round() as u64);
     let claim = |g: &Generation, token_ids: Vec<u32>, text: String, finish: &str| {
+        let completion_tokens = token_ids.len() as u32;
         claim::sign(
             ResultClaim {
                 job_id: at.a.job_id.clone(),
                 attempt: at.a.attempt,
                 model_sha256: at.model_sha256.to_vec(),
                 prompt_sha256: at.prompt_sha256.to_vec(),
-                completion_tokens: token_ids.len() as u32,
+                completion_tokens,
                 output_token_ids: token_ids,
                 output_text: text,
                 prompt_tokens: g.prompt_tokens as u32,
@@ -670,6 +680,11 @@ fn outcome(
                 node_id: ctx.identity.node_id().as_bytes().to_vec(),
                 finish_reason: finish.into(),
                 grammar_sha256: at.grammar_sha256.map(|d| d.to_vec()).unwrap_or_default(),
+                energy_microjoules,
+                microjoules_per_token: claim::microjoules_per_token(
+                    energy_microjoules,
+                    completion_tokens,
+                ),
             },
             ctx.identity.signing_key(),
         )

@@ -9,6 +9,7 @@ mod auth;
 mod client_cli;
 mod crash;
 mod devnet;
+mod energy;
 mod failover;
 mod fleet;
 mod handoff;

@@ -406,6 +406,10 @@ async fn world_page_screenshots_of_a_few_hundred_nodes() -> anyhow::Result<()> {
         world.upsert_node(n)?;
     }
     let on_map = world.totals().macs_on_map;
+    // Metered jobs: 4 tokens per joule (the token-weighted median).
+    world.record_energy(100, 25_000_000);
+    world.record_energy(300, 75_000_000);
+    world.record_energy(100, 50_000_000);
     let served = serve(world).await?;
     let dir = artifacts()?;
 
@@ -423,6 +427,17 @@ async fn world_page_screenshots_of_a_few_hundred_nodes() -> anyhow::Result<()> {
         )
         .await?;
         assert!(v["markers"].as_u64().unwrap_or(0) > 5, "{v}");
+        let tpj = b
+            .execute(
+                "const e = document.getElementById('total-tpj'); return [e.textContent, e.dataset.value];",
+                json!([]),
+            )
+            .await?;
+        assert_eq!(
+            tpj,
+            json!(["4.00", "4"]),
+            "tokens per joule in the totals bar"
+        );
         let png = screenshot_checked(&b, file).await?;
         std::fs::write(dir.join(file), &png)?;
         if w > 1000 {

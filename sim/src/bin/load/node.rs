@@ -367,6 +367,9 @@ async fn run_fake(node: &VirtualNode, a: &Assignment, send: &mut quinn::SendStre
             )
             .map(|d| d.to_vec())
             .unwrap_or_default(),
+            // A timed fake engine measures no energy.
+            energy_microjoules: 0,
+            microjoules_per_token: 0,
         },
         &node.key,
     );
