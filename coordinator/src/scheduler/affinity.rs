@@ -264,11 +264,15 @@ impl Affinity {
         }
     }
 
-    /// `node` holds nothing any more (scans every key).
-    pub fn forget_node(&mut self, node: &NodeId) {
+    /// `node` holds nothing any more (scans every key). Returns how many
+    /// keys it held.
+    pub fn forget_node(&mut self, node: &NodeId) -> usize {
+        let mut held = 0;
         let mut gone = Vec::new();
         for (k, e) in &mut self.entries {
+            let before = e.holders.len();
             e.holders.retain(|h| h != node);
+            held += before - e.holders.len();
             if e.holders.is_empty() {
                 gone.push((*k, e.used));
             }
@@ -280,6 +284,7 @@ impl Affinity {
         if let Some(t) = self.nodes.get_mut(node) {
             t.checks.clear();
         }
+        held
     }
 
     /// Takes in what `node`'s heartbeats said (the same report may come
@@ -298,9 +303,8 @@ impl Affinity {
             }
         };
         if reset {
-            let had = self.nodes.contains_key(&node);
-            self.forget_node(&node);
-            dropped.reset = had;
+            let tracked = self.nodes.contains_key(&node);
+            dropped.reset = self.forget_node(&node) > 0 || tracked;
         }
         let track = self.nodes.entry(node).or_default();
         track.last = Some(r);
@@ -532,7 +536,7 @@ mod tests {
         // A node forgotten while offline starts again from nothing.
         a.record(node(3), &turn);
         a.retain_nodes(|n| *n != node(3));
-        a.report(node(3), report(1, 1, 0));
+        assert!(a.report(node(3), report(1, 1, 0)).reset);
         assert!(a.matches(&turn).is_empty());
     }
 }

@@ -82,7 +82,10 @@ async fn the_second_turn_of_a_chat_runs_where_its_prefix_is_cached() -> anyhow::
                 ("assistant", &run1.job.output_text),
                 ("user", "And how much is it?"),
             ],
-            8,
+            // One token: the estimates then differ by at most one token's
+            // time, well inside the near-best band's 1 s floor whatever
+            // speed a's first job showed on a loaded machine.
+            1,
         ))
         .await?
         .into_inner();
@@ -121,6 +124,74 @@ async fn the_second_turn_of_a_chat_runs_where_its_prefix_is_cached() -> anyhow::
     let run3 = client.follow(other.id).await?;
     assert_eq!(state(&run3.job), JobState::Completed, "{:?}", run3.job);
     assert_eq!(run3.job.node_id, b.id.to_string());
+    a.stop().await?;
+    b.stop().await?;
+    Ok(())
+}
+
+/// A node that restarted (its prefix cache is gone) loses its affinity:
+/// the next turn goes by the plain rule.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_that_restarted_loses_its_prefix_affinity() -> anyhow::Result<()> {
+    test_model();
+    let dir = tempfile::tempdir()?;
+    let mut config = coordinator_config(&dir.path().join("coord"));
+    config.heartbeat_interval_ms = 100;
+    let coord = spawn_coordinator(config).await?;
+    let a_config = coord.node_config(&dir.path().join("a"), "a");
+    let mut a = spawn_node(a_config.clone()).await?;
+    a.registered().await?;
+    let system = long_system_prompt();
+    let q1 = "Do you sell rye bread?";
+    let mut client = coord.client().await?;
+    let first = client
+        .jobs
+        .submit(chat(&[("system", &system), ("user", q1)], 8))
+        .await?
+        .into_inner();
+    let run1 = client.follow(first.id).await?;
+    assert_eq!(state(&run1.job), JobState::Completed, "{:?}", run1.job);
+    assert_eq!(run1.job.node_id, a.id.to_string());
+
+    // A restarts (same identity, a new session, an empty cache); B joins.
+    let a_id = a.id;
+    a.stop().await?;
+    let mut a = spawn_node(a_config).await?;
+    assert_eq!(a.id, a_id);
+    a.registered().await?;
+    let mut b_config = coord.node_config(&dir.path().join("b"), "b");
+    b_config.lending.memory_cap_bytes = Some(2 << 30);
+    let mut b = spawn_node(b_config).await?;
+    b.registered().await?;
+
+    let second = client
+        .jobs
+        .submit(chat(
+            &[
+                ("system", &system),
+                ("user", q1),
+                ("assistant", &run1.job.output_text),
+                ("user", "And how much is it?"),
+            ],
+            // One token: the estimates then differ by at most one token's
+            // time, well inside the near-best band's 1 s floor whatever
+            // speed a's first job showed on a loaded machine.
+            1,
+        ))
+        .await?
+        .into_inner();
+    let run2 = client.follow(second.id).await?;
+    assert_eq!(state(&run2.job), JobState::Completed, "{:?}", run2.job);
+    assert_eq!(
+        run2.job.node_id,
+        b.id.to_string(),
+        "the second turn followed a's affinity although a restarted"
+    );
+    assert_eq!(
+        metric(coord.http_addr, "mlxnet_prefix_affinity_placements_total").await,
+        0
+    );
+    assert!(metric(coord.http_addr, "mlxnet_prefix_affinity_dropped_total").await >= 1);
     a.stop().await?;
     b.stop().await?;
     Ok(())
