@@ -14,6 +14,7 @@
 
 use std::{collections::HashSet, sync::Arc, time::Duration};
 
+use mlx_node::link::LinkStatus;
 use mlxnet_coordinator::{
     ledger::{Ledger, LedgerConfig},
     store::{AnyStore, Store},
@@ -207,6 +208,7 @@ async fn a_replica_killed_under_50_running_jobs_loses_none_and_pays_none_twice(
     .await??
     .clone();
     let a = replicas.remove(0);
+    let a_quic = a.quic_addr;
     a.kill()?;
     let (ended_before, on_a) = (
         at_kill.iter().filter(|s| s.end.is_some()).count(),
@@ -218,8 +220,16 @@ async fn a_replica_killed_under_50_running_jobs_loses_none_and_pays_none_twice(
         "nothing ran on A's node when it was killed: {at_kill:?}"
     );
 
-    // A's node moves to the next replica it names (B).
-    registered_with(&mut nodes[0].status, replicas[0].quic_addr).await?;
+    // A's node moves to another replica (the next it names, B, unless a
+    // handshake there failed and it went on to C).
+    within(
+        "A's node registered with another replica",
+        nodes[0].status.wait_for(
+            |s| matches!(s, LinkStatus::Registered { coordinator, .. } if *coordinator != a_quic),
+        ),
+    )
+    .await?
+    .map_err(|_| anyhow::anyhow!("A's node stopped"))?;
 
     // Every watcher sees its job end, through a live replica.
     let mut ends = Vec::new();
