@@ -521,6 +521,62 @@ fn identical_experts_compute_the_dense_model() {
     assert_ne!(logits(&mut other, &PROMPT), logits(&mut dense, &PROMPT));
 }
 
+#[test]
+fn k_quant_experts_compute_the_dense_model_bit_for_bit() {
+    // Experts 256 wide, so every projection holds whole Q4_K / Q6_K blocks.
+    let dir = tempfile::tempdir().unwrap();
+    let none = GgufTweaks::default();
+    for dtype in [GgmlDType::Q4K, GgmlDType::Q6K] {
+        let dense_spec = TinySpec {
+            ffn: 256,
+            ..TinySpec::new("qwen3")
+        };
+        let moe = TinySpec {
+            ffn: 256,
+            ..moe_spec(1, true)
+        };
+        let mut dense =
+            Engine::load(&write(dir.path(), "dense", &dense_spec, dtype, &none)).unwrap();
+        let mut one = Engine::load(&write(dir.path(), "one", &moe, dtype, &none)).unwrap();
+        assert_eq!(
+            logits(&mut one, &PROMPT),
+            logits(&mut dense, &PROMPT),
+            "{dtype:?}"
+        );
+    }
+}
+
+#[test]
+fn each_expert_of_the_file_is_that_expert_of_the_checkpoint() {
+    let dir = tempfile::tempdir().unwrap();
+    let spec = moe_spec(2, false);
+    let path = write(
+        dir.path(),
+        "m",
+        &spec,
+        GgmlDType::F32,
+        &GgufTweaks::default(),
+    );
+    let (ffn, h, _) = first_layer(&path);
+    let drawn = testutil::hf_weights(&spec);
+    let ff = spec.ffn;
+    for (e, ex) in ffn.experts.iter().enumerate() {
+        for (name, lin, inp) in [("up_proj", &ex.up, h), ("down_proj", &ex.down, ff)] {
+            let want = drawn[&format!("model.layers.0.mlp.experts.{e}.{name}.weight")]
+                .to_vec2::<f32>()
+                .unwrap();
+            // A unit input picks out one column of the weight, exactly.
+            for j in [0, inp / 2, inp - 1] {
+                let mut x = vec![0f32; inp];
+                x[j] = 1.0;
+                let col = lin.forward_slice(&x, 1).unwrap();
+                let expect: Vec<f32> = want.iter().map(|row| row[j]).collect();
+                assert_eq!(col, expect, "expert {e} {name} column {j}");
+            }
+        }
+    }
+}
+
 /// Largest absolute difference.
 fn worst(got: &[f32], want: &[f32]) -> f32 {
     assert_eq!(got.len(), want.len());
