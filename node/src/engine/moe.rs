@@ -47,6 +47,182 @@ const MIN_WEIGHT_SUM: f32 = 6.103_515_6e-5;
 pub enum Gating {
     /// Softmax over every expert (Qwen3-MoE, Mixtral, DeepSeek V2).
     Softmax,
+    /// An independent sigmoid per expert (DeepSeek V3, Kimi K2).
+    #[cfg_attr(
+        not(test),
+        allow(
+            dead_code,
+            reason = "deepseek2 routing: unit-tested, its model is to come"
+        )
+    )]
+    Sigmoid,
+}
+
+/// How a group of experts is scored for grouped top-k.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[cfg_attr(
+    not(test),
+    allow(
+        dead_code,
+        reason = "deepseek2 routing: unit-tested, its model is to come"
+    )
+)]
+pub enum GroupScore {
+    /// The sum of the group's two best selection scores (DeepSeek V3's
+    /// `noaux_tc`, llama.cpp's `deepseek2`).
+    TopTwoSum,
+    /// The group's best selection score (DeepSeek V2's `group_limited_greedy`).
+    Max,
+}
+
+/// A DeepSeek-style router (`deepseek2` in GGUF): gating function, an
+/// optional selection bias, grouped top-k, normalisation and the routed
+/// scaling factor. Not yet wired to a model: the `deepseek2` architecture
+/// (MLA attention, shared experts, leading dense layers) is still to come.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RouterSpec {
+    pub gating: Gating,
+    /// Experts chosen per token.
+    pub used: usize,
+    /// Divide the chosen weights by their sum (`expert_weights_norm`).
+    pub norm: bool,
+    /// Multiply the final weights by this (`expert_weights_scale`).
+    pub scale: f32,
+    /// Experts fall into this many equal groups (`expert_group_count`; 1: no grouping).
+    pub groups: usize,
+    /// Only the best this many groups may be chosen from (`expert_group_used_count`).
+    pub groups_used: usize,
+    pub group_score: GroupScore,
+}
+
+impl RouterSpec {
+    /// Checks the spec against `experts` experts.
+    #[cfg_attr(
+        not(test),
+        allow(
+            dead_code,
+            reason = "deepseek2 routing: unit-tested, its model is to come"
+        )
+    )]
+    pub fn check(&self, experts: usize) -> Result<(), EngineError> {
+        let bad = |msg: String| Err(EngineError::Config(format!("router: {msg}")));
+        if self.groups == 0 || !experts.is_multiple_of(self.groups) {
+            return bad(format!(
+                "{experts} experts do not fall into {} equal groups",
+                self.groups
+            ));
+        }
+        if self.groups_used == 0 || self.groups_used > self.groups {
+            return bad(format!(
+                "{} groups used of {}",
+                self.groups_used, self.groups
+            ));
+        }
+        let reachable = self.groups_used * (experts / self.groups);
+        if self.used == 0 || self.used > reachable {
+            return bad(format!(
+                "{} experts used, but the {} best groups hold {reachable}",
+                self.used, self.groups_used
+            ));
+        }
+        if self.group_score == GroupScore::TopTwoSum && self.groups > 1 && experts / self.groups < 2
+        {
+            return bad("groups of one expert have no two best".into());
+        }
+        if !(self.scale.is_finite() && self.scale > 0.0) {
+            return bad(format!(
+                "routed scaling factor {} is not positive",
+                self.scale
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// Indices of `scores` by descending score, equal scores by lower index
+/// (NaN ranks as equal rather than panicking).
+fn ranked(scores: &[f32]) -> Vec<usize> {
+    let mut order: Vec<usize> = (0..scores.len()).collect();
+    order.sort_by(|&a, &b| {
+        scores[b]
+            .partial_cmp(&scores[a])
+            .unwrap_or(std::cmp::Ordering::Equal)
+    });
+    order
+}
+
+/// Appends one token's `spec.used` choices `(expert, weight)`, best first,
+/// as llama.cpp's `build_moe_ffn` computes them: probabilities by the
+/// gating function; selection scores are the probabilities plus `bias`
+/// (DeepSeek V3's `e_score_correction_bias`, `exp_probs_b`); with groups,
+/// only experts of the `groups_used` best groups (by `group_score` of their
+/// selection scores) compete; the weights are the chosen experts'
+/// probabilities (not biased), normalised if asked, then times `scale`.
+/// `spec` was checked against `logits.len()` experts ([`RouterSpec::check`]).
+pub(crate) fn route_grouped(
+    spec: &RouterSpec,
+    logits: &[f32],
+    bias: Option<&[f32]>,
+    out: &mut Vec<(usize, f32)>,
+) {
+    let probs: Vec<f32> = match spec.gating {
+        Gating::Softmax => softmax(logits),
+        Gating::Sigmoid => logits.iter().map(|&l| 1.0 / (1.0 + (-l).exp())).collect(),
+    };
+    let mut select: Vec<f32> = match bias {
+        Some(b) => probs.iter().zip(b).map(|(p, b)| p + b).collect(),
+        None => probs.clone(),
+    };
+    if spec.groups > 1 && spec.groups_used < spec.groups {
+        let per = select.len() / spec.groups;
+        let group_scores: Vec<f32> = select
+            .chunks_exact(per)
+            .map(|g| {
+                let order = ranked(g);
+                match spec.group_score {
+                    GroupScore::Max => g[order[0]],
+                    GroupScore::TopTwoSum => g[order[0]] + g[order[1]],
+                }
+            })
+            .collect();
+        let keep = ranked(&group_scores);
+        for &dropped in &keep[spec.groups_used..] {
+            select[dropped * per..(dropped + 1) * per].fill(f32::NEG_INFINITY);
+        }
+    }
+    let start = out.len();
+    out.extend(
+        ranked(&select)
+            .into_iter()
+            .take(spec.used)
+            .map(|e| (e, probs[e])),
+    );
+    let chosen = &mut out[start..];
+    if spec.norm {
+        let sum = chosen.iter().map(|&(_, w)| f64::from(w)).sum::<f64>() as f32;
+        let sum = sum.max(MIN_WEIGHT_SUM);
+        for (_, w) in chosen.iter_mut() {
+            *w /= sum;
+        }
+    }
+    if spec.scale != 1.0 {
+        for (_, w) in chosen.iter_mut() {
+            *w *= spec.scale;
+        }
+    }
+}
+
+/// ggml's softmax: exponentials of `logits - max`, summed in f64, scaled by
+/// the inverse of the sum.
+fn softmax(logits: &[f32]) -> Vec<f32> {
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let mut probs: Vec<f32> = logits.iter().map(|&l| (l - max).exp()).collect();
+    let sum: f64 = probs.iter().map(|&p| f64::from(p)).sum();
+    let inv = (1.0 / sum) as f32;
+    for p in &mut probs {
+        *p *= inv;
+    }
+    probs
 }
 
 /// The routed-experts part of a model's config.
@@ -128,31 +304,16 @@ impl MoeConfig {
 /// router `logits` (one per expert). Probabilities as ggml's softmax; equal
 /// ones ranked by the lower index; with `norm`, weights divided by their sum.
 pub(crate) fn route(logits: &[f32], k: usize, norm: bool, out: &mut Vec<(usize, f32)>) {
-    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let mut probs: Vec<f32> = logits.iter().map(|&l| (l - max).exp()).collect();
-    let sum: f64 = probs.iter().map(|&p| f64::from(p)).sum();
-    let inv = (1.0 / sum) as f32;
-    for p in &mut probs {
-        *p *= inv;
-    }
-    let mut order: Vec<usize> = (0..probs.len()).collect();
-    // Stable: equal probabilities keep the lower index first. NaN (a
-    // broken model) ranks as equal rather than panicking.
-    order.sort_by(|&a, &b| {
-        probs[b]
-            .partial_cmp(&probs[a])
-            .unwrap_or(std::cmp::Ordering::Equal)
-    });
-    let start = out.len();
-    out.extend(order.iter().take(k).map(|&e| (e, probs[e])));
-    if norm {
-        let chosen = &mut out[start..];
-        let sum = chosen.iter().map(|&(_, w)| f64::from(w)).sum::<f64>() as f32;
-        let sum = sum.max(MIN_WEIGHT_SUM);
-        for (_, w) in chosen {
-            *w /= sum;
-        }
-    }
+    let spec = RouterSpec {
+        gating: Gating::Softmax,
+        used: k,
+        norm,
+        scale: 1.0,
+        groups: 1,
+        groups_used: 1,
+        group_score: GroupScore::Max,
+    };
+    route_grouped(&spec, logits, None, out);
 }
 
 /// The slots (`token * k + rank`) routed to each expert, for the experts

@@ -107,6 +107,174 @@ fn by_expert_lists_each_used_expert_once_with_all_its_slots() {
     );
 }
 
+// ------------------------------------------------- deepseek2 routing
+
+fn deepseek(used: usize, groups: usize, groups_used: usize, score: GroupScore) -> RouterSpec {
+    RouterSpec {
+        gating: Gating::Sigmoid,
+        used,
+        norm: false,
+        scale: 1.0,
+        groups,
+        groups_used,
+        group_score: score,
+    }
+}
+
+fn sigmoid(x: f32) -> f32 {
+    1.0 / (1.0 + (-x).exp())
+}
+
+fn experts_of(out: &[(usize, f32)]) -> Vec<usize> {
+    out.iter().map(|c| c.0).collect()
+}
+
+#[test]
+fn sigmoid_gating_normalises_then_applies_the_routed_scaling_factor() {
+    let logits = [0.0f32, 2.0, -1.0, 1.0];
+    let mut spec = deepseek(2, 1, 1, GroupScore::TopTwoSum);
+    let mut out = Vec::new();
+    route_grouped(&spec, &logits, None, &mut out);
+    assert_eq!(out, [(1, sigmoid(2.0)), (3, sigmoid(1.0))]);
+    spec.norm = true;
+    spec.scale = 2.5;
+    out.clear();
+    route_grouped(&spec, &logits, None, &mut out);
+    assert_eq!(experts_of(&out), [1, 3]);
+    let sum: f32 = out.iter().map(|c| c.1).sum();
+    assert!((sum - 2.5).abs() < 1e-6, "scaled weights sum to {sum}");
+    assert!((out[0].1 / out[1].1 - sigmoid(2.0) / sigmoid(1.0)).abs() < 1e-6);
+}
+
+#[test]
+fn the_selection_bias_changes_which_experts_not_their_weights() {
+    let logits = [2.0f32, 1.0, 0.0, -1.0];
+    let spec = deepseek(2, 1, 1, GroupScore::TopTwoSum);
+    let mut out = Vec::new();
+    route_grouped(&spec, &logits, Some(&[0.0, 0.0, 0.0, 5.0]), &mut out);
+    assert_eq!(out, [(3, sigmoid(-1.0)), (0, sigmoid(2.0))]);
+    // Without it, the two best by probability.
+    out.clear();
+    route_grouped(&spec, &logits, None, &mut out);
+    assert_eq!(experts_of(&out), [0, 1]);
+}
+
+#[test]
+fn grouped_top_k_chooses_only_from_the_best_groups() {
+    // Four groups of two. Group 0 holds the single best expert (0.95) next
+    // to a poor one (0.05); group 1 two good ones (0.7, 0.7).
+    let logit = |p: f32| (p / (1.0 - p)).ln();
+    let mut logits = vec![logit(0.1); 8];
+    logits[0] = logit(0.95);
+    logits[1] = logit(0.05);
+    logits[2] = logit(0.7);
+    logits[3] = logit(0.7);
+    let mut out = Vec::new();
+    // DeepSeek V3: groups by the sum of their two best: group 1 (1.4) wins.
+    route_grouped(
+        &deepseek(2, 4, 1, GroupScore::TopTwoSum),
+        &logits,
+        None,
+        &mut out,
+    );
+    assert_eq!(experts_of(&out), [2, 3]);
+    // DeepSeek V2: by their best: group 0 (0.95) wins.
+    out.clear();
+    route_grouped(&deepseek(2, 4, 1, GroupScore::Max), &logits, None, &mut out);
+    assert_eq!(experts_of(&out), [0, 1]);
+    // No grouping (or every group kept): the two best overall.
+    for spec in [
+        deepseek(2, 1, 1, GroupScore::TopTwoSum),
+        deepseek(2, 4, 4, GroupScore::TopTwoSum),
+    ] {
+        out.clear();
+        route_grouped(&spec, &logits, None, &mut out);
+        assert_eq!(experts_of(&out), [0, 2], "{spec:?}");
+    }
+    // Two groups kept, four experts: both of each kept group.
+    out.clear();
+    route_grouped(
+        &deepseek(4, 4, 2, GroupScore::TopTwoSum),
+        &logits,
+        None,
+        &mut out,
+    );
+    assert_eq!(experts_of(&out), [0, 2, 3, 1]);
+    // Equal groups: the lower-numbered ones are kept.
+    out.clear();
+    route_grouped(
+        &deepseek(4, 4, 2, GroupScore::TopTwoSum),
+        &[0.0; 8],
+        None,
+        &mut out,
+    );
+    assert_eq!(experts_of(&out), [0, 1, 2, 3]);
+}
+
+#[test]
+fn router_specs_that_cannot_route_are_config_errors() {
+    let ok = deepseek(4, 4, 2, GroupScore::TopTwoSum);
+    ok.check(8).unwrap();
+    let cases = [
+        (
+            RouterSpec {
+                groups: 3,
+                ..ok.clone()
+            },
+            "8 experts do not fall into 3 equal groups",
+        ),
+        (
+            RouterSpec {
+                groups_used: 0,
+                ..ok.clone()
+            },
+            "0 groups used of 4",
+        ),
+        (
+            RouterSpec {
+                groups_used: 5,
+                ..ok.clone()
+            },
+            "5 groups used of 4",
+        ),
+        (
+            RouterSpec {
+                used: 5,
+                ..ok.clone()
+            },
+            "5 experts used, but the 2 best groups hold 4",
+        ),
+        (
+            RouterSpec {
+                used: 0,
+                ..ok.clone()
+            },
+            "0 experts used",
+        ),
+        (
+            RouterSpec {
+                groups: 8,
+                groups_used: 4,
+                ..ok.clone()
+            },
+            "groups of one expert",
+        ),
+        (
+            RouterSpec {
+                scale: 0.0,
+                ..ok.clone()
+            },
+            "routed scaling factor 0 is not positive",
+        ),
+    ];
+    for (spec, want) in cases {
+        match spec.check(8) {
+            Err(EngineError::Config(msg)) => assert!(msg.contains(want), "{spec:?}: {msg}"),
+            other => panic!("{spec:?}: expected a config error, got {other:?}"),
+        }
+    }
+}
+
 // ---------------------------------------------------------------- config
 
 fn load_err(path: &Path) -> EngineError {
@@ -351,6 +519,62 @@ fn identical_experts_compute_the_dense_model() {
     ))
     .unwrap();
     assert_ne!(logits(&mut other, &PROMPT), logits(&mut dense, &PROMPT));
+}
+
+#[test]
+fn k_quant_experts_compute_the_dense_model_bit_for_bit() {
+    // Experts 256 wide, so every projection holds whole Q4_K / Q6_K blocks.
+    let dir = tempfile::tempdir().unwrap();
+    let none = GgufTweaks::default();
+    for dtype in [GgmlDType::Q4K, GgmlDType::Q6K] {
+        let dense_spec = TinySpec {
+            ffn: 256,
+            ..TinySpec::new("qwen3")
+        };
+        let moe = TinySpec {
+            ffn: 256,
+            ..moe_spec(1, true)
+        };
+        let mut dense =
+            Engine::load(&write(dir.path(), "dense", &dense_spec, dtype, &none)).unwrap();
+        let mut one = Engine::load(&write(dir.path(), "one", &moe, dtype, &none)).unwrap();
+        assert_eq!(
+            logits(&mut one, &PROMPT),
+            logits(&mut dense, &PROMPT),
+            "{dtype:?}"
+        );
+    }
+}
+
+#[test]
+fn each_expert_of_the_file_is_that_expert_of_the_checkpoint() {
+    let dir = tempfile::tempdir().unwrap();
+    let spec = moe_spec(2, false);
+    let path = write(
+        dir.path(),
+        "m",
+        &spec,
+        GgmlDType::F32,
+        &GgufTweaks::default(),
+    );
+    let (ffn, h, _) = first_layer(&path);
+    let drawn = testutil::hf_weights(&spec);
+    let ff = spec.ffn;
+    for (e, ex) in ffn.experts.iter().enumerate() {
+        for (name, lin, inp) in [("up_proj", &ex.up, h), ("down_proj", &ex.down, ff)] {
+            let want = drawn[&format!("model.layers.0.mlp.experts.{e}.{name}.weight")]
+                .to_vec2::<f32>()
+                .unwrap();
+            // A unit input picks out one column of the weight, exactly.
+            for j in [0, inp / 2, inp - 1] {
+                let mut x = vec![0f32; inp];
+                x[j] = 1.0;
+                let col = lin.forward_slice(&x, 1).unwrap();
+                let expect: Vec<f32> = want.iter().map(|row| row[j]).collect();
+                assert_eq!(col, expect, "expert {e} {name} column {j}");
+            }
+        }
+    }
 }
 
 /// Largest absolute difference.
