@@ -39,8 +39,8 @@ use std::{sync::Arc, time::Duration};
 use mlxnet_proto::{
     frame::{read_frame, write_frame, FrameError},
     v1::{
-        coordinator_control, node_control, CoordinatorControl, HeartbeatAck, NodeControl,
-        Reconnect, Rejected, Welcome,
+        coordinator_control, node_control, CoordinatorControl, HeartbeatAck, ModelOutlook,
+        NodeControl, Reconnect, Rejected, Welcome,
     },
 };
 use tracing::{debug, info, instrument, warn};
@@ -296,6 +296,7 @@ async fn serve_connection(conn: quinn::Connection, d: &LinkContext, sources: &So
         msg: Some(coordinator_control::Msg::Welcome(Welcome {
             node_id: session.node_id.to_string(),
             heartbeat_interval_ms: d.config.heartbeat_interval_ms.min(u64::from(u32::MAX)) as u32,
+            outlook: outlook(d, &session).await,
         })),
     };
     if write_frame(&mut send, &welcome).await.is_ok() {
@@ -487,6 +488,45 @@ async fn reject(conn: &quinn::Connection, send: Option<quinn::SendStream>, reaso
         }
     }
     conn.close(CLOSE_REJECTED.into(), reason.as_bytes());
+}
+
+/// What serving each of `session`'s models looks like now, for the
+/// owner's first-run summary: the catalogue's prices, the nodes serving
+/// it, and the network's demand (jobs queued or running per 1,000 job
+/// slots online). A store that cannot count jobs gives demand 0.
+async fn outlook(d: &LinkContext, session: &Session) -> Vec<ModelOutlook> {
+    let sessions = d.sessions.all();
+    let slots: u64 = sessions
+        .iter()
+        .map(|s| u64::from(s.max_concurrent_jobs.max(1)))
+        .sum();
+    let demand_permille = match d.store.job_stats().await {
+        Ok(j) => demand_permille(j.queued.saturating_add(j.running), slots),
+        Err(e) => {
+            debug!(error = %error_chain(&e), "counting jobs for the outlook failed");
+            0
+        }
+    };
+    d.catalogue
+        .models()
+        .iter()
+        .filter(|m| session.models.contains(&m.sha256))
+        .map(|m| ModelOutlook {
+            model: m.info.id.clone(),
+            price_output_micro_mlx_per_mtok: m.price().output_per_mtok,
+            price_input_micro_mlx_per_mtok: m.price().input_per_mtok,
+            nodes_serving: sessions
+                .iter()
+                .filter(|s| s.models.contains(&m.sha256) && !s.is_draining())
+                .count() as u32,
+            demand_permille,
+        })
+        .collect()
+}
+
+/// Jobs `waiting` (queued or running) per 1,000 of `slots`, at most 1,000.
+fn demand_permille(waiting: u64, slots: u64) -> u32 {
+    (waiting.saturating_mul(1000) / slots.max(1)).min(1000) as u32
 }
 
 #[cfg(test)]

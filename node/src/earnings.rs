@@ -105,7 +105,9 @@ mod tests {
                 today: p(1_500_000, 2, 300),
                 week: None,
                 all_time: p(2_000_001, 3, 400),
+                ..Default::default()
             }],
+            next_reward_epoch_ms: 0,
         };
         let text = render(&r, "ab");
         let words = text.split_whitespace().collect::<Vec<_>>().join(" ");

@@ -407,17 +407,20 @@ fn main() -> anyhow::Result<()> {
             runtime.block_on(async {
                 let node = Node::build(config).await.context("starting the node")?;
                 println!("node {}", node.node_id());
-                // Once registered: what this machine serves, and how fast.
+                // Once registered: what this machine serves, how fast, and
+                // what it could earn at the network's prices and demand
+                // (the coordinator's Welcome).
                 let mut link = node.link_status();
                 let board = node.board();
-                let summary =
-                    mlx_node::status::first_run_summary(&board.snapshot(), node.hardware());
+                let hardware = node.hardware().clone();
                 tokio::spawn(async move {
                     if link
                         .wait_for(|s| matches!(s, mlx_node::link::LinkStatus::Registered { .. }))
                         .await
                         .is_ok()
                     {
+                        let summary =
+                            mlx_node::status::first_run_summary(&board.snapshot(), &hardware);
                         println!("{summary}");
                     }
                 });

@@ -94,6 +94,20 @@ pub struct Snapshot {
     pub jobs: Vec<RunningJob>,
     /// The energy meter in use ("rapl", "powermetrics"), empty for none.
     pub energy_meter: String,
+    /// The network's prices and demand for the models served, as the
+    /// coordinator said at registration (its `Welcome`).
+    #[serde(default)]
+    pub outlook: Vec<OutlookView>,
+}
+
+/// One served model's prices and the network's demand at registration.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct OutlookView {
+    pub model: String,
+    pub price_output_micro_mlx_per_mtok: u64,
+    pub nodes_serving: u32,
+    /// Jobs queued or running per 1,000 job slots online, at most 1,000.
+    pub demand_permille: u32,
 }
 
 /// The running node's board, shared by the link and its jobs.
@@ -128,6 +142,21 @@ impl Board {
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .clone()
+    }
+
+    /// Keeps what the coordinator's `Welcome` said of the served models.
+    pub fn set_outlook(&self, outlook: &[mlxnet_proto::v1::ModelOutlook]) {
+        let views = outlook
+            .iter()
+            .map(|o| OutlookView {
+                model: o.model.chars().take(128).collect(),
+                price_output_micro_mlx_per_mtok: o.price_output_micro_mlx_per_mtok,
+                nodes_serving: o.nodes_serving,
+                demand_permille: o.demand_permille.min(1000),
+            })
+            .take(64)
+            .collect();
+        self.update(|s| s.outlook = views);
     }
 
     pub fn set_state(&self, state: &str, reason: &str) {
@@ -448,9 +477,82 @@ pub fn render(
                 }
                 let _ = writeln!(out, "{line}");
             }
+            let this = snapshot.map(|s| s.node_id.as_str()).unwrap_or_default();
+            if let Some(n) = r
+                .nodes
+                .iter()
+                .find(|n| !this.is_empty() && n.node_id == this)
+            {
+                let _ = writeln!(
+                    out,
+                    "  audits     {} passed, {} failed{}",
+                    n.audits_passed,
+                    n.audits_failed,
+                    if n.banned {
+                        " - banned: never placed again"
+                    } else {
+                        ""
+                    }
+                );
+            }
+            if r.next_reward_epoch_ms > 0 {
+                let left = (r.next_reward_epoch_ms as u64).saturating_sub(now_ms);
+                let _ = writeln!(
+                    out,
+                    "  rewards    this epoch ends in {} ({} UTC), paid after it",
+                    minutes(left),
+                    clock(r.next_reward_epoch_ms as u64)
+                );
+            }
         }
     }
     out
+}
+
+/// `ms` as "1h 05m" or "12m".
+fn minutes(ms: u64) -> String {
+    let m = ms.div_ceil(60_000);
+    if m >= 60 {
+        format!("{}h {:02}m", m / 60, m % 60)
+    } else {
+        format!("{m}m")
+    }
+}
+
+/// The UTC time of day of `ms` since the Unix epoch, "HH:MM".
+fn clock(ms: u64) -> String {
+    let m = ms / 60_000 % (24 * 60);
+    format!("{:02}:{:02}", m / 60, m % 60)
+}
+
+/// What serving `o`'s model could earn per hour: the decode speed the
+/// memory bandwidth `bw` allows for a file of `size` bytes, at the model's
+/// output price, times the network's demand now (the share of its job
+/// slots busy). List price, before the network's fee; an estimate, not a
+/// promise.
+pub fn expected_earnings(o: &OutlookView, bw: u64, size: u64) -> String {
+    let price = format!(
+        "{} MLX per million tokens",
+        mlx(o.price_output_micro_mlx_per_mtok.min(i64::MAX as u64) as i64)
+    );
+    let demand = f64::from(o.demand_permille.min(1000)) / 1000.0;
+    let served_by = match o.nodes_serving {
+        1 => "1 node serves it".to_owned(),
+        n => format!("{n} nodes serve it"),
+    };
+    if bw == 0 || size == 0 {
+        return format!(
+            "earnings: {price}, demand {:.0}% of the network's job slots, {served_by}",
+            demand * 100.0
+        );
+    }
+    let tokens_per_hour = bw as f64 / size as f64 * 3600.0;
+    let micro = tokens_per_hour * o.price_output_micro_mlx_per_mtok as f64 / 1e6 * demand;
+    format!(
+        "expected about {} MLX/hour at today's price ({price}) and demand ({:.0}% of the network's job slots busy; {served_by}), before the network's fee",
+        mlx(micro.round() as i64),
+        demand * 100.0
+    )
 }
 
 fn short(id: &str) -> &str {
@@ -513,6 +615,9 @@ pub fn first_run_summary(s: &Snapshot, hw: &mlxnet_proto::v1::HardwareProfile) -
             params(m.parameters),
             m.backend
         );
+        if let Some(o) = s.outlook.iter().find(|o| o.model == m.id) {
+            let _ = writeln!(out, "  {}", expected_earnings(o, bw, m.size_bytes));
+        }
     }
     if s.models.is_empty() {
         let _ = writeln!(out, "serves no model: pass --model id=path");

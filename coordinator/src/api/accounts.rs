@@ -17,6 +17,7 @@ use super::{auth::caller, ApiContext};
 use crate::{
     api::error::ApiError,
     domain::{AccountKind, Applied, Caller, Scope, Scopes, TransferKind},
+    store::Store,
     util::now_ms,
 };
 
@@ -200,6 +201,17 @@ impl Accounts for AccountsApi {
                 *slot = Some(period);
             }
         }
+        for n in nodes.values_mut() {
+            let r = self
+                .d
+                .store
+                .audit_record(&n.node_id)
+                .await
+                .map_err(ApiError::from)?;
+            n.audits_passed = r.clean;
+            n.audits_failed = r.failed;
+            n.banned = r.banned;
+        }
         let [t, w, a] = totals;
         Ok(Response::new(EarningsResponse {
             account_id: me.account_id,
@@ -207,6 +219,7 @@ impl Accounts for AccountsApi {
             week: Some(w),
             all_time: Some(a),
             nodes: nodes.into_values().collect(),
+            next_reward_epoch_ms: self.d.ledger.reward_epoch_end_ms(now_ms()),
         }))
     }
 

@@ -17,6 +17,7 @@ use tonic::Code;
 
 use crate::{
     ledger::{keys::Scopes, AccountKind, FEE},
+    store::Store,
     test_utils::{prompt_job as job, spawn_app, FakeNode, CLIENT_GRANT},
 };
 
@@ -281,6 +282,19 @@ async fn a_verified_job_moves_exactly_its_price_and_a_cancelled_one_nothing() {
         .create_key(&operator.id, Scopes::from_list(["read"]).unwrap(), "", None)
         .await
         .unwrap();
+    // The node's audit record as the store keeps it.
+    app.ledger
+        .store()
+        .count_record(
+            &node_hex,
+            &crate::domain::RecordDelta {
+                clean: 3,
+                failed: 1,
+                ..Default::default()
+            },
+        )
+        .await
+        .unwrap();
     let earnings = AccountsClient::new(app.grpc_with(Some(op_key.secret())).await)
         .earnings(EarningsRequest {})
         .await
@@ -293,6 +307,24 @@ async fn a_verified_job_moves_exactly_its_price_and_a_cancelled_one_nothing() {
     );
     assert_eq!(earnings.nodes.len(), 1);
     assert_eq!(earnings.nodes[0].node_id, node_hex);
+    assert_eq!(
+        (
+            earnings.nodes[0].audits_passed,
+            earnings.nodes[0].audits_failed,
+            earnings.nodes[0].banned
+        ),
+        (3, 1, false)
+    );
+    // The running reward epoch ends within one epoch from now.
+    let now = crate::util::now_ms();
+    let epoch = app.ledger.config().reward_epoch_ms;
+    assert!(
+        earnings.next_reward_epoch_ms > now - 60_000
+            && earnings.next_reward_epoch_ms <= now + epoch
+            && earnings.next_reward_epoch_ms % epoch == 0,
+        "{} (now {now}, epoch {epoch})",
+        earnings.next_reward_epoch_ms
+    );
 
     // Another account cannot see the job; a cancelled job costs nothing.
     let stranger = app

@@ -61,6 +61,12 @@ impl Ledger {
         ms.div_euclid(self.config().reward_epoch_ms.max(1))
     }
 
+    /// When the reward epoch `now_ms` is in ends (ms since the Unix epoch):
+    /// it is paid at the first reward sweep after that.
+    pub fn reward_epoch_end_ms(&self, now_ms: i64) -> i64 {
+        (self.epoch_of(now_ms) + 1).saturating_mul(self.config().reward_epoch_ms.max(1))
+    }
+
     /// Records that dedicated node `node_id`, offering `memory_bytes`, was
     /// online and responsive for the `online_ms` that ended at `now_ms`.
     pub async fn record_online(

@@ -205,6 +205,7 @@ async fn register(
                 0 => DEFAULT_HEARTBEAT,
                 ms => Duration::from_millis(u64::from(ms)),
             };
+            ctx.board.set_outlook(&w.outlook);
             Ok((send, frames, interval))
         }
         Some(coordinator_control::Msg::Rejected(r)) => Err(LinkError::Rejected(r.reason)),

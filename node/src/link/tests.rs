@@ -163,6 +163,7 @@ impl Peer {
             coordinator_control::Msg::Welcome(Welcome {
                 node_id: node.to_string(),
                 heartbeat_interval_ms: heartbeat_ms,
+                outlook: Vec::new(),
             })
         } else {
             coordinator_control::Msg::Rejected(Rejected {

@@ -1,7 +1,7 @@
 //! The owner's view: the board a node keeps, its journal's sums, and the
 //! frame `mlx-node status` draws from them.
 
-use mlxnet_proto::v1::{EarningsPeriod, EarningsResponse};
+use mlxnet_proto::v1::{EarningsPeriod, EarningsResponse, NodeEarnings};
 
 use super::*;
 
@@ -92,7 +92,112 @@ fn earnings() -> EarningsResponse {
         week: p(2_000_000, 4, 160),
         all_time: p(9_000_000, 5, 1160),
         nodes: vec![],
+        next_reward_epoch_ms: 0,
     }
+}
+
+/// The owner sees this node's audit record (not another node's of the
+/// same account) and when the reward epoch ends.
+#[test]
+fn the_frame_shows_this_nodes_audit_record_and_the_reward_epochs_end() {
+    let totals = journal_totals("", WED_10H);
+    let mut r = earnings();
+    r.nodes = vec![
+        NodeEarnings {
+            node_id: "0000000000".into(),
+            audits_passed: 99,
+            audits_failed: 9,
+            ..Default::default()
+        },
+        NodeEarnings {
+            node_id: "8f3a2b1c9d".into(),
+            audits_passed: 7,
+            audits_failed: 1,
+            ..Default::default()
+        },
+    ];
+    r.next_reward_epoch_ms = (WED_10H + 50 * 60_000 - 30_000) as i64;
+    let frame = render(
+        Some(&live_snapshot()),
+        &totals,
+        Some(&Ok(r.clone())),
+        0,
+        WED_10H,
+    );
+    assert!(
+        frame.contains("  audits     7 passed, 1 failed\n"),
+        "{frame}"
+    );
+    assert!(
+        frame.contains("  rewards    this epoch ends in 50m (10:49 UTC), paid after it\n"),
+        "{frame}"
+    );
+    r.nodes[1].banned = true;
+    r.next_reward_epoch_ms = (WED_10H + 90 * 60_000) as i64;
+    let frame = render(Some(&live_snapshot()), &totals, Some(&Ok(r)), 0, WED_10H);
+    assert!(
+        frame.contains("  audits     7 passed, 1 failed - banned: never placed again\n"),
+        "{frame}"
+    );
+    assert!(frame.contains("ends in 1h 30m (11:30 UTC)"), "{frame}");
+    // The account's earnings only: no record of this node, no epoch.
+    let frame = render(
+        Some(&live_snapshot()),
+        &totals,
+        Some(&Ok(earnings())),
+        0,
+        WED_10H,
+    );
+    assert!(!frame.contains("audits"), "{frame}");
+    assert!(!frame.contains("rewards"), "{frame}");
+}
+
+/// Expected earnings: the bandwidth-bound decode speed at the output
+/// price, times the share of the network's job slots busy.
+#[test]
+fn expected_earnings_are_speed_times_price_times_demand() {
+    let o = OutlookView {
+        model: "smollm2-135m-instruct".into(),
+        price_output_micro_mlx_per_mtok: 2_000_000,
+        nodes_serving: 3,
+        demand_permille: 500,
+    };
+    // 1 GB/s over a 100 MB file: 10 tokens/s, 36,000 tokens an hour,
+    // 0.072 MLX at 2 MLX per million, half of it at 50% demand.
+    let line = expected_earnings(&o, 1_000_000_000, 100_000_000);
+    assert!(
+        line.starts_with("expected about 0.036000 MLX/hour"),
+        "{line}"
+    );
+    assert!(line.contains("(2.000000 MLX per million tokens)"), "{line}");
+    assert!(
+        line.contains("50% of the network's job slots busy; 3 nodes serve it"),
+        "{line}"
+    );
+    let idle = OutlookView {
+        demand_permille: 0,
+        ..o.clone()
+    };
+    assert!(expected_earnings(&idle, 1_000_000_000, 100_000_000)
+        .starts_with("expected about 0.000000 MLX/hour"));
+    // Unknown speed: the price and demand only.
+    let line = expected_earnings(&o, 0, 100_000_000);
+    assert!(
+        line.starts_with("earnings: 2.000000 MLX per million tokens"),
+        "{line}"
+    );
+
+    // The first-run summary carries it for each served model in the outlook.
+    let mut s = live_snapshot();
+    s.outlook = vec![o];
+    let hw = mlxnet_proto::v1::HardwareProfile {
+        chip: "Apple M4 Max".into(),
+        memory_bytes: 64 << 30,
+        measured_memory_bandwidth_bytes_per_s: 1_000_000_000,
+        ..Default::default()
+    };
+    let summary = first_run_summary(&s, &hw);
+    assert!(summary.contains("MLX/hour at today's price"), "{summary}");
 }
 
 #[test]

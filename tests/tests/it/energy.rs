@@ -25,7 +25,7 @@ use mlx_node::config::MeterKind;
 use mlxnet_coordinator::test_utils::webdriver::http_get;
 use mlxnet_proto::{claim, v1::JobState};
 use mlxnet_tests::{
-    chat_job, coordinator_config, spawn_coordinator, spawn_node, state, test_model,
+    chat_job, coordinator_config, spawn_coordinator, spawn_node, state, test_model, within,
 };
 use serde_json::Value;
 
@@ -161,6 +161,42 @@ async fn a_metered_jobs_claim_carries_its_energy_to_the_journal_the_owner_and_th
         "{paid_today}\n{frame}"
     );
     assert!(paid_today.contains("net of energy"), "{paid_today}");
+    // This node's audit record and the reward epoch's end, from the
+    // coordinator (audits are off by default: none yet).
+    assert!(
+        frame.contains("  audits     0 passed, 0 failed\n"),
+        "{frame}"
+    );
+    assert!(
+        frame.contains("  rewards    this epoch ends in "),
+        "{frame}"
+    );
+
+    // The first-run summary: the coordinator's Welcome said what the model
+    // pays and how busy the network is.
+    // (The board is written 200 ms after a change: wait for that write.)
+    let snapshot = within("the board with the outlook", async {
+        loop {
+            match mlx_node::status::read(&node_dir).0 {
+                Some(s) if !s.outlook.is_empty() => return s,
+                _ => tokio::time::sleep(Duration::from_millis(50)).await,
+            }
+        }
+    })
+    .await?;
+    let o = snapshot
+        .outlook
+        .iter()
+        .find(|o| o.model == mlxnet_tests::TEST_MODEL_ID)
+        .with_context(|| format!("no outlook for the model: {:?}", snapshot.outlook))?;
+    assert!(o.price_output_micro_mlx_per_mtok > 0, "{o:?}");
+    assert_eq!(o.nodes_serving, 1, "{o:?}");
+    let hw = mlxnet_proto::v1::HardwareProfile {
+        measured_memory_bandwidth_bytes_per_s: 10_000_000_000,
+        ..Default::default()
+    };
+    let summary = mlx_node::status::first_run_summary(&snapshot, &hw);
+    assert!(summary.contains("MLX/hour at today's price"), "{summary}");
 
     // The World page: this one job's tokens per joule.
     let (status, body, _) = http_get(coord.http_addr, "/api/world/totals").await?;
