@@ -492,16 +492,19 @@ async fn reject(conn: &quinn::Connection, send: Option<quinn::SendStream>, reaso
 
 /// What serving each of `session`'s models looks like now, for the
 /// owner's first-run summary: the catalogue's prices, the nodes serving
-/// it, and the network's demand (jobs queued or running per 1,000 job
-/// slots online). A store that cannot count jobs gives demand 0.
+/// it, and the demand (jobs queued, network-wide, plus the jobs running on
+/// this replica's nodes, per 1,000 of their job slots). One indexed count
+/// per handshake: the running jobs and slots are the sessions' own. A
+/// store that cannot count gives demand 0.
 async fn outlook(d: &LinkContext, session: &Session) -> Vec<ModelOutlook> {
     let sessions = d.sessions.all();
     let slots: u64 = sessions
         .iter()
         .map(|s| u64::from(s.max_concurrent_jobs.max(1)))
         .sum();
-    let demand_permille = match d.store.job_stats().await {
-        Ok(j) => demand_permille(j.queued.saturating_add(j.running), slots),
+    let running: u64 = sessions.iter().map(|s| u64::from(s.running_jobs())).sum();
+    let demand_permille = match d.store.count_queued().await {
+        Ok(queued) => demand_permille(queued.saturating_add(running), slots),
         Err(e) => {
             debug!(error = %error_chain(&e), "counting jobs for the outlook failed");
             0

@@ -146,3 +146,15 @@ async fn a_silent_node_goes_offline_and_a_reconnect_replaces_the_old_session() {
     );
     app.stop().await;
 }
+
+/// The outlook's demand: jobs per 1,000 slots, capped at all of them, and
+/// no slots (no node online) is no demand figure's division by zero.
+#[test]
+fn demand_is_jobs_per_thousand_slots_capped_at_every_slot() {
+    assert_eq!(super::demand_permille(0, 0), 0);
+    assert_eq!(super::demand_permille(5, 10), 500);
+    assert_eq!(super::demand_permille(1, 3), 333);
+    assert_eq!(super::demand_permille(30, 10), 1000);
+    assert_eq!(super::demand_permille(u64::MAX, 1), 1000);
+    assert_eq!(super::demand_permille(3, 0), 1000);
+}
