@@ -131,6 +131,11 @@ fn ensure_model(path: &Path) -> Result<(), String> {
         return Ok(());
     }
     eprintln!("writing the random-weight model to {}", path.display());
+    // The workspace's target dir may not exist when the bench is built in
+    // another one (CARGO_TARGET_DIR).
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir).map_err(|e| format!("creating {}: {e}", dir.display()))?;
+    }
     let tmp = path.with_extension("tmp");
     testutil::write_gguf(&tmp, &spec(), dtype(), &GgufTweaks::default());
     std::fs::rename(&tmp, path).map_err(|e| format!("renaming {}: {e}", tmp.display()))
