@@ -518,10 +518,7 @@ async fn outlook(d: &LinkContext, session: &Session) -> Vec<ModelOutlook> {
             model: m.info.id.clone(),
             price_output_micro_mlx_per_mtok: m.price().output_per_mtok,
             price_input_micro_mlx_per_mtok: m.price().input_per_mtok,
-            nodes_serving: sessions
-                .iter()
-                .filter(|s| s.models.contains(&m.sha256) && !s.is_draining())
-                .count() as u32,
+            nodes_serving: sessions.iter().filter(|s| s.serves(&m.sha256)).count() as u32,
             demand_permille,
         })
         .collect()

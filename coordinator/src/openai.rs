@@ -521,7 +521,7 @@ fn model_json(d: &ApiContext, m: &crate::catalogue::Model) -> Value {
         .sessions
         .all()
         .iter()
-        .filter(|s| s.models.contains(&m.sha256) && !s.is_draining())
+        .filter(|s| s.serves(&m.sha256))
         .count();
     json!({
         "id": m.info.id,

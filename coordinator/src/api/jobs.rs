@@ -579,10 +579,7 @@ fn serving_now(d: &ApiContext, model: &str) -> bool {
     let Some(m) = d.catalogue.get(model) else {
         return false;
     };
-    d.sessions
-        .all()
-        .iter()
-        .any(|s| s.models.contains(&m.sha256) && !s.is_draining())
+    d.sessions.all().iter().any(|s| s.serves(&m.sha256))
 }
 
 /// Validates `request` for `me` and submits it as a job: every check

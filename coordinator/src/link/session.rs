@@ -161,6 +161,12 @@ impl Session {
         self.is_draining()
     }
 
+    /// Whether the node holds the model file `sha256` and takes new jobs:
+    /// what "serving a model" means to clients (models list, the outlook).
+    pub fn serves(&self, sha256: &[u8; 32]) -> bool {
+        self.models.contains(sha256) && !self.is_draining()
+    }
+
     /// Whether the node asked for no new jobs.
     pub fn is_draining(&self) -> bool {
         self.draining.load(Ordering::Relaxed)
