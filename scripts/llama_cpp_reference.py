@@ -24,8 +24,18 @@ Each file holds:
   newlines, special tokens, non-ASCII), tokenized without BOS and with
   special tokens recognised.
 
+- `qwen3moe DIR`: the random-weight Qwen3-MoE files the engine's test
+  `engine::moe::reference_tests` writes (written into DIR first with
+  `MLXNET_MOE_REFERENCE_DIR=DIR cargo nextest run -p mlx-node --run-ignored
+  only -E 'test(write_the_reference_files)'`), written to
+  node/src/engine/testdata/llama_cpp_reference_qwen3moe.json: per file, its
+  SHA-256 and, for three prompts given as token ids (the files' vocabulary
+  is tiny and random), N_PREDICT greedy steps, each with llama.cpp's token,
+  its top-2 margin and its TOP_LOGITS best (id, logit) pairs. End tokens do
+  not stop a run: the test teacher-forces these tokens.
+
 Usage: pip install llama-cpp-python jinja2; scripts/fetch-test-model.sh;
-       python3 scripts/llama_cpp_reference.py [smollm2|gemma3]
+       python3 scripts/llama_cpp_reference.py [smollm2|gemma3|qwen3moe DIR]
 On CPUs with AMX, the default llama-cpp-python build can die with SIGILL in
 ggml's AMX code; the model is loaded with use_extra_bufts=False when the
 installed version accepts it, or build it with
@@ -43,11 +53,23 @@ MODELS = {
     "smollm2": ("SmolLM2-135M-Instruct.Q4_1.gguf", "llama_cpp_reference.json"),
     "gemma3": ("gemma-3-270m-q4_k_m.gguf", "llama_cpp_reference_gemma3.json"),
 }
+MOE_OUT = os.path.join(TESTDATA, "llama_cpp_reference_qwen3moe.json")
+# The files engine::moe::reference_tests writes, in its order.
+MOE_FILES = ["routed-F16", "routed-Q8_0", "routed-Q4_K", "every-F16", "every-Q8_0"]
+MOE_PROMPTS = [
+    [40, 71, 12, 99, 3, 250, 17, 17, 180, 64, 5, 200],
+    [1, 100, 150],
+    [(7 * i + 3) % 261 + 3 for i in range(40)],
+]
+TOP_LOGITS = 16
 WHICH = sys.argv[1] if len(sys.argv) > 1 else "smollm2"
-if WHICH not in MODELS:
-    sys.exit(f"usage: {sys.argv[0]} [{'|'.join(MODELS)}]")
-MODEL = os.path.join(ROOT, "models", MODELS[WHICH][0])
-OUT = os.path.join(TESTDATA, MODELS[WHICH][1])
+if WHICH not in MODELS and WHICH != "qwen3moe":
+    sys.exit(f"usage: {sys.argv[0]} [{'|'.join(MODELS)}|qwen3moe DIR]")
+if WHICH == "qwen3moe":
+    MODEL, OUT = None, MOE_OUT
+else:
+    MODEL = os.path.join(ROOT, "models", MODELS[WHICH][0])
+    OUT = os.path.join(TESTDATA, MODELS[WHICH][1])
 N_PREDICT = 32
 
 TEXT_PROMPTS = [
@@ -91,10 +113,10 @@ def sha256(path):
     return h.hexdigest()
 
 
-def load():
+def load(model=None, n_ctx=1024):
     from llama_cpp import Llama
 
-    kwargs = dict(model_path=MODEL, n_ctx=1024, n_batch=1024, n_threads=2, seed=0, verbose=False, logits_all=True)
+    kwargs = dict(model_path=model or MODEL, n_ctx=n_ctx, n_batch=1024, n_threads=2, seed=0, verbose=False, logits_all=True)
     try:
         return Llama(use_extra_bufts=False, **kwargs)
     except TypeError:
@@ -119,7 +141,50 @@ def greedy(llm, tokens, eog):
     return out, margins
 
 
+def moe_run(llm, tokens):
+    """N_PREDICT greedy steps from `tokens`, end tokens included: at each,
+    the token, the top-2 margin and the TOP_LOGITS best (id, logit)."""
+    llm.reset()
+    llm.eval(tokens)
+    out, margins, tops = [], [], []
+    for _ in range(N_PREDICT):
+        logits = [float(x) for x in llm.scores[llm.n_tokens - 1]]
+        order = sorted(range(len(logits)), key=lambda i: -logits[i])
+        out.append(int(order[0]))
+        margins.append(round(logits[order[0]] - logits[order[1]], 5))
+        tops.append([[int(i), round(logits[i], 5)] for i in order[:TOP_LOGITS]])
+        llm.eval([order[0]])
+    return out, margins, tops
+
+
+def moe_main():
+    if len(sys.argv) < 3:
+        sys.exit(f"usage: {sys.argv[0]} qwen3moe DIR (the files written by the engine's test)")
+    import llama_cpp
+
+    files = []
+    for name in MOE_FILES:
+        path = os.path.join(sys.argv[2], f"qwen3moe-{name}.gguf")
+        if not os.path.exists(path):
+            sys.exit(f"{path} is missing: write the files first (see this script's header)")
+        llm = load(path, n_ctx=128)
+        runs = []
+        for prompt in MOE_PROMPTS:
+            output, margins, tops = moe_run(llm, prompt)
+            runs.append({"prompt_tokens": prompt, "output_tokens": output, "top2_margins": margins, "top_logits": tops})
+        files.append({"name": name, "sha256": sha256(path), "greedy": runs})
+        print(name, "smallest margin", min(m for r in runs for m in r["top2_margins"]))
+        del llm
+    out = {"llama_cpp_python": llama_cpp.__version__, "n_predict": N_PREDICT, "top_logits": TOP_LOGITS, "files": files}
+    with open(OUT, "w", encoding="utf-8") as f:
+        json.dump(out, f, separators=(",", ":"))
+        f.write("\n")
+    print("wrote", OUT)
+
+
 def main():
+    if WHICH == "qwen3moe":
+        return moe_main()
     if not os.path.exists(MODEL):
         sys.exit(f"{MODEL} is missing: run scripts/fetch-test-model.sh")
     import jinja2

@@ -6,8 +6,9 @@
 //! keeps, per worker, an approximate tree of the text it sent there and
 //! prefers the longest match while load is balanced). Here the tree is a
 //! bounded map from hash-chain keys of input prefixes to the nodes that
-//! last ran them; [`super::fleet`] uses the longest match only to order
-//! candidates already within its near-best band.
+//! last ran them; [`super::fleet`] credits a node holding a match with the
+//! prefill of the matched bytes (it prefills only the rest), and orders the
+//! candidates within its near-best band by the longest match.
 //!
 //! # Keys
 //! A job's input is cut into segments: each chat message (role and
@@ -33,9 +34,10 @@
 //!   job's keys are forgotten on that node.
 //!
 //! A node that lies the other way (hits it never had) keeps only affinity
-//! it earned by running the job, and affinity never moves a job out of
-//! the near-best band, so no report makes a clearly slower or busier node
-//! win. Nothing here is used for money.
+//! it earned by running the job, and affinity is worth at most the
+//! prefill of the matched bytes, so no report makes a node win that is
+//! clearly slower or busier at the rest of the job. Nothing here is used
+//! for money.
 //!
 //! # Invariants
 //! - At most `capacity` keys are held: least recently recorded first out;

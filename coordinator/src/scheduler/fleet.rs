@@ -21,13 +21,14 @@
 //!    Macs stay free for the big models when a small Mac is nearly as fast.
 //!    Ties go to a single Mac over a pod (fewer machines tied up), then to
 //!    the faster candidate, then to the earliest added.
-//! 4. Prefix affinity ([`Fleet::decide_with`], [`super::affinity`]): when
-//!    nodes inside that band last ran a prefix of the job's input, the one
-//!    with the longest prefix wins instead (its prefix cache makes the
-//!    prefill nearly free), looked at even when it is not its class's best
-//!    fit. Outside the band, or in a worse tier, affinity counts for
-//!    nothing: it breaks near-ties and never makes a clearly slower or
-//!    busier node win.
+//! 4. Prefix affinity ([`Fleet::decide_with`], [`super::affinity`]): a node
+//!    that last ran a prefix of the job's input is looked at even when it
+//!    is not its class's best fit, and its estimate counts only the prefill
+//!    of the rest of the input (its prefix cache serves the prefix; the
+//!    decode part is unchanged). Then, among the candidates inside the
+//!    band, the one with the longest prefix wins. In a worse tier affinity
+//!    counts for nothing, and it never makes a node that is slower or
+//!    busier at decoding the job win: only the prefill it saves counts.
 //!
 //! # Index
 //! Nodes are grouped into classes of identical figures: chip table values
@@ -231,6 +232,27 @@ struct Candidate {
     load: u32,
     /// Bytes of the job's input prefix the node last ran (0: none known).
     affinity: u64,
+}
+
+impl Candidate {
+    /// A node that ran `self.affinity` bytes of the job's input prefills
+    /// only the rest: its prefix cache serves the part it ran. The prompt
+    /// is counted in input bytes on both sides (`JobShape::prompt_tokens`
+    /// is the input's bytes, the affinity's depth too), and prefill time is
+    /// linear in it, so the credit is that share of the prefill estimate.
+    /// The tier is left as it was (it depends on the model being cached
+    /// and on the node's mode, not on this).
+    fn credit_prefix(&mut self, job: &JobShape<'_>) {
+        let prompt = u64::from(job.prompt_tokens);
+        if prompt == 0 || self.estimate.total_s <= 0.0 {
+            return;
+        }
+        let saved = self.estimate.prefill_s * self.affinity.min(prompt) as f64 / prompt as f64;
+        let before = self.estimate.total_s;
+        self.estimate.prefill_s -= saved;
+        self.estimate.total_s = (before - saved).max(0.0);
+        self.time *= self.estimate.total_s / before;
+    }
 }
 
 /// Below this reliability (after rounding to quarters) a node or pod ranks
@@ -611,9 +633,10 @@ impl Fleet {
 
     /// [`Fleet::decide`], knowing which nodes last ran a prefix of the
     /// job's input and how many bytes of it (`affinity`, from
-    /// [`super::affinity::Affinity::matches`]). Among the candidates of the
-    /// best tier within the near-best band, the one holding the longest
-    /// prefix wins; outside the band affinity counts for nothing.
+    /// [`super::affinity::Affinity::matches`]). A node holding a prefix is
+    /// estimated with the prefill of the rest of the input only; then,
+    /// among the candidates of the best tier within the near-best band, the
+    /// one holding the longest prefix wins.
     pub fn decide_with(&self, job: &JobShape<'_>, affinity: &[(NodeId, u64)]) -> Decision {
         let need = job.memory_needed();
         if !self.could_ever_hold(job) {
@@ -662,6 +685,9 @@ impl Fleet {
             let mut c = self.node_candidate(job, class, (n.free, slot), need, true);
             c.affinity = bytes;
             cands.push(c);
+        }
+        for c in cands.iter_mut().filter(|c| c.affinity > 0) {
+            c.credit_prefix(job);
         }
         let Some(best_tier) = cands.iter().map(|c| c.tier).min() else {
             return Decision::Wait(self.wait_reason(job, need));

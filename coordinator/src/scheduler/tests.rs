@@ -1039,3 +1039,57 @@ fn the_next_turn_goes_to_the_node_holding_its_prefix_only_when_it_is_near_best()
     assert_eq!(placed.len(), 1);
     assert_eq!(placed[0].1.target, Target::Node(id(1)));
 }
+
+/// Issue 25 (and a test that failed under load, issue 23): a node holding
+/// most of the input's prefix prefills only the rest, so a node that is
+/// slower at prefill but holds the prefix wins; without the prefix the
+/// faster node wins by more than the near-best band.
+#[test]
+fn a_node_holding_the_prefix_is_credited_with_the_prefill_it_saves() {
+    let ms = models();
+    let model = &ms[1];
+    let node = |seed: u64, compute: f64| {
+        let mut spec = NodeSpec::new(
+            id(seed),
+            "a box",
+            64 * GIB,
+            Mode::Dedicated,
+            &Measured {
+                memory_bandwidth: Some(300e9),
+                compute: Some(compute),
+                internet: None,
+            },
+        );
+        spec.cached = vec![model.sha256];
+        spec
+    };
+    // A long prompt and one token to generate: the prefill is the job.
+    let job = JobShape {
+        model,
+        prompt_tokens: 4000,
+        max_tokens: 1,
+    };
+    let place = |affinity: &[(NodeId, u64)]| {
+        let mut f = Fleet::new(Policy::default());
+        // Node 1 computes at a quarter of node 2's speed.
+        f.add_node(node(1, 2.5e12)).unwrap();
+        f.add_node(node(2, 10e12)).unwrap();
+        let Decision::Place(p) = f.decide_with(&job, affinity) else {
+            panic!("should place")
+        };
+        println!("{}", p.reason);
+        p
+    };
+    let plain = place(&[]);
+    assert_eq!(plain.target, Target::Node(id(2)), "{}", plain.reason);
+    // Node 1 ran 3,900 of the 4,000 bytes: it prefills 100.
+    let held = place(&[(id(1), 3900)]);
+    assert_eq!(held.target, Target::Node(id(1)), "{}", held.reason);
+    assert_eq!(held.prefix_match, 3900);
+    // Holding only a sliver, it is still the slower one.
+    let sliver = place(&[(id(1), 200)]);
+    assert_eq!(sliver.target, Target::Node(id(2)), "{}", sliver.reason);
+    // A claim of more than the whole input counts as the whole input.
+    let all = place(&[(id(1), u64::MAX)]);
+    assert_eq!(all.target, Target::Node(id(1)), "{}", all.reason);
+}

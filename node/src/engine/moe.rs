@@ -355,6 +355,12 @@ thread_local! {
     /// Every expert run on this thread: (layer, expert, rows).
     pub(crate) static EXPERT_RUNS: std::cell::RefCell<Vec<(usize, usize, usize)>> =
         const { std::cell::RefCell::new(Vec::new()) };
+    /// For every token routed on this thread, the router's margin: its
+    /// k-th best logit minus its (k+1)-th (none when every expert is used).
+    /// A small one is a near tie, where a rounding difference upstream may
+    /// choose another expert.
+    pub(crate) static ROUTER_MARGINS: std::cell::RefCell<Vec<f32>> =
+        const { std::cell::RefCell::new(Vec::new()) };
 }
 
 impl MoeFfn {
@@ -413,6 +419,11 @@ impl MoeFfn {
         let mut choices = Vec::with_capacity(s * k);
         for row in logits.chunks_exact(n) {
             route(row, k, self.norm_top_k, &mut choices);
+            #[cfg(test)]
+            if k < n {
+                let order = ranked(row);
+                ROUTER_MARGINS.with(|m| m.borrow_mut().push(row[order[k - 1]] - row[order[k]]));
+            }
         }
         // Each slot's weighted expert output.
         let mut slots = vec![0f32; s * k * h];
@@ -448,5 +459,7 @@ impl MoeFfn {
     }
 }
 
+#[cfg(test)]
+mod reference_tests;
 #[cfg(test)]
 mod tests;

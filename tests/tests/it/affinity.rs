@@ -82,9 +82,12 @@ async fn the_second_turn_of_a_chat_runs_where_its_prefix_is_cached() -> anyhow::
                 ("assistant", &run1.job.output_text),
                 ("user", "And how much is it?"),
             ],
-            // One token: the estimates then differ by at most one token's
-            // time, well inside the near-best band's 1 s floor whatever
-            // speed a's first job showed on a loaded machine.
+            // One token: the job is its prefill. A's estimate counts only
+            // the prefill of the two new messages (it holds the rest), so
+            // whatever speeds the two nodes measured or a's first job
+            // showed on a loaded machine, b is not faster. (Before that
+            // credit, a's slower figures on a loaded machine sent this turn
+            // to b: seen in a whole-suite run under load.)
             1,
         ))
         .await?
