@@ -459,6 +459,19 @@ mod tests {
             "{ok}, {refilled} refilled"
         );
         assert_eq!(ok + refused, 40);
+        // The refusals spent nothing: with the bucket's clock moved back by
+        // one token's refill time (0.2 s at 5/s; moved, not waited for), the
+        // next request is admitted.
+        lock(&a.keys)
+            .get_mut("k")
+            .expect("the key's bucket")
+            .refilled -= std::time::Duration::from_millis(200);
+        let mut p = a.admit_anonymous().unwrap();
+        assert_eq!(
+            a.admit_key(&mut p, &k),
+            Ok(()),
+            "{refused} refused requests spent tokens"
+        );
     }
 
     #[tokio::test]

@@ -484,7 +484,25 @@ fn run_rect(isa: Isa, rect: &Rect<'_>, acts: &Acts<'_>, out: &mut [f32]) {
         Isa::Avx512Vnni if !rect.format.is_k() => x86::rect_vnni(rect, acts, out),
         #[cfg(target_arch = "aarch64")]
         Isa::Neon => neon::rect(rect, acts, out),
-        _ => scalar::rect(rect, acts, out),
+        _ => {
+            #[cfg(test)]
+            fell_back(isa, !(cfg!(target_arch = "x86_64") && rect.format.is_k()));
+            scalar::rect(rect, acts, out)
+        }
+    }
+}
+
+/// Test hook: calls that asked for a SIMD path which has a kernel of its own
+/// for the work, and ran the portable kernel instead. The kernel tests
+/// require none: a dispatch that quietly fell back would have them compare
+/// the scalar path with itself.
+#[cfg(test)]
+static SIMD_FELL_BACK: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+#[cfg(test)]
+fn fell_back(isa: Isa, has_own_kernel: bool) {
+    if isa != Isa::Scalar && has_own_kernel {
+        SIMD_FELL_BACK.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     }
 }
 
@@ -696,7 +714,11 @@ fn run_groups(isa: Isa, w: &packed::Packed, acts: &Acts<'_>, m: usize, g0: usize
     match isa {
         Isa::Avx2 => packed::groups_avx2(w, acts, m, g0, out),
         Isa::Avx512Vnni => packed::groups_vnni(w, acts, m, g0, out),
-        _ => packed::groups_scalar(w, acts, m, g0, out),
+        _ => {
+            #[cfg(test)]
+            fell_back(isa, true);
+            packed::groups_scalar(w, acts, m, g0, out)
+        }
     }
 }
 

@@ -175,6 +175,10 @@ async fn a_key_rate_limit_refuses_the_excess_and_its_own_limits_apply_at_once() 
     let (mut ok, mut limited) = (0, 0);
     let started = std::time::Instant::now();
     for _ in 0..30 {
+        // Paced (10 a second, twice the limit), so the loop lasts long
+        // enough for the refill rate to count: a bucket that refilled at
+        // twice 5/s would let every request through. Not a readiness wait.
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
         match client.list(list()).await {
             Ok(_) => ok += 1,
             Err(s) => {
@@ -449,6 +453,16 @@ async fn a_slow_http_sender_is_cut_off() {
     assert!(
         after >= timeout,
         "closed {after:?} after the partial head, before the {timeout:?} header timeout"
+    );
+    // And by the configured timeout, not by hyper's own header timeout (30 s
+    // by default), which would cut the sender off even if ours were never
+    // set: a wide margin over the configured 300 ms, counted from the partial
+    // head, that still stops well short of that default.
+    let hyper_default = std::time::Duration::from_secs(30);
+    assert!(
+        after < hyper_default / 2,
+        "closed {after:?} after the partial head: hyper's own {hyper_default:?} default, \
+         not the configured {timeout:?}"
     );
     // The same server answers a head that arrives whole.
     let get = "GET /metrics HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n";

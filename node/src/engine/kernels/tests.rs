@@ -235,6 +235,10 @@ fn every_available_isa_matches_the_scalar_reference() {
     let paths = simd_paths();
     let mut ran = std::collections::HashMap::new();
     let mut cases = 0;
+    // Cases a SIMD path runs on the portable kernel by design: row-major
+    // K-quant matrices on x86-64 (real ones are repacked, and the repacked
+    // kernels are checked in the test below).
+    let mut portable_by_design = 0;
     for format in FORMATS {
         // Both split modes (m < 8 by weight rows, m >= 8 by activations).
         for (n, k) in shapes(format) {
@@ -247,8 +251,17 @@ fn every_available_isa_matches_the_scalar_reference() {
                 let reference = product(&w, &mut scratch, Isa::Scalar);
                 let mags = magnitudes(&w, &scratch);
                 cases += 1;
+                if cfg!(target_arch = "x86_64") && format.is_k() {
+                    portable_by_design += 1;
+                }
                 for &isa in &paths {
+                    let fell_back = SIMD_FELL_BACK.load(std::sync::atomic::Ordering::Relaxed);
                     let got = product(&w, &mut scratch, isa);
+                    assert_eq!(
+                        SIMD_FELL_BACK.load(std::sync::atomic::Ordering::Relaxed),
+                        fell_back,
+                        "{isa:?} {format:?} n={n} k={k} m={m}: asked for, but the portable kernel ran"
+                    );
                     assert_within_rounding(
                         &got,
                         &reference,
@@ -260,8 +273,13 @@ fn every_available_isa_matches_the_scalar_reference() {
             }
         }
     }
-    // Every format, shape and row count ran on every path the CPU reports.
+    // Every format, shape and row count ran on every path the CPU reports,
+    // on that path's own kernel wherever it has one.
     assert_every_path_ran(&ran, cases);
+    eprintln!(
+        "of the {cases} cases per path, {portable_by_design} ran the portable kernel by design \
+         (row-major K-quants on x86-64); none fell back otherwise"
+    );
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -303,7 +321,13 @@ fn repacked_weights_match_the_row_major_reference_on_every_isa() {
                 // The scalar path reads the packed layout too.
                 for &isa in std::iter::once(&Isa::Scalar).chain(&paths) {
                     let mut got = vec![f32::NAN; m * n];
+                    let fell_back = SIMD_FELL_BACK.load(std::sync::atomic::Ordering::Relaxed);
                     matmul_packed(&p, &mut scratch, &mut got, isa).expect("packed matmul");
+                    assert_eq!(
+                        SIMD_FELL_BACK.load(std::sync::atomic::Ordering::Relaxed),
+                        fell_back,
+                        "packed {isa:?} {format:?} n={n} k={k} m={m}: asked for, but the portable kernel ran"
+                    );
                     assert_within_rounding(
                         &got,
                         &reference,
