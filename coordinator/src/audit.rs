@@ -78,7 +78,7 @@
 
 use std::{
     collections::{HashMap, HashSet},
-    sync::Mutex,
+    sync::{Arc, Mutex},
 };
 
 pub use crate::domain::AuditRecord as NodeRecord;
@@ -349,6 +349,71 @@ pub struct Audits {
     /// memory, per process (a restart forgets it: a node shows it again
     /// with its next job), bounded by [`SHOWN_MAX`] nodes.
     shown: Mutex<HashMap<NodeId, HashSet<[u8; 32]>>>,
+    /// The audits of each node this process has asked an auditor about
+    /// and not yet ended ([`Audits::in_progress`]): placement holds a node
+    /// back while they stand against it ([`Audits::held`]).
+    standing: Mutex<HashMap<NodeId, Standing>>,
+}
+
+/// A node's audits in progress in this process.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Standing {
+    /// Audits an auditor was asked about, not yet ended.
+    pub in_progress: u32,
+    /// Of those, the ones with a failing verdict awaiting confirmation.
+    pub accused: u32,
+}
+
+/// Whether a node with `record` and audits `standing` is held out of
+/// placement: an audit of it has a failing verdict awaiting confirmation,
+/// or it has as many audits in progress as would ban it, with its failed
+/// audits and wrong verdicts so far, if they all failed. Without this, a
+/// node that fabricates fast kept getting jobs while its audits ran and
+/// failed up to 6 before its ban (at 2) took effect. An honest node is
+/// held only while `ban_after` audits of it run at once, and never where
+/// no auditor is online (an audit counts once an auditor is asked).
+pub fn held(config: &AuditConfig, record: &NodeRecord, standing: Standing) -> bool {
+    let strikes = record.failed.saturating_add(record.wrong_verdicts);
+    standing.accused > 0
+        || (standing.in_progress > 0
+            && strikes.saturating_add(standing.in_progress) >= config.ban_after.max(1))
+}
+
+/// One audit in progress of a node, counted in [`Audits::held`] until
+/// dropped (when the audit ends, is missed, or the coordinator stops).
+pub struct InProgress {
+    audits: Arc<Audits>,
+    node: NodeId,
+    accused: bool,
+}
+
+impl InProgress {
+    /// The audit has a failing verdict that awaits confirmation: the node
+    /// is held until the audit ends.
+    pub fn accuse(&mut self) {
+        if !self.accused {
+            self.accused = true;
+            lock(&self.audits.standing)
+                .entry(self.node)
+                .or_default()
+                .accused += 1;
+        }
+    }
+}
+
+impl Drop for InProgress {
+    fn drop(&mut self) {
+        let mut standing = lock(&self.audits.standing);
+        if let Some(s) = standing.get_mut(&self.node) {
+            s.in_progress = s.in_progress.saturating_sub(1);
+            if self.accused {
+                s.accused = s.accused.saturating_sub(1);
+            }
+            if s.in_progress == 0 {
+                standing.remove(&self.node);
+            }
+        }
+    }
 }
 
 /// The most nodes [`Audits`] remembers shown models for (past it, all are
@@ -367,6 +432,7 @@ impl Audits {
             banned: Mutex::new(banned),
             records: Mutex::new(records),
             shown: Mutex::new(HashMap::new()),
+            standing: Mutex::new(HashMap::new()),
         })
     }
 
@@ -397,6 +463,30 @@ impl Audits {
     /// Whether `node` may no longer be placed.
     pub fn is_banned(&self, node: &NodeId) -> bool {
         lock(&self.banned).contains(node)
+    }
+
+    /// Counts an audit of `node` as in progress (an auditor was asked)
+    /// until the returned guard is dropped.
+    pub fn in_progress(self: &Arc<Self>, node: NodeId) -> InProgress {
+        lock(&self.standing).entry(node).or_default().in_progress += 1;
+        InProgress {
+            audits: Arc::clone(self),
+            node,
+            accused: false,
+        }
+    }
+
+    /// Whether placement holds `node` back for the audits of it in
+    /// progress here ([`held`]).
+    pub fn held(&self, node: &NodeId) -> bool {
+        let Some(standing) = lock(&self.standing).get(node).copied() else {
+            return false;
+        };
+        let record = lock(&self.records)
+            .get(&node.to_string())
+            .copied()
+            .unwrap_or_default();
+        held(&self.config, &record, standing)
     }
 
     /// Whether `node` is on probation (see the module header), by its
@@ -564,6 +654,38 @@ mod tests {
             "a node that failed once is always audited"
         );
         assert_eq!(audit_rate(&AuditConfig::off(), &NodeRecord::default()), 0.0);
+    }
+
+    #[test]
+    fn a_node_is_held_while_a_failure_awaits_confirmation_or_its_audits_could_ban_it() {
+        let c = AuditConfig::default();
+        assert_eq!(c.ban_after, 2);
+        let standing = |in_progress, accused| Standing {
+            in_progress,
+            accused,
+        };
+        let failed = |failed| NodeRecord {
+            failed,
+            ..NodeRecord::default()
+        };
+        let clean = NodeRecord::default();
+        assert!(!held(&c, &clean, standing(0, 0)));
+        assert!(!held(&c, &clean, standing(1, 0)), "one clean audit running");
+        assert!(
+            held(&c, &clean, standing(1, 1)),
+            "a failure awaits confirmation"
+        );
+        assert!(held(&c, &clean, standing(2, 0)), "two running could ban it");
+        assert!(
+            held(&c, &failed(1), standing(1, 0)),
+            "one more failure bans it"
+        );
+        assert!(!held(&c, &failed(1), standing(0, 0)), "nothing running");
+        let wrong = NodeRecord {
+            wrong_verdicts: 1,
+            ..NodeRecord::default()
+        };
+        assert!(held(&c, &wrong, standing(1, 0)));
     }
 
     #[test]

@@ -308,11 +308,13 @@ impl CoordinatorConfig {
         anyhow::ensure!(
             self.limits.max_in_flight_requests >= 1
                 && self.limits.max_public_in_flight >= 1
+                && self.limits.max_key_lookups_in_flight >= 1
                 && self.limits.max_connections >= 1
                 && self.limits.max_http_in_flight >= 1
                 && self.limits.max_node_connections >= 1
                 && self.limits.request_timeout_ms >= 1,
-            "limits.max_in_flight_requests, max_public_in_flight, max_connections, \
+            "limits.max_in_flight_requests, max_public_in_flight, max_key_lookups_in_flight, \
+             max_connections, \
              max_http_in_flight, max_node_connections and request_timeout_ms must be at least 1"
         );
         Ok(())

@@ -60,6 +60,8 @@ mod audit;
 #[cfg(test)]
 mod audit_adversary_tests;
 #[cfg(test)]
+mod placement_adversary_tests;
+#[cfg(test)]
 mod reward_adversary_tests;
 pub mod sweep;
 
@@ -423,12 +425,14 @@ impl Dispatcher {
                 // submitted is a candidate for it (a snapshot taken before
                 // the store's read could miss it and hand the job to the
                 // nodes of an earlier moment).
-                // A node banned after failed audits is never placed.
+                // A node banned after failed audits is never placed, nor
+                // one held back while audits of its work that could ban it
+                // run (`Audits::held`).
                 let sessions: Vec<_> = self
                     .sessions
                     .all()
                     .into_iter()
-                    .filter(|s| !self.audits.is_banned(&s.node_id))
+                    .filter(|s| !self.audits.is_banned(&s.node_id) && !self.audits.held(&s.node_id))
                     .collect();
                 let online: HashSet<NodeId> = sessions.iter().map(|s| s.node_id).collect();
                 lock(&self.affinity).retain_nodes(|id| online.contains(id));
@@ -437,8 +441,9 @@ impl Dispatcher {
                 // the established nodes (pass 1); the jobs left go to established
                 // nodes (pass 2), then to anyone (pass 3: a network of new nodes
                 // still runs every job). A retried job is not handed back to a
-                // node whose attempt failed it while another node can take it
-                // (passes 1 and 2).
+                // node whose attempt failed it while another node could ever
+                // take it, even one busy now (every pass; see
+                // [`Self::plan_last`]).
                 let cap = self.audits.config.probation_running;
                 let mut room: HashMap<NodeId, u32> = HashMap::new();
                 let mut first = Vec::new();
@@ -469,7 +474,7 @@ impl Dispatcher {
                 let (placed, left) = self.plan_away(&established, left);
                 plan.extend(placed);
                 if !left.is_empty() {
-                    plan.extend(self.plan(&sessions, left));
+                    plan.extend(self.plan_last(&sessions, left));
                 }
                 plan.iter()
                     .map(|p| (p.job.id, p.job.attempt, p.node.to_string()))
@@ -582,6 +587,63 @@ impl Dispatcher {
             plan.extend(placed);
         }
         (plan, left)
+    }
+
+    /// The last pass ("anyone"): [`Self::plan_away`] over every session,
+    /// then the jobs still left that no node but those that failed them
+    /// could ever run go back to those nodes (a small network still
+    /// retries, up to `max_attempts`). A job another node could run stays
+    /// queued for it, even while that node is busy: handing it back to a
+    /// node that already failed it is how a job failed for good on
+    /// attempts by A, B, A in the mixed-fleet run while honest nodes were
+    /// full.
+    fn plan_last(&self, sessions: &[Arc<Session>], claimed: Vec<Claimed>) -> Vec<Planned> {
+        let (mut plan, left) = self.plan_away(sessions, claimed);
+        let mut back = Vec::new();
+        for (job, account) in left {
+            if self.another_could_run(sessions, &job) {
+                debug!(job_id = %job.id, attempt = job.attempt, "retry waits for a node that has not failed it");
+            } else {
+                back.push((job, account));
+            }
+        }
+        if !back.is_empty() {
+            plan.extend(self.plan(sessions, back));
+        }
+        plan
+    }
+
+    /// Whether a node among `sessions` whose attempt never failed `job`
+    /// could ever run it: it holds the model file and takes jobs (not
+    /// draining; a pod through its leader) with the memory the job needs,
+    /// busy or not. True for a job no node has failed.
+    fn another_could_run(&self, sessions: &[Arc<Session>], job: &JobRecord) -> bool {
+        let avoid = match lock(&self.failed_on).get(&job.id) {
+            Some(failed) if job.attempt > 1 => failed.clone(),
+            _ => return true,
+        };
+        let Some(model) = self.catalogue.get(&job.model) else {
+            return false;
+        };
+        let others: Vec<_> = sessions
+            .iter()
+            .filter(|s| !avoid.contains(&s.node_id.to_string()) && s.models.contains(&model.sha256))
+            .cloned()
+            .collect();
+        if others.is_empty() {
+            return false;
+        }
+        let shape = model.job(input_bytes(&job.input), job.sampling.max_tokens);
+        // A busy node offers no free slot to the fleet, but it is one the
+        // job can wait for.
+        let need = shape.memory_needed();
+        let single = others.iter().any(|s| {
+            s.pod.is_none()
+                && !s.is_draining()
+                && s.max_concurrent_jobs > 0
+                && s.spec().memory_bytes >= need
+        });
+        single || Sessions::fleet(&others, &lock(&self.evidence)).could_ever_run(&shape)
     }
 
     /// Places `claimed` (each job with its paying account) onto `sessions`,

@@ -58,7 +58,7 @@ use serde_json::{json, Value};
 
 use crate::{
     api::{
-        auth::authenticate,
+        auth::admit_keyed,
         error::ApiError,
         jobs::{submit_job, watch_events},
         limits::Permit,
@@ -286,12 +286,7 @@ impl IntoResponse for OpenAiError {
 /// Anthropic's `x-api-key`), admitted under the same limits as gRPC: the
 /// permit must be held until the response ends.
 async fn admit(d: &ApiContext, headers: &HeaderMap) -> Result<(Caller, Permit), OpenAiError> {
-    let mut permit = d.admission.admit_anonymous().map_err(ApiError::from)?;
-    let caller = authenticate(&d.ledger, headers, Scope::Submit).await?;
-    d.admission
-        .admit_key(&mut permit, &caller)
-        .map_err(ApiError::from)?;
-    Ok((caller, permit))
+    Ok(admit_keyed(&d.ledger, &d.admission, headers, Scope::Submit).await?)
 }
 
 /// Reads the request body as a JSON object within the listener's timeout.

@@ -41,6 +41,8 @@ pub mod postgres;
 mod rows;
 pub mod sqlite;
 #[cfg(test)]
+pub(crate) mod test_locks;
+#[cfg(test)]
 pub(crate) mod tests;
 
 use std::collections::{HashMap, HashSet};

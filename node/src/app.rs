@@ -23,6 +23,7 @@ use tokio::sync::{watch, Semaphore};
 use tokio_util::sync::CancellationToken;
 
 use crate::{
+    collectives::tcp::PeerAuth,
     config::{ConfigError, NodeConfig},
     hardware::{self, HardwareError},
     identity::{Identity, IdentityError},
@@ -95,8 +96,9 @@ impl Node {
             }
         }
         let data_dir = config.data_dir.clone();
-        let identity =
-            tokio::task::spawn_blocking(move || Identity::load_or_create(&data_dir)).await??;
+        let identity = Arc::new(
+            tokio::task::spawn_blocking(move || Identity::load_or_create(&data_dir)).await??,
+        );
         let mut hardware = tokio::task::spawn_blocking(hardware::detect).await??;
         let bench = config.data_dir.join(hardware::BENCH_FILE);
         match hardware::apply_bench(&mut hardware, &bench) {
@@ -133,8 +135,20 @@ impl Node {
                         path: settings.hostfile.clone(),
                         reason: e.to_string(),
                     })?;
+                let pod_config = PodConfig::parse(&text).map_err(PodError::Config)?;
+                let auth = pod_config
+                    .peer_auth(settings.rank, &identity)
+                    .map_err(PodError::Config)?;
+                if matches!(auth, PeerAuth::Open) {
+                    tracing::warn!(
+                        hostfile = %settings.hostfile.display(),
+                        "the pod's data plane is not authenticated: any machine that reaches a \
+                         member's port can take a rank; give every host its node_id in the hostfile"
+                    );
+                }
                 let setup = PodSetup {
-                    config: PodConfig::parse(&text).map_err(PodError::Config)?,
+                    config: pod_config,
+                    auth,
                     rank: settings.rank,
                     port: settings.port,
                     parallelism: settings.parallelism,
@@ -223,7 +237,7 @@ impl Node {
             Some(&config.data_dir),
         );
         let ctx = LinkContext {
-            identity: Arc::new(identity),
+            identity: Arc::clone(&identity),
             models: Arc::new(models),
             hardware,
             coordinators: config.coordinator.iter().map(str::to_owned).collect(),

@@ -49,6 +49,8 @@ pub mod tcp;
 pub mod verbs;
 
 #[cfg(test)]
+mod auth_tests;
+#[cfg(test)]
 pub(crate) mod tests;
 
 pub use group::{Group, GroupOptions};

@@ -10,13 +10,16 @@
 //!   status (UNAUTHENTICATED) and the same message; the database is asked
 //!   the same question in every case but a missing header.
 //! - A valid key without the scope gets PERMISSION_DENIED naming the scope.
-//! - Abuse limits ([`super::limits`]) are checked here too: every request but
-//!   the health check takes a slot before anything else (so overload is
-//!   shed before the database is asked): one of the public cap for a method
-//!   that needs no key, so unauthenticated calls never hold the slots
-//!   authenticated ones need; one of the global cap otherwise, and then a
-//!   rate token and an in-flight slot of its key. The
-//!   slots are held until the response body ends ([`Held`]).
+//! - Abuse limits ([`super::limits`]) are checked here too. A method that
+//!   needs no key takes a slot of the public cap before anything else, so
+//!   unauthenticated calls never hold the slots authenticated ones need. A
+//!   method that needs a key is refused at once when no global slot is
+//!   free (overload is shed before the database is asked); a key this
+//!   replica does not know is looked up holding a slot of the small cap of
+//!   key lookups, so made-up keys never hold a global slot; once the key is
+//!   known, the request takes a global slot, a rate token and an in-flight
+//!   slot of its key ([`admit_keyed`]). The slots are held until the
+//!   response body ends ([`Held`]).
 //!
 //! # Failure
 //! A database error while looking up a key is INTERNAL (logged), never a
@@ -109,30 +112,48 @@ pub struct Auth<S> {
     admission: Arc<Admission>,
 }
 
-/// The caller behind `headers`' bearer key, if it has `scope` (also used by
-/// the OpenAI-compatible HTTP API).
-pub async fn authenticate(
+/// Admits a request that needs a key (also used by the OpenAI-compatible
+/// HTTP API): the caller behind `headers`' bearer key, if it has `scope`,
+/// and the permit to hold until its response ends (a global slot and one
+/// of the key's). Overload is shed first, before the database is asked; a
+/// key this replica does not know is looked up holding a slot of the small
+/// cap of key lookups, never a global slot; the global slot is taken once
+/// the key is known (see [`super::limits`]).
+pub async fn admit_keyed(
     ledger: &Ledger,
+    admission: &Admission,
     headers: &http::HeaderMap,
     scope: Scope,
-) -> Result<Caller, ApiError> {
+) -> Result<(Caller, Permit), ApiError> {
+    admission.shed_overload()?;
     let presented = headers
         .get(http::header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.strip_prefix("Bearer "))
         .map(str::trim)
         .ok_or(ApiError::Unauthenticated)?;
-    let caller = ledger
-        .authenticate(presented, now_ms())
-        .await?
-        .ok_or(ApiError::Unauthenticated)?;
+    let caller = match ledger.known_key(presented, now_ms()) {
+        Some(caller) => caller,
+        // Looked up again after the wait in line: a key the calls before
+        // it looked up is known by then (`Ledger::authenticate` asks the
+        // cache first).
+        None => {
+            let _lookup = admission.admit_lookup().await?;
+            ledger
+                .authenticate(presented, now_ms())
+                .await?
+                .ok_or(ApiError::Unauthenticated)?
+        }
+    };
     if !caller.scopes.allows(scope) {
         return Err(ApiError::PermissionDenied(format!(
             "this API key lacks the {} scope",
             scope.as_str()
         )));
     }
-    Ok(caller)
+    let mut permit = admission.admit_anonymous()?;
+    admission.admit_key(&mut permit, &caller)?;
+    Ok((caller, permit))
 }
 
 impl<S, ReqBody, ResBody> tower::Service<http::Request<ReqBody>> for Auth<S>
@@ -168,25 +189,21 @@ where
             if req.uri().path().starts_with(HEALTH) {
                 return Ok(inner.call(req).await?.map(|b| Held::new(b, None)));
             }
-            let access = required(req.uri().path());
-            let admitted = match access {
-                Access::Public => admission.admit_public(),
-                Access::Needs(_) => admission.admit_anonymous(),
-            };
-            let mut permit = match admitted {
-                Ok(p) => p,
-                Err(e) => return Ok(refuse(e.into())),
-            };
-            if let Access::Needs(scope) = access {
-                let caller = match authenticate(&ledger, req.headers(), scope).await {
-                    Ok(c) => c,
-                    Err(e) => return Ok(refuse(e)),
-                };
-                if let Err(e) = admission.admit_key(&mut permit, &caller) {
-                    return Ok(refuse(e.into()));
+            let permit = match required(req.uri().path()) {
+                Access::Public => match admission.admit_public() {
+                    Ok(p) => p,
+                    Err(e) => return Ok(refuse(e.into())),
+                },
+                Access::Needs(scope) => {
+                    match admit_keyed(&ledger, &admission, req.headers(), scope).await {
+                        Ok((caller, permit)) => {
+                            req.extensions_mut().insert(caller);
+                            permit
+                        }
+                        Err(e) => return Ok(refuse(e)),
+                    }
                 }
-                req.extensions_mut().insert(caller);
-            }
+            };
             Ok(inner.call(req).await?.map(|b| Held::new(b, Some(permit))))
         })
     }

@@ -23,10 +23,15 @@
 //! - A call that needs no key (Models, Network, reflection) never holds one
 //!   of the `max_in_flight_requests` slots: it takes one of
 //!   `limits.max_public_in_flight`, so unauthenticated callers holding
-//!   streams or slow calls open cannot starve authenticated ones. A call
-//!   that needs a key holds a global slot from before its key is looked up
-//!   (overload is shed before the database is asked); with a bad key, only
-//!   for that lookup.
+//!   streams or slow calls open cannot starve authenticated ones.
+//! - A call that needs a key takes its global slot only once its key is
+//!   known. A key this replica knows (its key cache) is checked without the
+//!   database; any other is looked up holding a slot of
+//!   `limits.max_key_lookups_in_flight`, never a global one (as many more
+//!   wait in line, the rest are refused at once), so a flood of made-up
+//!   keys (each a database lookup) is bounded by that small cap and cannot
+//!   take the slots of known keys. A call that finds no global slot
+//!   free is refused before its key is looked up.
 //! - Per-key state is bounded: entries of idle keys are dropped when the map
 //!   holds more than [`MAX_TRACKED_KEYS`].
 //!
@@ -75,6 +80,14 @@ pub struct Limits {
     /// Counted apart from `max_in_flight_requests`, so unauthenticated
     /// callers cannot take the slots of authenticated ones.
     pub max_public_in_flight: usize,
+    /// API keys looked up in the database at once (keys this replica does
+    /// not know yet: new, expired from its cache, or made up); as many more
+    /// wait in line, and past that they are refused with RESOURCE_EXHAUSTED
+    /// at once. A lookup holds one of these slots, never one of
+    /// `max_in_flight_requests`, so a flood of made-up keys cannot take the
+    /// slots of callers whose keys are known. Keep it below the store's
+    /// `max_connections`.
+    pub max_key_lookups_in_flight: usize,
     /// Requests per second per API key (burst: twice that), unless the key
     /// has its own limit. 0 = unlimited.
     pub key_requests_per_sec: u32,
@@ -110,6 +123,7 @@ impl Default for Limits {
             max_chat_messages: 64,
             max_in_flight_requests: 512,
             max_public_in_flight: 64,
+            max_key_lookups_in_flight: 8,
             key_requests_per_sec: 200,
             key_max_in_flight: 64,
             max_connections: 4096,
@@ -135,6 +149,11 @@ pub enum Refused {
          retry later"
     )]
     PublicOverloaded(usize),
+    #[error(
+        "the coordinator is overloaded ({0} API keys being checked, as many waiting); \
+         retry later"
+    )]
+    LookupsBusy(usize),
     #[error("this API key's rate limit of {0} requests/s is exceeded; retry later")]
     RateLimited(u32),
     #[error("this API key already has {0} requests in flight (its limit); retry when one ends")]
@@ -175,6 +194,11 @@ pub struct Admission {
     /// Slots of calls that need no key (apart from `global`).
     public: Arc<Semaphore>,
     public_max: usize,
+    /// Slots of key lookups in the database (apart from `global`).
+    lookups: Arc<Semaphore>,
+    lookups_max: usize,
+    /// Lookups waiting for a slot of `lookups` (at most `lookups_max`).
+    lookups_waiting: Arc<std::sync::atomic::AtomicUsize>,
     defaults: KeyQuota,
     keys: Arc<Mutex<HashMap<String, KeyState>>>,
     queue: QueueDepth,
@@ -223,11 +247,15 @@ impl Admission {
     pub fn new(limits: &Limits) -> Self {
         let global_max = limits.max_in_flight_requests.max(1);
         let public_max = limits.max_public_in_flight.max(1);
+        let lookups_max = limits.max_key_lookups_in_flight.max(1);
         Self {
             global: Arc::new(Semaphore::new(global_max)),
             global_max,
             public: Arc::new(Semaphore::new(public_max)),
             public_max,
+            lookups: Arc::new(Semaphore::new(lookups_max)),
+            lookups_max,
+            lookups_waiting: Arc::default(),
             defaults: KeyQuota {
                 requests_per_sec: limits.key_requests_per_sec,
                 max_in_flight: limits.key_max_in_flight,
@@ -301,8 +329,40 @@ impl Admission {
         })
     }
 
+    /// A slot of the cap of key lookups, held while a key this replica does
+    /// not know is looked up in the database. When none is free, the call
+    /// waits in line (first come, first served), but only behind as many
+    /// others as there are slots; past that, [`Refused::LookupsBusy`]. (A
+    /// burst of calls with one new good key: the first ones look it up,
+    /// the ones in line then find it known.)
+    pub async fn admit_lookup(&self) -> Result<OwnedSemaphorePermit, Refused> {
+        use std::sync::atomic::Ordering;
+        if let Ok(p) = Arc::clone(&self.lookups).try_acquire_owned() {
+            return Ok(p);
+        }
+        let busy = || Refused::LookupsBusy(self.lookups_max);
+        let waiting = Arc::clone(&self.lookups_waiting);
+        if waiting.fetch_add(1, Ordering::SeqCst) >= self.lookups_max {
+            waiting.fetch_sub(1, Ordering::SeqCst);
+            return Err(busy());
+        }
+        let got = Arc::clone(&self.lookups).acquire_owned().await;
+        waiting.fetch_sub(1, Ordering::SeqCst);
+        got.map_err(|_| busy())
+    }
+
+    /// [`Refused::Overloaded`] when no global slot is free now: checked
+    /// before a key is looked up, so overload is shed before the database
+    /// is asked.
+    pub fn shed_overload(&self) -> Result<(), Refused> {
+        if self.global.available_permits() == 0 {
+            return Err(Refused::Overloaded(self.global_max));
+        }
+        Ok(())
+    }
+
     /// A slot under the global cap for a request that needs a key, taken
-    /// before the key is looked up, or [`Refused::Overloaded`].
+    /// once its key is known, or [`Refused::Overloaded`].
     pub fn admit_anonymous(&self) -> Result<Permit, Refused> {
         let global = Arc::clone(&self.global)
             .try_acquire_owned()
@@ -379,6 +439,8 @@ impl Admission {
     }
 }
 
+#[cfg(test)]
+mod lookup_flood_tests;
 #[cfg(test)]
 mod public_tests;
 #[cfg(test)]

@@ -49,7 +49,7 @@ use tracing::{debug, info, warn};
 
 use super::{input_bytes, Dispatcher};
 use crate::{
-    audit::{audit_rate, draw, Candidate, Ended, Verdict},
+    audit::{audit_rate, draw, Candidate, Ended, InProgress, Verdict},
     catalogue::Model,
     domain::{JobRecord, Segment},
     link::{
@@ -130,18 +130,31 @@ impl Dispatcher {
         debug!(job_id = %job.id, node = %served_by.short(), rate, seed, resumed = part.resume.token_ids.len(), "job picked for audit");
         let this = Arc::clone(self);
         let job = job.clone();
-        self.spawn(async move { this.run_audit(job, model, part, served_by, seed).await });
+        self.spawn(async move {
+            let mut standing = None;
+            this.run_audit(job, model, part, served_by, seed, &mut standing)
+                .await;
+            // The audit ended (or the window closed): a node it held back
+            // may be placed again.
+            if standing.take().is_some() {
+                this.wake();
+            }
+        });
     }
 
     /// Draws auditors and sends them the audit until their verdicts
     /// settle it ([`decide`](crate::audit::decide)) or the window closes.
+    /// From the first auditor asked, the audit is counted in progress in
+    /// `standing` (and placement may hold the audited node back:
+    /// [`Audits::held`](crate::audit::Audits::held)) until the caller drops it.
     async fn run_audit(
-        self: Arc<Self>,
+        self: &Arc<Self>,
         job: JobRecord,
         model: Model,
         part: ChainPart,
         served_by: NodeId,
         seed: u64,
+        standing: &mut Option<InProgress>,
     ) {
         // The audit must end while the pay is still held; without a window
         // (pay not held) it may take as long as a job.
@@ -182,6 +195,7 @@ impl Dispatcher {
                 }
                 continue;
             };
+            standing.get_or_insert_with(|| self.audits.in_progress(served_by));
             let reservation = auditor.reserve(shape.memory_needed());
             let verdict = tokio::select! {
                 _ = self.shutdown_token().cancelled() => return,
@@ -214,7 +228,16 @@ impl Dispatcher {
                 passed,
             });
             match self.audits.conclude(&job_id, &verdicts, now_ms()).await {
-                Ok(Ended::Undecided) => continue,
+                Ok(Ended::Undecided) => {
+                    // A failing verdict awaits confirmation: the node is
+                    // held back from placement until the audit ends.
+                    if !passed {
+                        if let Some(s) = standing.as_mut() {
+                            s.accuse();
+                        }
+                    }
+                    continue;
+                }
                 Ok(Ended::Counted {
                     passed,
                     record,

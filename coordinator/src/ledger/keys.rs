@@ -220,6 +220,16 @@ impl Ledger {
         })
     }
 
+    /// The caller behind `presented` if this replica knows the key now
+    /// (its key cache), without asking the database; None otherwise (not
+    /// known here, or no such key).
+    pub fn known_key(&self, presented: &str, now_ms: i64) -> Option<Caller> {
+        if !presented.starts_with(KEY_PREFIX) || presented.len() > 128 {
+            return None;
+        }
+        self.key_cache().get(&hash(presented), now_ms)
+    }
+
     /// The caller `presented` stands for, or `None` if the key is unknown,
     /// revoked or expired (deliberately indistinguishable).
     pub async fn authenticate(

@@ -213,6 +213,9 @@ pub struct Fleet {
     cached: HashMap<[u8; 32], HashMap<u32, ByFree>>,
     pods: Vec<PodState>,
     largest_node: u64,
+    /// The largest node that takes jobs of its own (not a pod member, not
+    /// draining: `max_concurrent_jobs` above 0).
+    largest_taker: u64,
 }
 
 /// A candidate during one decision.
@@ -366,6 +369,9 @@ impl Fleet {
         );
         let slot = self.nodes.len() as u32;
         self.largest_node = self.largest_node.max(spec.memory_bytes);
+        if spec.max_concurrent_jobs > 0 {
+            self.largest_taker = self.largest_taker.max(spec.memory_bytes);
+        }
         self.by_id.insert(spec.id, slot);
         let free = spec.free_memory_bytes.min(spec.memory_bytes);
         self.nodes.push(NodeState {
@@ -511,6 +517,17 @@ impl Fleet {
     pub fn could_ever_hold(&self, job: &JobShape<'_>) -> bool {
         let need = job.memory_needed();
         need <= self.largest_node
+            || self
+                .pods
+                .iter()
+                .any(|p| job.memory_per_member(p.members.len()) <= p.min_member_total)
+    }
+
+    /// Whether a node that takes jobs of its own, or a pod, could ever run
+    /// `job` (a node of a pod, or draining, runs none of its own; busy
+    /// nodes count).
+    pub fn could_ever_run(&self, job: &JobShape<'_>) -> bool {
+        job.memory_needed() <= self.largest_taker
             || self
                 .pods
                 .iter()

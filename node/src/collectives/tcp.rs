@@ -6,10 +6,21 @@
 //! itself with a hello (magic, its rank, the pod size); rank `i` accepts the
 //! ranks above it. An accepted peer whose hello is missing (within
 //! [`HELLO_WAIT`]), malformed, of another pod size or of a rank already
-//! connected is dropped and formation goes on; the hello is not
-//! authenticated, so a stranger that sends a well-formed one first takes
-//! that rank. Then every socket gets `TCP_NODELAY` and goes
-//! non-blocking.
+//! connected is dropped and formation goes on. Then every socket gets
+//! `TCP_NODELAY` and goes non-blocking.
+//!
+//! Authentication ([`PeerAuth`]): when the hostfile names every member's
+//! node id, each pair proves both keys before its link counts. The dialer
+//! sends a fresh nonce after its hello; the acceptor answers with its own
+//! nonce and its signature over both nonces, the pod size and both ranks;
+//! the dialer checks it against the acceptor rank's key and answers with
+//! its own signature over the same (in the other role). A peer that cannot
+//! sign as the rank it claims is dropped (acceptor) or dialled again until
+//! the connect timeout (dialer), and formation goes on. Without node ids
+//! ([`PeerAuth::Open`]) the hello is not authenticated: a stranger that
+//! sends a well-formed one before the real member takes its rank. Only
+//! membership is authenticated: the bytes of an established link are not
+//! (an on-path attacker on the pod's cable or LAN is out of scope).
 //!
 //! Data: an exchange writes and reads all its messages at once. It spins
 //! for [`TcpOptions::spin`] when no socket is ready (a loopback or
@@ -24,17 +35,127 @@
 
 use std::io::{ErrorKind, IoSlice, IoSliceMut, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
+
+use ed25519_dalek::{Signature, VerifyingKey};
 
 use mio::net::TcpStream;
 use mio::{Events, Interest, Poll, Token};
 
 use super::group::{Header, Incoming, Outgoing, Transport};
 use super::{CollectiveError, MAX_RANKS};
+use crate::identity::Identity;
 
 const HELLO_MAGIC: u32 = 0x4d4c_5850; // "MLXP"
 /// Longest wait for an accepted peer's hello before it is dropped.
 const HELLO_WAIT: Duration = Duration::from_secs(2);
+
+/// How pod members prove who they are when they connect (see the module
+/// header).
+#[derive(Clone, Debug, Default)]
+pub enum PeerAuth {
+    /// Not at all (a hostfile without node ids).
+    #[default]
+    Open,
+    /// Every member proves its node key: `keys[r]` is rank `r`'s public
+    /// key (from the hostfile), `identity` this member's key.
+    NodeKeys {
+        identity: Arc<Identity>,
+        keys: Vec<VerifyingKey>,
+    },
+}
+
+/// Bytes of a nonce of the authenticated hello.
+const NONCE: usize = 32;
+/// Bytes of a signature.
+const SIGNATURE: usize = 64;
+
+/// What a member signs to prove it is rank `signer` of a pod of `size`
+/// on the link between ranks `acceptor` < `dialer`, bound to both nonces
+/// (its peer's first, so a signature is never valid on another link or
+/// connection).
+fn transcript(
+    role: &str,
+    size: usize,
+    acceptor: usize,
+    dialer: usize,
+    theirs: &[u8; NONCE],
+    mine: &[u8; NONCE],
+) -> Vec<u8> {
+    let mut t = Vec::with_capacity(64 + 2 * NONCE);
+    t.extend_from_slice(b"mlxnet pod data plane v1: ");
+    t.extend_from_slice(role.as_bytes());
+    for w in [size, acceptor, dialer] {
+        t.extend_from_slice(&(w as u32).to_le_bytes());
+    }
+    t.extend_from_slice(theirs);
+    t.extend_from_slice(mine);
+    t
+}
+
+fn verifies(key: &VerifyingKey, msg: &[u8], sig: &[u8]) -> bool {
+    Signature::from_slice(sig).is_ok_and(|s| key.verify_strict(msg, &s).is_ok())
+}
+
+/// The dialer's side of the authenticated hello, after its plain hello:
+/// its nonce out, the acceptor's proof in and checked, its own proof out.
+fn prove_as_dialer(
+    s: &mut std::net::TcpStream,
+    identity: &Identity,
+    acceptor_key: &VerifyingKey,
+    (size, acceptor, dialer): (usize, usize, usize),
+    wait: Duration,
+) -> Result<(), String> {
+    let mine: [u8; NONCE] = rand::random();
+    s.write_all(&mine).map_err(|e| format!("hello: {e}"))?;
+    s.set_read_timeout(Some(wait.max(Duration::from_millis(1))))
+        .map_err(|e| e.to_string())?;
+    let mut reply = [0u8; NONCE + SIGNATURE];
+    s.read_exact(&mut reply)
+        .map_err(|e| format!("no proof of its node key: {e}"))?;
+    let mut theirs = [0u8; NONCE];
+    theirs.copy_from_slice(&reply[..NONCE]);
+    let signed = transcript("acceptor", size, acceptor, dialer, &mine, &theirs);
+    if !verifies(acceptor_key, &signed, &reply[NONCE..]) {
+        return Err(format!("did not prove rank {acceptor}'s node key"));
+    }
+    let proof = identity.sign(&transcript(
+        "dialer", size, acceptor, dialer, &theirs, &mine,
+    ));
+    s.write_all(&proof.to_bytes())
+        .map_err(|e| format!("proof: {e}"))
+}
+
+/// The acceptor's side of the authenticated hello, after the plain hello
+/// of rank `dialer`: the dialer's nonce in, its own nonce and proof out,
+/// the dialer's proof in and checked.
+fn prove_as_acceptor(
+    s: &mut std::net::TcpStream,
+    identity: &Identity,
+    dialer_key: &VerifyingKey,
+    (size, acceptor, dialer): (usize, usize, usize),
+) -> Result<(), String> {
+    let mut theirs = [0u8; NONCE];
+    s.read_exact(&mut theirs)
+        .map_err(|e| format!("no nonce: {e}"))?;
+    let mine: [u8; NONCE] = rand::random();
+    let proof = identity.sign(&transcript(
+        "acceptor", size, acceptor, dialer, &theirs, &mine,
+    ));
+    let mut reply = [0u8; NONCE + SIGNATURE];
+    reply[..NONCE].copy_from_slice(&mine);
+    reply[NONCE..].copy_from_slice(&proof.to_bytes());
+    s.write_all(&reply).map_err(|e| format!("proof: {e}"))?;
+    let mut sig = [0u8; SIGNATURE];
+    s.read_exact(&mut sig)
+        .map_err(|e| format!("no proof of its node key: {e}"))?;
+    let signed = transcript("dialer", size, acceptor, dialer, &mine, &theirs);
+    if !verifies(dialer_key, &signed, &sig) {
+        return Err(format!("did not prove rank {dialer}'s node key"));
+    }
+    Ok(())
+}
 
 /// Timeouts of the TCP transport.
 #[derive(Debug, Clone, Copy)]
@@ -96,14 +217,34 @@ fn hello(rank: usize, size: usize) -> [u8; 12] {
 
 impl TcpTransport {
     /// Forms the pod: `listener` is this rank's bound listener, `peers[r]` the
-    /// address rank `r` listens on (this rank's own entry is ignored).
+    /// address rank `r` listens on (this rank's own entry is ignored). No
+    /// authentication ([`PeerAuth::Open`]).
     pub fn connect(
         rank: usize,
         listener: TcpListener,
         peers: &[SocketAddr],
         opts: TcpOptions,
     ) -> Result<TcpTransport, CollectiveError> {
+        Self::connect_with(rank, listener, peers, opts, &PeerAuth::Open)
+    }
+
+    /// [`TcpTransport::connect`], every link proved by `auth`.
+    pub fn connect_with(
+        rank: usize,
+        listener: TcpListener,
+        peers: &[SocketAddr],
+        opts: TcpOptions,
+        auth: &PeerAuth,
+    ) -> Result<TcpTransport, CollectiveError> {
         let size = peers.len();
+        if let PeerAuth::NodeKeys { keys, .. } = auth {
+            if keys.len() != size {
+                return Err(CollectiveError::InvalidArgument(format!(
+                    "{} member keys for a pod of {size}",
+                    keys.len()
+                )));
+            }
+        }
         if size > MAX_RANKS {
             return Err(CollectiveError::TooManyRanks(size));
         }
@@ -116,21 +257,40 @@ impl TcpTransport {
         let mut links: Vec<Option<std::net::TcpStream>> = (0..size).map(|_| None).collect();
         // Dial the lower ranks.
         for (peer, addr) in peers.iter().enumerate().take(rank) {
-            let stream = loop {
-                match std::net::TcpStream::connect_timeout(addr, Duration::from_millis(500)) {
-                    Ok(s) => break s,
-                    Err(e) if Instant::now() < deadline => {
-                        tracing::debug!(peer, %addr, error = %e, "pod member not up yet");
-                        std::thread::sleep(Duration::from_millis(20));
+            loop {
+                let stream =
+                    match std::net::TcpStream::connect_timeout(addr, Duration::from_millis(500)) {
+                        Ok(s) => s,
+                        Err(e) if Instant::now() < deadline => {
+                            tracing::debug!(peer, %addr, error = %e, "pod member not up yet");
+                            std::thread::sleep(Duration::from_millis(20));
+                            continue;
+                        }
+                        Err(e) => return Err(connect_err(format!("rank {peer} at {addr}: {e}"))),
+                    };
+                let mut s = stream;
+                s.set_write_timeout(Some(opts.connect_timeout))
+                    .and_then(|_| s.write_all(&hello(rank, size)))
+                    .map_err(|e| connect_err(format!("hello to rank {peer}: {e}")))?;
+                if let PeerAuth::NodeKeys { identity, keys } = auth {
+                    let wait = deadline.saturating_duration_since(Instant::now());
+                    // Who answers at the member's address must prove the
+                    // member's key; until it does (a stranger there, or the
+                    // member not up yet), it is dialled again.
+                    if let Err(why) =
+                        prove_as_dialer(&mut s, identity, &keys[peer], (size, peer, rank), wait)
+                    {
+                        if Instant::now() < deadline {
+                            tracing::debug!(peer, %addr, %why, "pod member not proved yet");
+                            std::thread::sleep(Duration::from_millis(20));
+                            continue;
+                        }
+                        return Err(connect_err(format!("rank {peer} at {addr}: {why}")));
                     }
-                    Err(e) => return Err(connect_err(format!("rank {peer} at {addr}: {e}"))),
                 }
-            };
-            let mut s = stream;
-            s.set_write_timeout(Some(opts.connect_timeout))
-                .and_then(|_| s.write_all(&hello(rank, size)))
-                .map_err(|e| connect_err(format!("hello to rank {peer}: {e}")))?;
-            links[peer] = Some(s);
+                links[peer] = Some(s);
+                break;
+            }
         }
         // Accept the higher ranks.
         listener
@@ -165,6 +325,14 @@ impl TcpTransport {
                     if links[peer].is_some() {
                         tracing::warn!(%from, "dropped a second connection claiming rank {peer}");
                         continue;
+                    }
+                    if let PeerAuth::NodeKeys { identity, keys } = auth {
+                        if let Err(why) =
+                            prove_as_acceptor(&mut s, identity, &keys[peer], (size, rank, peer))
+                        {
+                            tracing::warn!(%from, %why, "dropped a peer claiming rank {peer}");
+                            continue;
+                        }
                     }
                     links[peer] = Some(s);
                     missing -= 1;

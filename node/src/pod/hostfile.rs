@@ -13,6 +13,11 @@
 //! file (`MLX_IBV_DEVICES`) is that matrix alone. An existing MLX cluster
 //! config works here unchanged; unknown keys are ignored as MLX ignores them.
 //!
+//! A host may name its member's node id (`"node_id": "<64 hex digits>"`,
+//! what `mlx-node` logs at start as `node_id`). When every host does, the
+//! members prove their node keys on the data plane ([`PodConfig::peer_auth`],
+//! `collectives::tcp`); when none does, the data plane is not authenticated.
+//!
 //! # Invariants
 //! - After [`PodConfig::parse`]: at least one host; every host has an `ssh`
 //!   name; a host's `rdma` row is either empty (TCP-only pod) or has exactly
@@ -22,8 +27,19 @@
 //! Every rejection is a [`PodConfigError`] naming the rank(s) or device.
 
 use std::collections::BTreeSet;
+use std::sync::Arc;
 
+use ed25519_dalek::VerifyingKey;
 use serde::Deserialize;
+
+use crate::collectives::tcp::PeerAuth;
+use crate::identity::Identity;
+
+/// A node id as the hostfile writes it: 64 hex digits of a valid key.
+fn parse_node_id(text: &str) -> Option<VerifyingKey> {
+    let bytes: [u8; 32] = hex::decode(text.trim()).ok()?.try_into().ok()?;
+    VerifyingKey::from_bytes(&bytes).ok()
+}
 
 /// Why a pod config is rejected.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -65,6 +81,16 @@ pub enum PodConfigError {
     NoIp { rank: usize, backend: &'static str },
     #[error("rank {rank} is out of range for a pod of {hosts}")]
     RankOutOfRange { rank: usize, hosts: usize },
+    #[error("host {rank}'s node_id is not a node id (64 hex digits of an ed25519 public key)")]
+    BadNodeId { rank: usize },
+    #[error("host {rank} has no node_id while others do: name every member's node id, or none")]
+    MissingNodeId { rank: usize },
+    #[error("host {rank}'s node_id is {named}, but this node is {actual}")]
+    NotThisNode {
+        rank: usize,
+        named: String,
+        actual: String,
+    },
 }
 
 /// The backend MLX's hostfile asks for (`backend` key); empty means unspecified.
@@ -90,6 +116,8 @@ pub struct PodHost {
     /// `rdma[j]`: this host's devices whose cables reach rank `j` (empty:
     /// no cable). Empty vector: the file has no RDMA matrix for this host.
     pub rdma: Vec<Vec<String>>,
+    /// The member's node key, when the file names it.
+    pub node_id: Option<VerifyingKey>,
 }
 
 /// A parsed pod config.
@@ -120,6 +148,8 @@ struct RawHost {
     ips: Vec<String>,
     #[serde(default)]
     rdma: Vec<RawDevices>,
+    #[serde(default)]
+    node_id: Option<String>,
 }
 
 #[derive(Deserialize)]
@@ -188,12 +218,27 @@ impl PodConfig {
         };
         let hosts: Vec<PodHost> = hosts
             .into_iter()
-            .map(|h| PodHost {
-                ssh: h.ssh,
-                ips: h.ips,
-                rdma: h.rdma.into_iter().map(RawDevices::into_vec).collect(),
+            .enumerate()
+            .map(|(rank, h)| {
+                let node_id = match h.node_id {
+                    None => None,
+                    Some(hex_id) => {
+                        Some(parse_node_id(&hex_id).ok_or(PodConfigError::BadNodeId { rank })?)
+                    }
+                };
+                Ok(PodHost {
+                    ssh: h.ssh,
+                    ips: h.ips,
+                    rdma: h.rdma.into_iter().map(RawDevices::into_vec).collect(),
+                    node_id,
+                })
             })
-            .collect();
+            .collect::<Result<_, PodConfigError>>()?;
+        if hosts.iter().any(|h| h.node_id.is_some()) {
+            if let Some(rank) = hosts.iter().position(|h| h.node_id.is_none()) {
+                return Err(PodConfigError::MissingNodeId { rank });
+            }
+        }
         if let Some(rank) = hosts.iter().position(|h| h.ssh.trim().is_empty()) {
             return Err(PodConfigError::EmptyHostName { rank });
         }
@@ -203,6 +248,40 @@ impl PodConfig {
             backend,
             envs,
             hosts,
+        })
+    }
+
+    /// How the members prove who they are on the data plane: by their node
+    /// keys when the file names every member's ([`PeerAuth::NodeKeys`]; this
+    /// node, `identity`, must be the one named for `rank`), else not at all.
+    pub fn peer_auth(
+        &self,
+        rank: usize,
+        identity: &Arc<Identity>,
+    ) -> Result<PeerAuth, PodConfigError> {
+        let Some(keys) = self
+            .hosts
+            .iter()
+            .map(|h| h.node_id)
+            .collect::<Option<Vec<_>>>()
+        else {
+            return Ok(PeerAuth::Open);
+        };
+        let hosts = self.size();
+        let named = keys
+            .get(rank)
+            .ok_or(PodConfigError::RankOutOfRange { rank, hosts })?;
+        let actual = identity.signing_key().verifying_key();
+        if *named != actual {
+            return Err(PodConfigError::NotThisNode {
+                rank,
+                named: hex::encode(named.to_bytes()),
+                actual: hex::encode(actual.to_bytes()),
+            });
+        }
+        Ok(PeerAuth::NodeKeys {
+            identity: Arc::clone(identity),
+            keys,
         })
     }
 

@@ -56,7 +56,7 @@ use super::dataplane::{self, Backend};
 use super::hostfile::{PodConfig, PodConfigError};
 use super::links::{addresses, measure_links};
 use super::speed;
-use crate::collectives::tcp::{TcpOptions, TcpTransport};
+use crate::collectives::tcp::{PeerAuth, TcpOptions, TcpTransport};
 use crate::collectives::{first_failure, Collective, CollectiveError};
 use crate::engine::sharded::{Compute, MemoryBudget, PodModel, PodModelError, PodPlan};
 use crate::engine::{EngineError, Forward, GenerateRequest, Generation, TextSide, TokenChunk};
@@ -166,6 +166,9 @@ impl PodJobError {
 #[derive(Debug, Clone)]
 pub struct PodSetup {
     pub config: PodConfig,
+    /// How the members prove their node keys on the data plane
+    /// ([`PodConfig::peer_auth`]).
+    pub auth: PeerAuth,
     pub rank: usize,
     /// Rank `r` listens on `port + r`.
     pub port: u16,
@@ -391,7 +394,7 @@ impl Member {
                 addr: self.addrs[s.rank],
                 source,
             })?;
-        let transport = TcpTransport::connect(s.rank, listener, &self.addrs, s.tcp)?;
+        let transport = TcpTransport::connect_with(s.rank, listener, &self.addrs, s.tcp, &s.auth)?;
         let (mut comm, backend) = dataplane::open(&s.config, s.rank, transport, &s.tcp)?;
         let n = comm.size();
         // 1. Records: id, budget, wanted parallelism, speed.
@@ -628,6 +631,7 @@ mod tests {
                 r#"[{"ssh": "a", "ips": ["127.0.0.1"]}, {"ssh": "b", "ips": ["127.0.0.1"]}]"#,
             )
             .unwrap(),
+            auth: PeerAuth::Open,
             rank,
             port,
             parallelism: Parallelism::Pipeline,
