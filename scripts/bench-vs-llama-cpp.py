@@ -7,7 +7,8 @@ number of tokens (EOS ignored, so every run decodes exactly that many), and
 prints one JSON line:
 
   {"engine": "llama.cpp", "version": "...", "threads": T, "prompt_tokens": P,
-   "gen_tokens": G, "prefill_tok_s": [...], "decode_tok_s": [...], "extra_bufts": true}
+   "gen_tokens": G, "prefill_tok_s": [...], "decode_tok_s": [...], "extra_bufts": true,
+   "prompt_ids": [...], "first_ids": [...], "top2_margins": [...], "eos_at": ...}
 
 with one entry per measured run (after one warm-up run). Timing is wall clock
 around llama.cpp's decode calls (`Llama.eval`); greedy picking is an argmax
@@ -80,18 +81,28 @@ def main() -> int:
     def last_logits():
         return np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(n_vocab,))
 
-    prefill, decode, ids = [], [], []
+    def top2_margin():
+        top2 = np.partition(last_logits(), -2)[-2:]
+        return round(float(top2[1] - top2[0]), 4)
+
+    prefill, decode, ids, margins = [], [], [], []
     for run in range(args.runs + 1):
+        warm_up = run == 0
         llm.reset()
         t0 = time.perf_counter()
         llm.eval(prompt)
         t1 = time.perf_counter()
         token = int(np.argmax(last_logits()))
+        if warm_up:
+            margins.append(top2_margin())
         out = [token]
         t2 = time.perf_counter()
         for _ in range(args.gen_tokens - 1):
             llm.eval([token])
             token = int(np.argmax(last_logits()))
+            # Only in the warm-up run, which is not timed.
+            if warm_up and len(margins) < 16:
+                margins.append(top2_margin())
             out.append(token)
         t3 = time.perf_counter()
         if run == 0:
@@ -112,7 +123,10 @@ def main() -> int:
                 "prefill_tok_s": prefill,
                 "decode_tok_s": decode,
                 "extra_bufts": not args.no_extra_bufts,
+                "prompt_ids": prompt,
                 "first_ids": ids[:16],
+                # llama.cpp's top-2 logit margin at each of those steps (warm-up run).
+                "top2_margins": margins[:16],
                 # Where greedy decoding would have stopped (EOS), had it not been ignored.
                 "eos_at": next((i for i, t in enumerate(ids) if llm.token_eos() == t), None),
             }

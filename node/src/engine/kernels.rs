@@ -679,6 +679,7 @@ fn matmul_packed(
     scratch: &mut Scratch,
     out: &mut [f32],
     isa: Isa,
+    decode: DecodePath,
 ) -> Result<(), KernelError> {
     use packed::GROUP;
     let Some((acts, out_t)) = prepare(w.format, w.n, w.k, scratch, out, isa)? else {
@@ -692,7 +693,11 @@ fn matmul_packed(
     // groups in pairs (a part's odd last group runs alone, same bits).
     let per_part = groups.div_ceil(parts).next_multiple_of(2);
     let run = |part: usize, chunk: &mut [f32]| run_groups(isa, w, &acts, m, part * per_part, chunk);
-    if m == 1 {
+    if m == 1 && w.format.is_k() && decode == DecodePath::SingleRow {
+        par_chunks_mut(out, per_part * GROUP, |part, chunk| {
+            run_row_k(isa, w, &acts, part * per_part, chunk)
+        });
+    } else if m == 1 {
         par_chunks_mut(out, per_part * GROUP, run);
     } else {
         // Built as [group][activation row][8], then scattered to [row][n].
@@ -722,6 +727,29 @@ fn run_groups(isa: Isa, w: &packed::Packed, acts: &Acts<'_>, m: usize, g0: usize
     }
 }
 
+/// Which kernel computes a product of a repacked K-quant matrix with one
+/// activation row (a decode step) on x86-64. Both give the same bits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum DecodePath {
+    /// The single-row kernel (the default; see [`packed`]'s `row` kernels).
+    #[default]
+    SingleRow,
+    /// The tile kernel prefill uses, as decode did before the single-row
+    /// kernel existed: for benchmarks and tests that compare the two.
+    Paired,
+}
+
+/// Groups `[g0, g0 + out.len() / 8)` of a repacked K-quant matrix against
+/// one activation row on `isa`, with the single-row kernels.
+#[cfg(target_arch = "x86_64")]
+fn run_row_k(isa: Isa, w: &packed::Packed, acts: &Acts<'_>, g0: usize, out: &mut [f32]) {
+    match isa {
+        Isa::Avx2 => packed::groups_avx2(w, acts, 1, g0, out),
+        Isa::Avx512Vnni => packed::groups_k_row(w, acts, g0, out),
+        _ => packed::groups_scalar(w, acts, 1, g0, out),
+    }
+}
+
 /// Where a [`QuantLinear`]'s bytes live.
 #[derive(Clone)]
 enum WeightBytes {
@@ -747,6 +775,9 @@ pub struct QuantLinear {
     k: usize,
     weights: WeightBytes,
     isa: Isa,
+    // Only the repacked layout (x86-64) has two decode kernels.
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+    decode: DecodePath,
 }
 
 impl std::fmt::Debug for QuantLinear {
@@ -756,6 +787,7 @@ impl std::fmt::Debug for QuantLinear {
             .field("n", &self.n)
             .field("k", &self.k)
             .field("isa", &self.isa)
+            .field("decode", &self.decode)
             .finish()
     }
 }
@@ -794,6 +826,7 @@ impl QuantLinear {
                 k,
                 weights: WeightBytes::Packed(Arc::new(p)),
                 isa,
+                decode: DecodePath::default(),
             });
         }
         drop(bytes);
@@ -803,6 +836,7 @@ impl QuantLinear {
             k,
             weights: WeightBytes::QTensor(tensor),
             isa,
+            decode: DecodePath::default(),
         })
     }
 
@@ -835,6 +869,7 @@ impl QuantLinear {
             k,
             weights: WeightBytes::Shared { data, start, len },
             isa: Isa::detect(),
+            decode: DecodePath::default(),
         })
     }
 
@@ -843,6 +878,12 @@ impl QuantLinear {
         isa.check()?;
         self.isa = isa;
         Ok(self)
+    }
+
+    /// The same weights with another decode kernel (for benchmarks and tests).
+    pub fn with_decode_path(mut self, decode: DecodePath) -> QuantLinear {
+        self.decode = decode;
+        self
     }
 
     pub fn format(&self) -> QuantFormat {
@@ -907,7 +948,7 @@ impl QuantLinear {
     ) -> Result<(), KernelError> {
         match &self.weights {
             #[cfg(target_arch = "x86_64")]
-            WeightBytes::Packed(p) => matmul_packed(p, scratch, out, self.isa),
+            WeightBytes::Packed(p) => matmul_packed(p, scratch, out, self.isa, self.decode),
             _ => self.with_matrix(|w| matmul(w, scratch, out, self.isa)),
         }
     }

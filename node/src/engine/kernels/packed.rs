@@ -368,6 +368,7 @@ fn groups_scalar_k(p: &Packed, acts: &Acts<'_>, rows: usize, g0: usize, out: &mu
 
 #[cfg(target_arch = "x86_64")]
 pub(crate) use x86::{groups_avx2, groups_vnni};
+pub(crate) use zmm::groups_k_row;
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {

@@ -320,20 +320,23 @@ fn repacked_weights_match_the_row_major_reference_on_every_isa() {
                 cases += 1;
                 // The scalar path reads the packed layout too.
                 for &isa in std::iter::once(&Isa::Scalar).chain(&paths) {
-                    let mut got = vec![f32::NAN; m * n];
-                    let fell_back = SIMD_FELL_BACK.load(std::sync::atomic::Ordering::Relaxed);
-                    matmul_packed(&p, &mut scratch, &mut got, isa).expect("packed matmul");
-                    assert_eq!(
-                        SIMD_FELL_BACK.load(std::sync::atomic::Ordering::Relaxed),
-                        fell_back,
-                        "packed {isa:?} {format:?} n={n} k={k} m={m}: asked for, but the portable kernel ran"
-                    );
-                    assert_within_rounding(
-                        &got,
-                        &reference,
-                        &mags,
-                        &format!("packed {isa:?} {format:?} n={n} k={k} m={m}"),
-                    );
+                    for decode in [DecodePath::SingleRow, DecodePath::Paired] {
+                        let mut got = vec![f32::NAN; m * n];
+                        let fell_back = SIMD_FELL_BACK.load(std::sync::atomic::Ordering::Relaxed);
+                        matmul_packed(&p, &mut scratch, &mut got, isa, decode)
+                            .expect("packed matmul");
+                        assert_eq!(
+                            SIMD_FELL_BACK.load(std::sync::atomic::Ordering::Relaxed),
+                            fell_back,
+                            "packed {isa:?} {decode:?} {format:?} n={n} k={k} m={m}: asked for, but the portable kernel ran"
+                        );
+                        assert_within_rounding(
+                            &got,
+                            &reference,
+                            &mags,
+                            &format!("packed {isa:?} {decode:?} {format:?} n={n} k={k} m={m}"),
+                        );
+                    }
                     *ran.entry(isa).or_insert(0) += 1;
                 }
             }
@@ -643,13 +646,14 @@ fn each_row_gets_the_same_bits_alone_and_in_any_batch() {
             #[cfg(target_arch = "x86_64")]
             let packed = packed::Packed::new(&w).expect("packs");
             for &isa in Isa::available() {
-                let run = |x: &[f32], m: usize| {
+                #[cfg_attr(not(target_arch = "x86_64"), allow(unused_variables))]
+                let run = |x: &[f32], m: usize, decode: DecodePath| {
                     let mut scratch = Scratch::new();
                     scratch.quantize_for(format, x, m, k).expect("quantize");
                     let mut out = vec![f32::NAN; m * n];
                     #[cfg(target_arch = "x86_64")]
                     if let Some(p) = &packed {
-                        matmul_packed(p, &mut scratch, &mut out, isa).expect("matmul");
+                        matmul_packed(p, &mut scratch, &mut out, isa, decode).expect("matmul");
                         return out;
                     }
                     matmul(&w, &mut scratch, &mut out, isa).expect("matmul");
@@ -657,17 +661,20 @@ fn each_row_gets_the_same_bits_alone_and_in_any_batch() {
                 };
                 for &m in &[2usize, 5, 8, 13] {
                     let x = random_acts(&mut rng, m * k);
-                    let together = run(&x, m);
-                    for a in 0..m {
-                        let alone = run(&x[a * k..(a + 1) * k], 1);
-                        assert_eq!(
-                            alone.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
-                            together[a * n..(a + 1) * n]
-                                .iter()
-                                .map(|v| v.to_bits())
-                                .collect::<Vec<_>>(),
-                            "{format:?} {isa:?} n={n} k={k}: row {a} of {m}"
-                        );
+                    let together = run(&x, m, DecodePath::default());
+                    // Alone, a row takes the decode path: both kernels of it.
+                    for decode in [DecodePath::SingleRow, DecodePath::Paired] {
+                        for a in 0..m {
+                            let alone = run(&x[a * k..(a + 1) * k], 1, decode);
+                            assert_eq!(
+                                alone.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                                together[a * n..(a + 1) * n]
+                                    .iter()
+                                    .map(|v| v.to_bits())
+                                    .collect::<Vec<_>>(),
+                                "{format:?} {isa:?} {decode:?} n={n} k={k}: row {a} of {m}"
+                            );
+                        }
                     }
                 }
             }
@@ -707,15 +714,25 @@ fn a_group_gets_the_same_bits_paired_or_alone() {
                     for len in 1..=groups - start {
                         let mut part = vec![f32::NAN; len * per];
                         run_groups(isa, &p, &acts, m, start, &mut part);
-                        assert_eq!(
-                            part.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
-                            all[start * per..(start + len) * per]
-                                .iter()
-                                .map(|v| v.to_bits())
-                                .collect::<Vec<_>>(),
-                            "{format:?} {isa:?} m={m}: groups {start}..{}",
-                            start + len
-                        );
+                        // One activation row: the single-row decode kernel too.
+                        let mut row = vec![f32::NAN; len * per];
+                        if m == 1 {
+                            run_row_k(isa, &p, &acts, start, &mut row);
+                        }
+                        for (got, what) in [(&part, "tile"), (&row, "single-row")] {
+                            if what == "single-row" && m != 1 {
+                                continue;
+                            }
+                            assert_eq!(
+                                got.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                                all[start * per..(start + len) * per]
+                                    .iter()
+                                    .map(|v| v.to_bits())
+                                    .collect::<Vec<_>>(),
+                                "{format:?} {isa:?} m={m} {what}: groups {start}..{}",
+                                start + len
+                            );
+                        }
                     }
                 }
             }

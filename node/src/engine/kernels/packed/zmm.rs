@@ -21,15 +21,29 @@
 //!   itself and keeps the low half: its bits are those it gets when paired,
 //!   so the outputs do not depend on how the groups are split between parts.
 //!
+//! # The decode kernel ([`groups_k_row`])
+//! With one activation row (a decode step), the tile kernel sums each chunk
+//! of 64 values into two accumulators, so each step waits for the previous
+//! `vpdpbusd` (4 to 5 cycles) and the weights are read at well under the
+//! memory bus's rate. The single-row kernel walks the four chunks of a
+//! super-block inside its loop over the quant vectors (`Q6_K`: both halves
+//! of 16-value groups), keeping 8 independent accumulators in flight, reads
+//! whole records through fixed-size arrays, and pairs group `i` of its run
+//! with group `half + i` (two long sequential streams for the prefetchers,
+//! where neighbouring pairs restart them every two groups). Each row gets
+//! the same bits as from the tile kernel: the integer sums are exact in any
+//! order, and the f32 operations per super-block are the same ones in the
+//! same order.
+//!
 //! Every function here is compiled for AVX-512 F/VL/BW/VNNI and entered only
-//! through [`groups_k`], whose callers have checked those features at run
-//! time ([`super::super::Isa::Avx512Vnni`]).
+//! through [`groups_k`] and [`groups_k_row`], whose callers have checked
+//! those features at run time ([`super::super::Isa::Avx512Vnni`]).
 
 use core::arch::x86_64::*;
 
 use super::{
-    bsum_pair, quants_at, Acts, Packed, QuantFormat, GROUP, K5_QH, K6_SCALES, K_D, K_DMIN, K_MINS,
-    K_SCALES, SUPER,
+    bsum_pair, quants_at, record_bytes, Acts, Packed, QuantFormat, GROUP, K5_QH, K6_SCALES, K_D,
+    K_DMIN, K_MINS, K_SCALES, SUPER,
 };
 
 /// Activation rows per tile.
@@ -299,4 +313,179 @@ fn tile<const F: u8, const C: usize>(
         }
     }
     std::array::from_fn(|c| _mm512_sub_ps(acc[c], accm[c]))
+}
+
+/// Groups `[g0, g0 + out.len() / 8)` of the K-quant matrix `p` against one
+/// activation row (the only one in `acts`): `out` is `[group][8]`.
+pub(crate) fn groups_k_row(p: &Packed, acts: &Acts<'_>, g0: usize, out: &mut [f32]) {
+    // SAFETY: reached only for `Isa::Avx512Vnni`, which `Isa::check` admits
+    // only after avx2, fma, f16c, avx512f, avx512vl, avx512bw and avx512vnni
+    // were detected on this CPU.
+    unsafe { rows(p, acts, g0, out) }
+}
+
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni")]
+fn rows(p: &Packed, acts: &Acts<'_>, g0: usize, out: &mut [f32]) {
+    const R4: usize = record_bytes(QuantFormat::Q4K);
+    const R5: usize = record_bytes(QuantFormat::Q5K);
+    const R6: usize = record_bytes(QuantFormat::Q6K);
+    match p.format {
+        QuantFormat::Q4K => rows_f::<4, R4>(p, acts, g0, out),
+        QuantFormat::Q5K => rows_f::<5, R5>(p, acts, g0, out),
+        QuantFormat::Q6K => rows_f::<6, R6>(p, acts, g0, out),
+        // Only K-quant matrices are routed here (`run_row_k`).
+        _ => {}
+    }
+}
+
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni")]
+fn rows_f<const F: u8, const REC: usize>(p: &Packed, acts: &Acts<'_>, g0: usize, out: &mut [f32]) {
+    // Group `i` of the first half runs beside group `half + i`: two long
+    // runs of consecutive records, which the prefetchers follow (pairing
+    // neighbours restarts both streams every two groups, and on weights
+    // streamed from memory it ran at half the speed of one 8-row stream).
+    let count = out.len() / GROUP;
+    let half = count / 2;
+    let (first, second) = out.split_at_mut(half * GROUP);
+    for (i, (lo, hi)) in first
+        .chunks_exact_mut(GROUP)
+        .zip(second.chunks_exact_mut(GROUP))
+        .enumerate()
+    {
+        let v = row::<F, REC>(p, acts, g0 + i, g0 + half + i);
+        // SAFETY: `lo` and `hi` are 8 writable f32 each; the stores are unaligned.
+        unsafe {
+            _mm256_storeu_ps(lo.as_mut_ptr(), _mm512_castps512_ps256(v));
+            _mm256_storeu_ps(
+                hi.as_mut_ptr(),
+                _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(v))),
+            );
+        }
+    }
+    if count % 2 == 1 {
+        // The last group alone (paired with itself, its low half kept).
+        let g = g0 + count - 1;
+        let v = row::<F, REC>(p, acts, g, g);
+        let last = &mut out[(count - 1) * GROUP..count * GROUP];
+        // SAFETY: `last` is 8 writable f32; the store is unaligned.
+        unsafe { _mm256_storeu_ps(last.as_mut_ptr(), _mm512_castps512_ps256(v)) };
+    }
+}
+
+/// Weight rows of groups `ga` (low lanes) and `gb` (high lanes) against the
+/// one activation row: [`tile`]`::<F, 1>`'s bits, computed with 8
+/// independent accumulators.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni")]
+fn row<const F: u8, const REC: usize>(p: &Packed, acts: &Acts<'_>, ga: usize, gb: usize) -> __m512 {
+    let kb = p.k / SUPER;
+    let qa = quants_at(p.format);
+    let (ra, _) = p.bytes[ga * kb * REC..(ga + 1) * kb * REC].as_chunks::<REC>();
+    let (rb, _) = p.bytes[gb * kb * REC..(gb + 1) * kb * REC].as_chunks::<REC>();
+    let (xq, _) = acts.qs[..kb * SUPER].as_chunks::<SUPER>();
+    let (xb, _) = acts.bs[..kb * 16].as_chunks::<16>();
+    let mut acc = _mm512_setzero_ps();
+    let mut accm = _mm512_setzero_ps();
+    let low = _mm512_set1_epi8(0x0f);
+    let three = _mm512_set1_epi8(3);
+    let blocks = ra.iter().zip(rb).zip(xq).zip(xb).zip(&acts.d[..kb]);
+    for ((((x, y), q), bs), &dxs) in blocks {
+        let (x, y): (&[u8], &[u8]) = (x, y);
+        let mut sumi = _mm512_setzero_si512();
+        if F == 6 {
+            for n in 0..2 {
+                // [lh][set]: sums of the 4 groups of 16 values that the
+                // vectors j = 4 * lh + jj touch (values l, l+32, l+64, l+96).
+                let mut gs = [[_mm512_setzero_si512(); 4]; 2];
+                for jj in 0..4 {
+                    for (lh, gs) in gs.iter_mut().enumerate() {
+                        let j = 4 * lh + jj;
+                        let base = qa + (n * 8 + j) * 96;
+                        let av = load_pair(x, y, base);
+                        let bv = load_pair(x, y, base + 32);
+                        let hv = load_pair(x, y, base + 64);
+                        let v = [
+                            _mm512_or_si512(
+                                _mm512_and_si512(av, low),
+                                _mm512_slli_epi16::<4>(_mm512_and_si512(hv, three)),
+                            ),
+                            _mm512_or_si512(
+                                _mm512_and_si512(bv, low),
+                                _mm512_slli_epi16::<2>(_mm512_and_si512(
+                                    hv,
+                                    _mm512_set1_epi8(0x0c),
+                                )),
+                            ),
+                            _mm512_or_si512(
+                                _mm512_and_si512(_mm512_srli_epi16::<4>(av), low),
+                                _mm512_and_si512(hv, _mm512_set1_epi8(0x30)),
+                            ),
+                            _mm512_or_si512(
+                                _mm512_and_si512(_mm512_srli_epi16::<4>(bv), low),
+                                _mm512_and_si512(
+                                    _mm512_srli_epi16::<2>(hv),
+                                    _mm512_set1_epi8(0x30),
+                                ),
+                            ),
+                        ];
+                        for (set, (g, vs)) in gs.iter_mut().zip(&v).enumerate() {
+                            let at = 128 * n + 32 * set + 4 * j;
+                            *g = _mm512_dpbusd_epi32(*g, *vs, four(q, at));
+                        }
+                    }
+                }
+                for (lh, gs) in gs.iter().enumerate() {
+                    for (set, g) in gs.iter().enumerate() {
+                        let grp = 8 * n + 2 * set + lh;
+                        let sc = _mm512_cvtepi8_epi32(load8_pair(x, y, K6_SCALES + 8 * grp));
+                        let centred = _mm512_sub_epi32(*g, _mm512_set1_epi32(32 * bs[grp]));
+                        sumi = _mm512_add_epi32(sumi, _mm512_mullo_epi32(centred, sc));
+                    }
+                }
+            }
+        } else {
+            let mut even = [_mm512_setzero_si512(); 4];
+            let mut odd = [_mm512_setzero_si512(); 4];
+            for j in 0..8 {
+                let h = if F == 5 {
+                    load_pair(x, y, K5_QH + 32 * j)
+                } else {
+                    _mm512_setzero_si512()
+                };
+                for (ch, (e, o)) in even.iter_mut().zip(odd.iter_mut()).enumerate() {
+                    let vq = load_pair(x, y, qa + 32 * (8 * ch + j));
+                    let mut lo = _mm512_and_si512(vq, low);
+                    let mut hi = _mm512_and_si512(_mm512_srli_epi16::<4>(vq), low);
+                    if F == 5 {
+                        lo = _mm512_or_si512(lo, bit4(h, 2 * ch as i32));
+                        hi = _mm512_or_si512(hi, bit4(h, 2 * ch as i32 + 1));
+                    }
+                    let at = 64 * ch + 4 * j;
+                    *e = _mm512_dpbusd_epi32(*e, lo, four(q, at));
+                    *o = _mm512_dpbusd_epi32(*o, hi, four(q, at + 32));
+                }
+            }
+            for (ch, (e, o)) in even.iter().zip(&odd).enumerate() {
+                let se = _mm512_cvtepu8_epi32(load8_pair(x, y, K_SCALES + 8 * (2 * ch)));
+                let so = _mm512_cvtepu8_epi32(load8_pair(x, y, K_SCALES + 8 * (2 * ch + 1)));
+                sumi = _mm512_add_epi32(
+                    sumi,
+                    _mm512_add_epi32(_mm512_mullo_epi32(*e, se), _mm512_mullo_epi32(*o, so)),
+                );
+            }
+            let dmin = halves_pair(x, y, K_DMIN);
+            let mut summ = _mm512_setzero_si512();
+            for i in 0..4 {
+                let m = _mm512_cvtepu8_epi16(load16_pair(x, y, K_MINS + 16 * i));
+                let s = _mm512_set1_epi32(bsum_pair(bs, i));
+                summ = _mm512_dpwssd_epi32(summ, m, s);
+            }
+            let dx = _mm512_set1_ps(dxs);
+            accm = _mm512_fmadd_ps(_mm512_cvtepi32_ps(summ), _mm512_mul_ps(dmin, dx), accm);
+        }
+        let d = halves_pair(x, y, K_D);
+        let dx = _mm512_set1_ps(dxs);
+        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sumi), _mm512_mul_ps(d, dx), acc);
+    }
+    _mm512_sub_ps(acc, accm)
 }
