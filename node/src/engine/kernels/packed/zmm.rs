@@ -126,6 +126,36 @@ fn load_pair(x: &[u8], y: &[u8], at: usize) -> __m512i {
     _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), hi)
 }
 
+/// The 6-bit values of one 96-byte Q6_K unit at `base` of each record
+/// (32 low-nibble bytes of values l and l+64, 32 of l+32 and l+96, 32 bytes
+/// of high bits), as the four vectors of values l, l+32, l+64 and l+96:
+/// the tile kernel and the single-row kernel share it.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni")]
+fn q6_values(x: &[u8], y: &[u8], base: usize, low: __m512i, three: __m512i) -> [__m512i; 4] {
+    let av = load_pair(x, y, base);
+    let bv = load_pair(x, y, base + 32);
+    let hv = load_pair(x, y, base + 64);
+    [
+        _mm512_or_si512(
+            _mm512_and_si512(av, low),
+            _mm512_slli_epi16::<4>(_mm512_and_si512(hv, three)),
+        ),
+        _mm512_or_si512(
+            _mm512_and_si512(bv, low),
+            _mm512_slli_epi16::<2>(_mm512_and_si512(hv, _mm512_set1_epi8(0x0c))),
+        ),
+        _mm512_or_si512(
+            _mm512_and_si512(_mm512_srli_epi16::<4>(av), low),
+            _mm512_and_si512(hv, _mm512_set1_epi8(0x30)),
+        ),
+        _mm512_or_si512(
+            _mm512_and_si512(_mm512_srli_epi16::<4>(bv), low),
+            _mm512_and_si512(_mm512_srli_epi16::<2>(hv), _mm512_set1_epi8(0x30)),
+        ),
+    ]
+}
+
 /// 16 bytes at `at` of each record as one 256-bit vector, `x`'s in the low half.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni")]
@@ -217,33 +247,7 @@ fn tile<const F: u8, const C: usize>(
                     let mut gs = [[_mm512_setzero_si512(); 4]; C];
                     for j in 4 * lh..4 * lh + 4 {
                         let base = qa + (n * 8 + j) * 96;
-                        let av = load_pair(x, y, base);
-                        let bv = load_pair(x, y, base + 32);
-                        let hv = load_pair(x, y, base + 64);
-                        let v = [
-                            _mm512_or_si512(
-                                _mm512_and_si512(av, low),
-                                _mm512_slli_epi16::<4>(_mm512_and_si512(hv, three)),
-                            ),
-                            _mm512_or_si512(
-                                _mm512_and_si512(bv, low),
-                                _mm512_slli_epi16::<2>(_mm512_and_si512(
-                                    hv,
-                                    _mm512_set1_epi8(0x0c),
-                                )),
-                            ),
-                            _mm512_or_si512(
-                                _mm512_and_si512(_mm512_srli_epi16::<4>(av), low),
-                                _mm512_and_si512(hv, _mm512_set1_epi8(0x30)),
-                            ),
-                            _mm512_or_si512(
-                                _mm512_and_si512(_mm512_srli_epi16::<4>(bv), low),
-                                _mm512_and_si512(
-                                    _mm512_srli_epi16::<2>(hv),
-                                    _mm512_set1_epi8(0x30),
-                                ),
-                            ),
-                        ];
+                        let v = q6_values(x, y, base, low, three);
                         for c in 0..C {
                             for (set, vs) in v.iter().enumerate() {
                                 let at = 128 * n + 32 * set + 4 * j;
@@ -401,33 +405,7 @@ fn row<const F: u8, const REC: usize>(p: &Packed, acts: &Acts<'_>, ga: usize, gb
                     for (lh, gs) in gs.iter_mut().enumerate() {
                         let j = 4 * lh + jj;
                         let base = qa + (n * 8 + j) * 96;
-                        let av = load_pair(x, y, base);
-                        let bv = load_pair(x, y, base + 32);
-                        let hv = load_pair(x, y, base + 64);
-                        let v = [
-                            _mm512_or_si512(
-                                _mm512_and_si512(av, low),
-                                _mm512_slli_epi16::<4>(_mm512_and_si512(hv, three)),
-                            ),
-                            _mm512_or_si512(
-                                _mm512_and_si512(bv, low),
-                                _mm512_slli_epi16::<2>(_mm512_and_si512(
-                                    hv,
-                                    _mm512_set1_epi8(0x0c),
-                                )),
-                            ),
-                            _mm512_or_si512(
-                                _mm512_and_si512(_mm512_srli_epi16::<4>(av), low),
-                                _mm512_and_si512(hv, _mm512_set1_epi8(0x30)),
-                            ),
-                            _mm512_or_si512(
-                                _mm512_and_si512(_mm512_srli_epi16::<4>(bv), low),
-                                _mm512_and_si512(
-                                    _mm512_srli_epi16::<2>(hv),
-                                    _mm512_set1_epi8(0x30),
-                                ),
-                            ),
-                        ];
+                        let v = q6_values(x, y, base, low, three);
                         for (set, (g, vs)) in gs.iter_mut().zip(&v).enumerate() {
                             let at = 128 * n + 32 * set + 4 * j;
                             *g = _mm512_dpbusd_epi32(*g, *vs, four(q, at));
