@@ -257,6 +257,10 @@ impl TcpTransport {
         let mut links: Vec<Option<std::net::TcpStream>> = (0..size).map(|_| None).collect();
         // Dial the lower ranks.
         for (peer, addr) in peers.iter().enumerate().take(rank) {
+            // Why the last peer that answered at this address was refused:
+            // reported at the deadline even when the last try found no one
+            // listening (a stranger that gave up), since it says more.
+            let mut unproved: Option<String> = None;
             loop {
                 let stream =
                     match std::net::TcpStream::connect_timeout(addr, Duration::from_millis(500)) {
@@ -266,7 +270,13 @@ impl TcpTransport {
                             std::thread::sleep(Duration::from_millis(20));
                             continue;
                         }
-                        Err(e) => return Err(connect_err(format!("rank {peer} at {addr}: {e}"))),
+                        Err(e) => {
+                            let why = match &unproved {
+                                Some(why) => format!("{why} (last try: {e})"),
+                                None => e.to_string(),
+                            };
+                            return Err(connect_err(format!("rank {peer} at {addr}: {why}")));
+                        }
                     };
                 let mut s = stream;
                 s.set_write_timeout(Some(opts.connect_timeout))
@@ -282,6 +292,7 @@ impl TcpTransport {
                     {
                         if Instant::now() < deadline {
                             tracing::debug!(peer, %addr, %why, "pod member not proved yet");
+                            unproved = Some(why);
                             std::thread::sleep(Duration::from_millis(20));
                             continue;
                         }
