@@ -627,7 +627,7 @@ impl Dispatcher {
         };
         let others: Vec<_> = sessions
             .iter()
-            .filter(|s| !avoid.contains(&s.node_id.to_string()) && s.models.contains(&model.sha256))
+            .filter(|s| !avoid.contains(&s.node_id.to_string()) && s.serves(&model.sha256))
             .cloned()
             .collect();
         if others.is_empty() {
@@ -637,12 +637,9 @@ impl Dispatcher {
         // A busy node offers no free slot to the fleet, but it is one the
         // job can wait for.
         let need = shape.memory_needed();
-        let single = others.iter().any(|s| {
-            s.pod.is_none()
-                && !s.is_draining()
-                && s.max_concurrent_jobs > 0
-                && s.spec().memory_bytes >= need
-        });
+        let single = others
+            .iter()
+            .any(|s| s.pod.is_none() && s.max_concurrent_jobs > 0 && s.spec().memory_bytes >= need);
         single || Sessions::fleet(&others, &lock(&self.evidence)).could_ever_run(&shape)
     }
 
